@@ -1,0 +1,52 @@
+# One virtual environment (.venv) for everything: the service, the SGLang 0.5.23 CPU stack the engine
+# tests run against, and the dev tools. `make demo` and `make test` build it on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+.PHONY: demo serve test lint fmt bench reliability env env-service clean
+
+demo: env-service ## serve the sidecar fed by the built-in demo engine
+	$(BIN)/r3-sidecar demo
+
+serve: env-service
+	$(BIN)/r3-sidecar serve
+
+test: env ## the whole suite, as CI runs it
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: env-service
+	$(BIN)/ruff check .
+
+fmt: env-service
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+bench: env
+	$(BIN)/python -m benchmarks.run
+
+reliability: env
+	$(BIN)/python -m pytest -q -m slow tests
+
+env-service: $(VENV)/.service-stamp
+env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
+
+$(VENV)/.service-stamp: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# SGLang 0.5.23 pins a CUDA torch; on CPU we install the CPU build first and sglang without its deps,
+# then the explicit list it needs (requirements/sglang-cpu.txt), then the torchvision schema shim.
+$(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt tests/sglang_cpu/_sglang_cpu_tv_shim.py
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
+	$(BIN)/python -m pip install -q -r requirements/sglang-cpu.txt
+	cp tests/sglang_cpu/_sglang_cpu_tv_shim.py $(SITE)/_sglang_cpu_tv_shim.py
+	echo "import _sglang_cpu_tv_shim" > $(SITE)/_sglang_cpu_tv_shim.pth
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

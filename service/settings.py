@@ -1,0 +1,31 @@
+"""Sidecar configuration: every field from an `R3_*` environment variable or a CLI flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_SPOOL_DIR = Path("/dev/shm/r3-spool")
+
+
+class Settings(BaseSettings):
+    """What the sidecar reads once at start (DESIGN.md, Contract 2)."""
+
+    model_config = SettingsConfigDict(env_prefix="R3_", extra="ignore")
+
+    spool_dir: Path = DEFAULT_SPOOL_DIR
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    auth_token: str | None = None
+    ttl_s: float = Field(900.0, gt=0, description="Seconds a final record is kept before deletion.")
+    stale_s: float = Field(300.0, gt=0, description="Seconds without update before a non-final record is aborted.")
+    spool_max_bytes: int = Field(
+        0, ge=0, description="Spool capacity; 0 means the file system's size (statvfs)."
+    )
+    rescan_s: float = Field(5.0, gt=0, description="Safety-net rescan period behind file-system events.")
+    max_wait_s: float = Field(600.0, ge=0, description="Upper bound of the `wait` parameter.")
+    max_batch: int = Field(1024, ge=1, description="Most rids one batch request may name.")
+    chunk_bytes: int = Field(1 << 20, ge=4096, description="Body chunk size when streaming large records.")
+    engine_stale_s: float = Field(10.0, gt=0, description="Engine file age after which r3_engine_stale is 1.")

@@ -1,0 +1,458 @@
+"""The spool contract, v1 (DESIGN.md, Contract 1): the one place that knows its names and formats.
+
+The engine extension writes records through `RecordWriter`; the sidecar reads them with `Spool`.
+Both sides meet only here, so a change to the contract is a change to this module alone.
+
+Invariants a reader relies on (and a writer keeps):
+- `.bin` is appended before `.json` is replaced, so bytes below `rows * row_bytes` are always there;
+- bytes past `rows * row_bytes` may be in flight and are never read;
+- `.json` is replaced atomically (temporary file in the same directory, then `os.replace`);
+- names starting with "." are temporary files and are never records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+VERSION = 1
+STATUSES = ("ok", "aborted", "error")
+DTYPES = ("uint8", "uint16", "int16", "int32")
+MAX_LAYERS = 4096
+MAX_TOPK = 1024
+MAX_META_BYTES = 1 << 20
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+_TMP_COUNTER = iter(range(1 << 62))
+
+
+class SpoolFormatError(ValueError):
+    """A spool file that does not follow the contract; `reason` is a short label for counting."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def safe_name(rid: str) -> str:
+    """File stem for a rid or engine id: the id itself when safe, else `~` + 40 hex of its sha256."""
+    if _SAFE_NAME.fullmatch(rid):
+        return rid
+    return "~" + hashlib.sha256(rid.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def default_dtype(num_experts: int) -> str:
+    """The smallest unsigned dtype that holds every expert id `0 … num_experts-1`."""
+    if num_experts <= 1 << 8:
+        return "uint8"
+    if num_experts <= 1 << 16:
+        return "uint16"
+    return "int32"
+
+
+def dtype_holds(dtype: str, num_experts: int) -> bool:
+    """Whether `dtype` can store expert id `num_experts - 1` without wrapping."""
+    return int(np.iinfo(np.dtype(dtype)).max) >= num_experts - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMeta:
+    """One record's metadata, exactly the JSON of Contract 1."""
+
+    rid: str
+    dtype: str
+    num_experts: int
+    topk: int
+    layers: tuple[int, ...]
+    start: int
+    prompt_len: int
+    rows: int = 0
+    final: bool = False
+    status: str = "ok"
+    engine: str = ""
+    weight_version: str | int | None = None
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    v: int = VERSION
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return len(self.layers) * self.topk * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of `.bin` that readers may trust."""
+        return self.rows * self.row_bytes
+
+    @property
+    def end(self) -> int:
+        """One past the last token position held: rows cover `[start, end)`."""
+        return self.start + self.rows
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.rows, len(self.layers), self.topk)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": self.v,
+            "rid": self.rid,
+            "dtype": self.dtype,
+            "num_experts": self.num_experts,
+            "topk": self.topk,
+            "layers": list(self.layers),
+            "start": self.start,
+            "rows": self.rows,
+            "prompt_len": self.prompt_len,
+            "final": self.final,
+            "status": self.status,
+            "engine": self.engine,
+            "weight_version": self.weight_version,
+            "created": self.created,
+            "updated": self.updated,
+        }
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RecordMeta:
+        """Parse and validate; any departure from the contract raises `SpoolFormatError`."""
+        if len(data) > MAX_META_BYTES:
+            raise SpoolFormatError("oversized_meta", f"{len(data)} bytes")
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise SpoolFormatError("bad_json", str(exc)) from None
+        if not isinstance(obj, dict):
+            raise SpoolFormatError("bad_json", "metadata is not a JSON object")
+        if obj.get("v") != VERSION:
+            raise SpoolFormatError("unknown_version", f"v={obj.get('v')!r}, this reader knows v={VERSION}")
+        return cls.from_dict(obj)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> RecordMeta:
+        def need(key: str, kind: type | tuple[type, ...]) -> Any:
+            value = obj.get(key)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise SpoolFormatError("bad_field", f"{key}={value!r}")
+            return value
+
+        def count(key: str, low: int = 0) -> int:
+            value = need(key, int)
+            if isinstance(value, bool) or value < low:
+                raise SpoolFormatError("bad_field", f"{key}={value!r} (must be an integer >= {low})")
+            return value
+
+        rid = need("rid", str)
+        if not rid:
+            raise SpoolFormatError("bad_field", "rid is empty")
+        dtype = need("dtype", str)
+        if dtype not in DTYPES:
+            raise SpoolFormatError("bad_field", f"dtype={dtype!r} (one of {', '.join(DTYPES)})")
+        num_experts = count("num_experts", 1)
+        if not dtype_holds(dtype, num_experts):
+            raise SpoolFormatError("bad_field", f"dtype {dtype} cannot hold {num_experts} experts")
+        topk = count("topk", 1)
+        if topk > MAX_TOPK:
+            raise SpoolFormatError("bad_field", f"topk={topk} > {MAX_TOPK}")
+        layers = need("layers", list)
+        if not layers or len(layers) > MAX_LAYERS:
+            raise SpoolFormatError("bad_field", f"{len(layers)} layers (1 … {MAX_LAYERS})")
+        if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers):
+            raise SpoolFormatError("bad_field", "layers must be non-negative integers")
+        if len(set(layers)) != len(layers):
+            raise SpoolFormatError("bad_field", "layers repeat")
+        status = need("status", str)
+        if status not in STATUSES:
+            raise SpoolFormatError("bad_field", f"status={status!r}")
+        weight_version = obj.get("weight_version")
+        if weight_version is not None and not isinstance(weight_version, str | int):
+            raise SpoolFormatError("bad_field", f"weight_version={weight_version!r}")
+        return cls(
+            rid=rid,
+            dtype=dtype,
+            num_experts=num_experts,
+            topk=topk,
+            layers=tuple(layers),
+            start=count("start"),
+            rows=count("rows"),
+            prompt_len=count("prompt_len"),
+            final=need("final", bool),
+            status=status,
+            engine=need("engine", str),
+            weight_version=weight_version,
+            created=float(need("created", int | float)),
+            updated=float(need("updated", int | float)),
+        )
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so a reader sees the old or the new file, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TMP_COUNTER)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class Spool:
+    """A spool directory: record and engine files under `<root>/v1/`."""
+
+    def __init__(self, root: Path | str, *, create: bool = True) -> None:
+        self.root = Path(root)
+        self.records_dir = self.root / f"v{VERSION}" / "records"
+        self.engines_dir = self.root / f"v{VERSION}" / "engines"
+        if create:
+            self.records_dir.mkdir(parents=True, exist_ok=True)
+            self.engines_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- names -------------------------------------------------------------------------------
+    def bin_path(self, rid: str) -> Path:
+        return self.records_dir / f"{safe_name(rid)}.bin"
+
+    def meta_path(self, rid: str) -> Path:
+        return self.records_dir / f"{safe_name(rid)}.json"
+
+    def record_names(self) -> list[str]:
+        """File stems of every record metadata file present (temporary files excluded)."""
+        try:
+            entries = os.listdir(self.records_dir)
+        except FileNotFoundError:
+            return []
+        return [e[:-5] for e in entries if e.endswith(".json") and not e.startswith(".")]
+
+    # ---- records -----------------------------------------------------------------------------
+    def read_meta_file(self, path: Path) -> RecordMeta:
+        """Read one `.json`; raises `SpoolFormatError` for a malformed or foreign file."""
+        with open(path, "rb") as f:
+            data = f.read(MAX_META_BYTES + 1)
+        meta = RecordMeta.from_json(data)
+        if path.stem != safe_name(meta.rid):
+            raise SpoolFormatError("name_mismatch", f"{path.name} holds rid {meta.rid!r}")
+        return meta
+
+    def read_meta(self, rid: str) -> RecordMeta | None:
+        """The record's metadata, or None when there is no such record."""
+        try:
+            meta = self.read_meta_file(self.meta_path(rid))
+        except FileNotFoundError:
+            return None
+        if meta.rid != rid:
+            raise SpoolFormatError("hash_collision", f"{rid!r} and {meta.rid!r} share a file name")
+        return meta
+
+    def write_meta(self, meta: RecordMeta) -> None:
+        atomic_write(self.meta_path(meta.rid), meta.to_json())
+
+    def iter_rows(
+        self, meta: RecordMeta, row_lo: int = 0, row_hi: int | None = None, chunk_bytes: int = 1 << 20
+    ) -> Iterator[bytes]:
+        """Yield the bytes of rows `[row_lo, row_hi)` in chunks of whole rows, never past `meta.rows`.
+
+        Raises `SpoolFormatError("truncated_bin")` when `.bin` holds fewer bytes than `meta` promises.
+        """
+        row_hi = meta.rows if row_hi is None else row_hi
+        if not 0 <= row_lo <= row_hi <= meta.rows:
+            raise ValueError(f"rows [{row_lo}, {row_hi}) outside [0, {meta.rows})")
+        row_bytes = meta.row_bytes
+        lo, hi = row_lo * row_bytes, row_hi * row_bytes
+        step = max(row_bytes, chunk_bytes - chunk_bytes % row_bytes)
+        fd = os.open(self.bin_path(meta.rid), os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < hi:
+                raise SpoolFormatError("truncated_bin", f"{meta.rid!r}: .bin shorter than {hi} bytes")
+            while lo < hi:
+                chunk = os.pread(fd, min(step, hi - lo), lo)
+                if not chunk:
+                    raise SpoolFormatError("truncated_bin", f"{meta.rid!r}: .bin ends at {lo}")
+                lo += len(chunk)
+                yield chunk
+        finally:
+            os.close(fd)
+
+    def read_array(self, meta: RecordMeta, row_lo: int = 0, row_hi: int | None = None) -> np.ndarray:
+        """Rows `[row_lo, row_hi)` as an array of shape `(rows, layers, topk)` in the record's dtype."""
+        data = b"".join(self.iter_rows(meta, row_lo, row_hi, chunk_bytes=1 << 30))
+        return np.frombuffer(data, dtype=meta.dtype).reshape(-1, len(meta.layers), meta.topk)
+
+    def delete(self, rid: str) -> bool:
+        """Remove both files of a record (metadata first, so readers stop trusting the rows)."""
+        found = False
+        for path in (self.meta_path(rid), self.bin_path(rid)):
+            try:
+                path.unlink()
+                found = True
+            except FileNotFoundError:
+                pass
+        return found
+
+    def writer(
+        self,
+        rid: str,
+        *,
+        num_experts: int,
+        topk: int,
+        layers: list[int] | tuple[int, ...],
+        start: int = 0,
+        prompt_len: int = 0,
+        engine: str = "",
+        dtype: str | None = None,
+        weight_version: str | int | None = None,
+    ) -> RecordWriter:
+        """Start a new record (replacing any old one with the same rid) and return its writer."""
+        meta = RecordMeta(
+            rid=rid,
+            dtype=dtype or default_dtype(num_experts),
+            num_experts=num_experts,
+            topk=topk,
+            layers=tuple(layers),
+            start=start,
+            prompt_len=prompt_len,
+            engine=engine,
+            weight_version=weight_version,
+        )
+        RecordMeta.from_dict(meta.to_dict())
+        return RecordWriter(self, meta)
+
+    # ---- usage -------------------------------------------------------------------------------
+    def usage_bytes(self) -> int:
+        """Bytes held by record files (a directory scan: call it off any hot path)."""
+        total = 0
+        try:
+            with os.scandir(self.records_dir) as it:
+                for entry in it:
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue
+        except FileNotFoundError:
+            return 0
+        return total
+
+    def capacity_bytes(self, max_bytes: int = 0) -> int:
+        """The configured cap, or the file system's size when none is set."""
+        if max_bytes > 0:
+            return max_bytes
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    # ---- engines -----------------------------------------------------------------------------
+    def write_engine(self, report: dict[str, Any]) -> None:
+        """Replace one engine process's budget/occupancy file (Contract 1, engine file)."""
+        engine = report.get("engine")
+        if not isinstance(engine, str) or not engine:
+            raise ValueError("engine report needs a non-empty 'engine' id")
+        atomic_write(self.engines_dir / f"{safe_name(engine)}.json", orjson.dumps({"v": VERSION, **report}))
+
+    def read_engine_file(self, path: Path) -> dict[str, Any]:
+        with open(path, "rb") as f:
+            data = f.read(MAX_META_BYTES + 1)
+        if len(data) > MAX_META_BYTES:
+            raise SpoolFormatError("oversized_meta", f"{path.name}: {len(data)} bytes")
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise SpoolFormatError("bad_json", f"{path.name}: {exc}") from None
+        if not isinstance(obj, dict) or obj.get("v") != VERSION:
+            raise SpoolFormatError("unknown_version", f"{path.name}: not a v{VERSION} engine file")
+        if not isinstance(obj.get("engine"), str) or path.stem != safe_name(obj["engine"]):
+            raise SpoolFormatError("name_mismatch", f"{path.name}: engine id does not match its name")
+        return obj
+
+    def engine_paths(self) -> list[Path]:
+        try:
+            return [
+                self.engines_dir / e
+                for e in os.listdir(self.engines_dir)
+                if e.endswith(".json") and not e.startswith(".")
+            ]
+        except FileNotFoundError:
+            return []
+
+
+class RecordWriter:
+    """Appends rows to one record. One writer per rid; not shared between threads.
+
+    Creation publishes `rows=0` before truncating `.bin`, so a reader never trusts stale bytes of an
+    older record with the same rid.
+    """
+
+    def __init__(self, spool: Spool, meta: RecordMeta) -> None:
+        self.spool = spool
+        self.meta = meta
+        self._lock = threading.Lock()
+        spool.write_meta(meta)
+        self._fd: int | None = os.open(
+            spool.bin_path(meta.rid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def append(self, rows: np.ndarray, *, publish: bool = True) -> None:
+        """Append rows of shape `(n, layers, topk)`; cast to the record's dtype; publish the new count."""
+        meta = self.meta
+        if rows.ndim != 3 or rows.shape[1:] != (len(meta.layers), meta.topk):
+            raise ValueError(f"rows of shape {rows.shape}, record wants (n, {len(meta.layers)}, {meta.topk})")
+        with self._lock:
+            if self._fd is None:
+                raise RuntimeError(f"record {meta.rid!r} is already final")
+            data = np.ascontiguousarray(rows, dtype=meta.dtype)
+            _write_all(self._fd, data.data)
+            self.meta = replace(meta, rows=meta.rows + rows.shape[0], updated=time.time())
+            if publish:
+                self.spool.write_meta(self.meta)
+
+    def publish(self) -> None:
+        """Make every appended row visible to readers (replace `.json`)."""
+        with self._lock:
+            self.spool.write_meta(self.meta)
+
+    def finalize(self, status: str = "ok") -> RecordMeta:
+        """Close the record: no rows follow. `status` is one of `ok`, `aborted`, `error`."""
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} not in {STATUSES}")
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self.meta = replace(self.meta, final=True, status=status, updated=time.time())
+            self.spool.write_meta(self.meta)
+            return self.meta
+
+    def abort(self) -> RecordMeta:
+        return self.finalize("aborted")
