@@ -1,0 +1,46 @@
+"""Engine-side configuration: the `R3_*` variables of DESIGN.md, read once per process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.settings import DEFAULT_SPOOL_DIR
+
+
+class Mode(StrEnum):
+    SIDECAR = "sidecar"  # write to the spool, drop the inline payload once the spool accepted it
+    MIRROR = "mirror"  # write to the spool and keep SGLang's inline payload
+    OFF = "off"  # buffer-sizing fixes only
+
+
+class BudgetPolicy(StrEnum):
+    ENFORCE = "enforce"  # refuse to start on a buffer the plugin cannot correct
+    WARN = "warn"  # log the table and start anyway
+
+
+class EngineSettings(BaseSettings):
+    """What the plugin reads from the environment of each SGLang process."""
+
+    model_config = SettingsConfigDict(env_prefix="R3_", extra="ignore")
+
+    spool_dir: Path = DEFAULT_SPOOL_DIR
+    mode: Mode = Mode.SIDECAR
+    capture_all: bool = False
+    spool_max_bytes: int = Field(0, ge=0, description="0: the spool file system's size.")
+    dtype: str = Field("auto", pattern="^(auto|uint8|uint16|int16|int32)$")
+    budget: BudgetPolicy = BudgetPolicy.WARN
+    engine_id: str = Field(default_factory=socket.gethostname)
+    sidecar_url: str | None = None
+    live_rows: bool = Field(False, description="Append rows as steps finish, for every captured request.")
+    writer_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="Bound of bytes awaiting the writer thread.")
+    telemetry_interval_s: float = Field(1.0, gt=0)
+
+    def engine_name(self, dp_rank: int | None) -> str:
+        """Engine id of one scheduler process: `<R3_ENGINE_ID>/dp<rank>` (pid when the rank is unknown)."""
+        return f"{self.engine_id}/dp{dp_rank}" if dp_rank is not None else f"{self.engine_id}/pid{os.getpid()}"
