@@ -1,0 +1,226 @@
+"""Process-level harness for the reliability suite: a real sidecar and real writer processes on a temp spool.
+
+Everything here runs the code as deployed (a separate sidecar process on loopback, writers in their own
+processes writing through `service.spool`), so a SIGKILL is a real SIGKILL and RSS/fds are the server's own.
+Record contents are a pure function of the rid (`expected_rows`), so any process can check any record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+CLI = Path(PYTHON).with_name("r3-sidecar")
+
+# Shape of the synthetic records: small but with every dimension > 1, so layer subsets and ranges matter.
+LAYERS = (1, 3, 4, 7, 9, 12)
+TOPK = 4
+NUM_EXPERTS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def expected_rows(rid: str, rows: int, layers: tuple[int, ...] = LAYERS, topk: int = TOPK,
+                  num_experts: int = NUM_EXPERTS, dtype: str = "uint8") -> np.ndarray:
+    """The rows a harness writer writes for `rid`: seeded by the rid, so any reader can recompute them."""
+    seed = int.from_bytes(hashlib.sha256(rid.encode("utf-8", "surrogatepass")).digest()[:8], "little")
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, num_experts, size=(rows, len(layers), topk), dtype=np.int64).astype(dtype)
+
+
+def checksum(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
+
+
+def proc_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def proc_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def proc_uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Uid:"):
+                return int(line.split()[2])  # effective uid
+    raise RuntimeError(f"no Uid for pid {pid}")
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load averages, for reports: the machine is shared."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+@dataclass
+class Sidecar:
+    """One sidecar process (`r3-sidecar serve`) on a free loopback port; restartable on the same port and spool."""
+
+    spool: Path
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    cwd: Path | None = None
+    user: int | None = None
+    group: int | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        if CLI.exists() and (REPO / "service" / "cli.py").exists():
+            return [str(CLI), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+        return [PYTHON, str(HERE / "r3_serve.py"), "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def start(self, ready_timeout: float = 30.0) -> Sidecar:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("R3_")}
+        env.update({"PYTHONPATH": str(REPO), "R3_SPOOL_DIR": str(self.spool), **self.env})
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.command(), env=env, cwd=self.cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
+                user=self.user, group=self.group, extra_groups=[] if self.user is not None else None,
+                start_new_session=True,
+            )
+        finally:
+            if self.log_path:
+                log.close()
+        self.wait_ready(ready_timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {self.proc.returncode}; log: {self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"sidecar not ready after {timeout}s; log: {self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path and self.log_path.exists():
+            return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+        return "(no log)"
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+
+@contextlib.contextmanager
+def sidecar(spool: Path, **kwargs) -> Iterator[Sidecar]:
+    s = Sidecar(spool=spool, **kwargs).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@dataclass
+class Writer:
+    """A writer process (like one DP rank's writer thread) running `r3_writer.py`; see that file for arguments."""
+
+    spool: Path
+    ledger: Path
+    args: list[str]
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Writer:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        cmd = [PYTHON, str(HERE / "r3_writer.py"), "--spool", str(self.spool), "--ledger", str(self.ledger), *self.args]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return self
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        _, err = self.proc.communicate(timeout=timeout)
+        if self.proc.returncode:
+            raise RuntimeError(f"writer exited {self.proc.returncode}: {err.decode(errors='replace')[-2000:]}")
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def read_ledger(path: Path) -> list[dict]:
+    """Entries a writer appended, one JSON line each (`{"rid", "rows", "final"}`); a torn last line is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def fetch_raw(client: httpx.Client, rid: str, **params) -> tuple[int, bytes, httpx.Headers]:
+    r = client.get(f"/routed_experts/{quote_rid(rid)}", params={"format": "raw", **params})
+    return r.status_code, r.content, r.headers
+
+
+def quote_rid(rid: str) -> str:
+    from urllib.parse import quote
+
+    return quote(rid, safe="")
+
+
+def check_record(client: httpx.Client, rid: str, rows: int, **params) -> tuple[bool, str]:
+    """Fetch `rid` as raw bytes and compare with `expected_rows`; returns (ok, reason)."""
+    code, body, _ = fetch_raw(client, rid, **params)
+    if code != 200:
+        return False, f"{rid}: HTTP {code} {body[:200]!r}"
+    want = expected_rows(rid, rows)
+    lo = int(params.get("start", 0))
+    hi = int(params.get("end", rows))
+    want = want[lo:hi]
+    if "layers" in params:
+        idx = [LAYERS.index(int(x)) for x in str(params["layers"]).split(",")]
+        want = want[:, idx, :]
+    if body != np.ascontiguousarray(want).tobytes():
+        return False, f"{rid}: {len(body)} bytes, checksum {hashlib.sha256(body).hexdigest()[:16]} != {checksum(want)}"
+    return True, ""

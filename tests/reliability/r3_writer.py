@@ -1,0 +1,72 @@
+"""A writer process for the reliability suite: writes records through `service.spool`, like one engine rank.
+
+Each record `<prefix>-<i>` holds `expected_rows(rid, rows)`, appended `--chunk` rows at a time with `--pace`
+seconds between appends; a JSON line goes to `--ledger` once a record is final (and, with `--open`, each time an
+open record publishes rows), so the test knows exactly what was written even when this process is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
+
+from service.spool import Spool
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spool", required=True)
+    ap.add_argument("--ledger", required=True)
+    ap.add_argument("--prefix", default="w")
+    ap.add_argument("--count", type=int, default=10)
+    ap.add_argument("--first", type=int, default=0)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--pace", type=float, default=0.0)
+    ap.add_argument("--open", type=int, default=0, help="leave this many extra records open, then sleep")
+    ap.add_argument("--duration", type=float, default=0.0, help="keep writing new records for this long")
+    args = ap.parse_args(argv)
+
+    spool = Spool(args.spool)
+    ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - line-buffered for the life of the process
+
+    def note(**entry) -> None:
+        ledger.write(json.dumps(entry) + "\n")
+
+    def write_one(rid: str, final: bool) -> None:
+        rows = expected_rows(rid, args.rows)
+        w = spool.writer(rid, num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS, prompt_len=args.rows // 2,
+                         engine=f"rel/{os.getpid()}")
+        for lo in range(0, args.rows, args.chunk):
+            w.append(rows[lo: lo + args.chunk])
+            if not final:
+                note(rid=rid, rows=w.meta.rows, final=False)
+            if args.pace:
+                time.sleep(args.pace)
+        if final:
+            w.finalize()
+            note(rid=rid, rows=args.rows, final=True)
+
+    i = args.first
+    deadline = time.monotonic() + args.duration
+    while i < args.first + args.count or time.monotonic() < deadline:
+        write_one(f"{args.prefix}-{i:06d}", final=True)
+        i += 1
+    for j in range(args.open):
+        write_one(f"{args.prefix}-open-{j:04d}", final=False)
+    if args.open:
+        note(event="open_done")
+        time.sleep(3600)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
