@@ -1,0 +1,679 @@
+"""Trainer-side client for the sidecar's HTTP API (DESIGN.md, Contract 2).
+
+`RoutedExpertsClient(url).get(rid).array` is what a trainer calls where it used to decode
+`meta_info["routed_experts"]`: the rows arrive as compact binary and are parsed without an extra copy.
+The sync and async clients share every pure piece (errors, npy and frame parsing); only their I/O differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import random
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import numpy as np
+import orjson
+from numpy.lib import format as npy_format
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "AsyncRoutedExpertsClient",
+    "BadRequest",
+    "FrameDecoder",
+    "NotReady",
+    "R3Error",
+    "RangeNotSatisfiable",
+    "RecordGone",
+    "RecordNotFound",
+    "RoutedExperts",
+    "RoutedExpertsClient",
+    "ServerError",
+    "Unauthorized",
+    "parse_npy",
+]
+
+FRAMES_MEDIA_TYPE = "application/vnd.r3.frames"
+_FRAME_LEN = struct.Struct("<I")
+_MAX_FRAME_HEADER = 1 << 20
+# Transport failures worth another try: the request never reached a server, or the connection dropped.
+# Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+T = TypeVar("T")
+
+
+# ---- result -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedExperts:
+    """Rows of one record: `array[i, j, :]` are the experts of token `start + i` at model layer `layers[j]`."""
+
+    rid: str
+    array: np.ndarray
+    start: int
+    prompt_len: int
+    layers: tuple[int, ...]
+    final: bool
+    dtype: str
+
+    @property
+    def rows(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def end(self) -> int:
+        """One past the last token position held."""
+        return self.start + self.rows
+
+    def to_torch(self) -> torch.Tensor:
+        """The rows as a torch tensor sharing this array's memory (`torch.from_numpy`, no copy)."""
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - torch is optional for trainers that use numpy
+            raise R3Error("torch is not importable; use .array (numpy)") from exc
+        return torch.from_numpy(self.array)
+
+    def to_sglang_layout(self, num_hidden_layers: int) -> np.ndarray:
+        """`(rows, num_hidden_layers, topk)` int32 with zeros for dense layers: SGLang's inline layout.
+
+        For code that indexes routing by model layer and expects every layer present.
+        """
+        out = np.zeros((self.rows, num_hidden_layers, self.array.shape[2]), dtype=np.int32)
+        out[:, list(self.layers), :] = self.array
+        return out
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+class R3Error(Exception):
+    """Any failure the sidecar reported; `status` is the HTTP status, `detail` the server's explanation."""
+
+    status: int | None = None
+
+    def __init__(self, detail: str, *, rid: str | None = None, status: int | None = None, body: Any = None) -> None:
+        super().__init__(f"{rid}: {detail}" if rid else detail)
+        self.detail = detail
+        self.rid = rid
+        self.body = body
+        if status is not None:
+            self.status = status
+
+
+class NotReady(R3Error):
+    """202: the record exists but is not final yet; `rows` says how many rows it has so far."""
+
+    status = 202
+
+    @property
+    def rows(self) -> int | None:
+        return self.body.get("rows") if isinstance(self.body, dict) else None
+
+
+class Unauthorized(R3Error):
+    """401: missing or wrong bearer token."""
+
+    status = 401
+
+
+class RecordNotFound(R3Error):
+    """404: no record with this rid (after waiting, when `wait` was given)."""
+
+    status = 404
+
+
+class RecordGone(R3Error):
+    """410: the record was aborted or has expired."""
+
+    status = 410
+
+
+class RangeNotSatisfiable(R3Error):
+    """416: `start`/`end` outside the rows the record holds."""
+
+    status = 416
+
+
+class BadRequest(R3Error):
+    """422 or another 4xx: the request itself was malformed."""
+
+
+class ServerError(R3Error):
+    """5xx: the sidecar failed."""
+
+
+_BY_STATUS: dict[int, type[R3Error]] = {
+    202: NotReady,
+    401: Unauthorized,
+    404: RecordNotFound,
+    410: RecordGone,
+    416: RangeNotSatisfiable,
+}
+
+
+def error_for(status: int, body: Any, rid: str | None = None) -> R3Error:
+    """The exception for an HTTP status and its (JSON) body; `detail` falls back to the body's text."""
+    if isinstance(body, dict):
+        detail = body.get("detail") or body.get("error") or f"HTTP {status}"
+    else:
+        detail = str(body or "")[:500] or f"HTTP {status}"
+    if not isinstance(detail, str):
+        detail = orjson.dumps(detail).decode()
+    cls = _BY_STATUS.get(status, ServerError if status >= 500 else BadRequest)
+    return cls(detail, rid=rid, status=status, body=body)
+
+
+def _json_or_text(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode("utf-8", "replace")
+
+
+# ---- parsing (pure) -----------------------------------------------------------------------------------
+
+
+def parse_npy(buf: bytes | bytearray | memoryview) -> np.ndarray:
+    """An array over `buf`'s own memory: `numpy.lib.format` reads the header, `np.frombuffer` the rest (no copy)."""
+    view = memoryview(buf)
+    major, _ = npy_format.read_magic(io.BytesIO(view[:8]))
+    if major not in (1, 2):
+        raise ValueError(f"unsupported .npy version {major}")
+    width = 2 if major == 1 else 4
+    (hlen,) = struct.unpack_from("<H" if major == 1 else "<I", view, 8)
+    offset = 8 + width + hlen
+    read_header = npy_format.read_array_header_1_0 if major == 1 else npy_format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(io.BytesIO(view[8:offset]), max_header_size=max(10_000, hlen + 1))
+    if fortran_order:
+        raise ValueError("Fortran-ordered .npy is not a routed-experts payload")
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def _meta_from_headers(rid: str, headers: httpx.Headers) -> dict[str, Any]:
+    layers = headers.get("x-r3-layers", "")
+    return {
+        "rid": headers.get("x-r3-rid", rid),
+        "start": int(headers.get("x-r3-start", "0")),
+        "prompt_len": int(headers.get("x-r3-prompt-len", "0")),
+        "layers": tuple(int(x) for x in layers.split(",") if x.strip()),
+        "final": headers.get("x-r3-final", "true").lower() in ("1", "true"),
+        "dtype": headers.get("x-r3-dtype", ""),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One frame of `application/vnd.r3.frames`: its JSON header and its payload bytes (writable)."""
+
+    header: dict[str, Any]
+    payload: bytearray
+
+    @property
+    def status(self) -> int:
+        return int(self.header.get("status", 200))
+
+    def result(self, prompt_len: int = 0) -> RoutedExperts:
+        """The frame's rows (status 200 only); the array views the payload, no copy."""
+        h = self.header
+        shape = tuple(int(x) for x in h["shape"])
+        array = np.frombuffer(self.payload, dtype=np.dtype(h["dtype"])).reshape(shape)
+        return RoutedExperts(
+            rid=h["rid"],
+            array=array,
+            start=int(h.get("start", 0)),
+            prompt_len=int(h.get("prompt_len", prompt_len) or prompt_len),
+            layers=tuple(int(x) for x in h.get("layers", ())),
+            final=bool(h.get("final", True)),
+            dtype=h["dtype"],
+        )
+
+    def error(self) -> R3Error:
+        return error_for(self.status, self.header, rid=self.header.get("rid"))
+
+
+class FrameDecoder:
+    """Incremental parser of `[4-byte LE header length][JSON header][payload]` frames fed in any chunking.
+
+    Each payload is copied once, from the network chunk into its own buffer, so arrays over it are writable.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._header: dict[str, Any] | None = None
+        self._payload: bytearray | None = None
+        self._filled = 0
+
+    def feed(self, chunk: bytes) -> list[Frame]:
+        frames: list[Frame] = []
+        view = memoryview(chunk)
+        while view:
+            if self._payload is not None:
+                n = min(len(view), len(self._payload) - self._filled)
+                self._payload[self._filled : self._filled + n] = view[:n]
+                self._filled += n
+                view = view[n:]
+                if self._filled == len(self._payload):
+                    frames.append(self._finish())
+                continue
+            self._buf += view
+            view = memoryview(b"")
+            while self._payload is None and len(self._buf) >= 4:
+                (hlen,) = _FRAME_LEN.unpack_from(self._buf)
+                if hlen > _MAX_FRAME_HEADER:
+                    raise R3Error(f"frame header of {hlen} bytes: not an {FRAMES_MEDIA_TYPE} stream")
+                if len(self._buf) < 4 + hlen:
+                    break
+                header = orjson.loads(bytes(self._buf[4 : 4 + hlen]))
+                rest = self._buf[4 + hlen :]
+                self._buf = bytearray()
+                self._header = header
+                self._payload = bytearray(_payload_size(header))
+                self._filled = 0
+                if not self._payload:
+                    frames.append(self._finish())
+                    self._buf = rest
+                else:
+                    view = memoryview(rest)
+                    break
+        return frames
+
+    @property
+    def pending(self) -> bool:
+        """Whether a partial frame is buffered (the stream ended mid-frame when this is true at EOF)."""
+        return bool(self._buf) or self._payload is not None
+
+    def _finish(self) -> Frame:
+        assert self._header is not None and self._payload is not None
+        frame = Frame(self._header, self._payload)
+        self._header, self._payload, self._filled = None, None, 0
+        return frame
+
+
+def _payload_size(header: dict[str, Any]) -> int:
+    if int(header.get("status", 200)) != 200 or not header.get("shape"):
+        return 0
+    return int(np.prod([int(x) for x in header["shape"]], dtype=np.int64)) * np.dtype(header["dtype"]).itemsize
+
+
+def _params(
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    layers: Iterable[int] | None = None,
+    wait: float = 0,
+    **extra: Any,
+) -> dict[str, str]:
+    params = {k: str(v) for k, v in extra.items() if v is not None}
+    if start is not None:
+        params["start"] = str(start)
+    if end is not None:
+        params["end"] = str(end)
+    if layers is not None:
+        params["layers"] = ",".join(str(int(x)) for x in layers)
+    if wait:
+        params["wait"] = str(wait)
+    return params
+
+
+def _backoff(attempt: int, base: float, cap: float) -> float:
+    """Full-jitter exponential backoff: spreads many trainers' retries after a sidecar restart."""
+    return random.uniform(0, min(cap, base * (2**attempt)))
+
+
+# ---- clients ------------------------------------------------------------------------------------------
+
+
+class _Base:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _timeout(self, wait: float = 0) -> httpx.Timeout:
+        """Reads may legitimately block for `wait` seconds while the server waits for the record."""
+        return httpx.Timeout(self.timeout + wait, connect=self.connect_timeout)
+
+    @staticmethod
+    def _path(rid: str) -> str:
+        from urllib.parse import quote
+
+        return f"/routed_experts/{quote(rid, safe='')}"
+
+
+class RoutedExpertsClient(_Base):
+    """Blocking client. Use as a context manager, or call `close()`."""
+
+    def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self._http = httpx.Client(base_url=self.base_url, headers=self._headers, transport=transport)
+
+    def __enter__(self) -> RoutedExpertsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _retry(self, call: Callable[[], T]) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                time.sleep(_backoff(attempt, self.backoff_s, self.backoff_max_s))
+        raise AssertionError("unreachable")
+
+    def _fetch(self, method: str, url: str, rid: str | None, wait: float = 0, **kwargs: Any) -> _Reply:
+        """One request with its body read into a writable buffer (sized from Content-Length when given)."""
+
+        def call() -> _Reply:
+            with self._http.stream(method, url, timeout=self._timeout(wait), **kwargs) as resp:
+                return _Reply(resp.status_code, resp.headers, _read_body(resp.headers, resp.iter_bytes()))
+
+        return self._retry(call).checked(rid)
+
+    def get(
+        self,
+        rid: str,
+        start: int | None = None,
+        end: int | None = None,
+        layers: Iterable[int] | None = None,
+        wait: float = 0,
+    ) -> RoutedExperts:
+        """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final."""
+        params = _params(start=start, end=end, layers=layers, wait=wait, format="npy")
+        resp = self._fetch("GET", self._path(rid), rid, wait, params=params)
+        return _result(rid, resp)
+
+    def fetch_bytes(self, rid: str, fmt: str = "npy", **kwargs: Any) -> bytes:
+        """The body in any of the server's formats (`npy`, `raw`, `json`, `sglang_b64`) as bytes."""
+        wait = kwargs.get("wait", 0)
+        resp = self._fetch("GET", self._path(rid), rid, wait, params=_params(format=fmt, **kwargs))
+        return bytes(resp.body)
+
+    def get_many(
+        self, rids: Sequence[str], wait: float = 0, layers: Iterable[int] | None = None
+    ) -> list[RoutedExperts | R3Error]:
+        """One round trip for many records; results in request order, each a record or its error (not raised)."""
+        body: dict[str, Any] = {"rids": list(rids), "wait": wait}
+        if layers is not None:
+            body["layers"] = [int(x) for x in layers]
+
+        def call() -> list[Frame]:
+            decoder = FrameDecoder()
+            frames: list[Frame] = []
+            with self._http.stream(
+                "POST",
+                "/routed_experts/batch",
+                content=orjson.dumps(body),
+                timeout=self._timeout(wait),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise error_for(resp.status_code, _json_or_text(resp.content))
+                for chunk in resp.iter_bytes():
+                    frames += decoder.feed(chunk)
+            if decoder.pending:
+                raise httpx.RemoteProtocolError("batch response ended inside a frame")
+            return frames
+
+        return [f.result() if f.status == 200 else f.error() for f in self._retry(call)]
+
+    def stream(
+        self, rid: str, start: int | None = None, layers: Iterable[int] | None = None, wait: float = 0
+    ) -> Iterator[RoutedExperts]:
+        """Yield blocks of rows as the engine produces them, until the record is final.
+
+        A dropped connection is resumed from the next row (`start=`), so no row is yielded twice or lost.
+        """
+        layer_list = list(layers) if layers is not None else None
+        next_start = start
+        failures = 0
+        while True:
+            params = _params(start=next_start, layers=layer_list, wait=wait, stream="true")
+            decoder = FrameDecoder()
+            try:
+                with self._http.stream("GET", self._path(rid), params=params, timeout=self._timeout(wait)) as resp:
+                    if resp.status_code != 200:
+                        resp.read()
+                        raise error_for(resp.status_code, _json_or_text(resp.content), rid)
+                    for chunk in resp.iter_bytes():
+                        for frame in decoder.feed(chunk):
+                            failures = 0
+                            block = _stream_block(frame)
+                            if block.rows:
+                                next_start = block.end
+                                yield block
+                            if block.final:
+                                return
+                raise httpx.RemoteProtocolError("stream ended before the record was final")
+            except _RETRYABLE:
+                if failures >= self.retries:
+                    raise
+                time.sleep(_backoff(failures, self.backoff_s, self.backoff_max_s))
+                failures += 1
+
+    def ack(self, rid: str, missing_ok: bool = False) -> bool:
+        """Tell the sidecar the trainer has the rows (`DELETE`): frees the spool. False when already gone."""
+        try:
+            self._fetch("DELETE", self._path(rid), rid)
+        except RecordNotFound:
+            if missing_ok:
+                return False
+            raise
+        return True
+
+    def engines(self) -> Any:
+        """Every engine's budget and occupancy report (`GET /v1/engines`)."""
+        return orjson.loads(self._fetch("GET", "/v1/engines", None).body)
+
+
+class AsyncRoutedExpertsClient(_Base):
+    """The same API for asyncio trainers and rollout managers."""
+
+    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, transport=transport)
+
+    async def __aenter__(self) -> AsyncRoutedExpertsClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _retry(self, call: Callable[[], Awaitable[T]]) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return await call()
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(_backoff(attempt, self.backoff_s, self.backoff_max_s))
+        raise AssertionError("unreachable")
+
+    async def _fetch(self, method: str, url: str, rid: str | None, wait: float = 0, **kwargs: Any) -> _Reply:
+        async def call() -> _Reply:
+            async with self._http.stream(method, url, timeout=self._timeout(wait), **kwargs) as resp:
+                return _Reply(resp.status_code, resp.headers, await _aread_body(resp.headers, resp.aiter_bytes()))
+
+        return (await self._retry(call)).checked(rid)
+
+    async def get(
+        self,
+        rid: str,
+        start: int | None = None,
+        end: int | None = None,
+        layers: Iterable[int] | None = None,
+        wait: float = 0,
+    ) -> RoutedExperts:
+        params = _params(start=start, end=end, layers=layers, wait=wait, format="npy")
+        return _result(rid, await self._fetch("GET", self._path(rid), rid, wait, params=params))
+
+    async def get_many(
+        self, rids: Sequence[str], wait: float = 0, layers: Iterable[int] | None = None
+    ) -> list[RoutedExperts | R3Error]:
+        body: dict[str, Any] = {"rids": list(rids), "wait": wait}
+        if layers is not None:
+            body["layers"] = [int(x) for x in layers]
+
+        async def call() -> list[Frame]:
+            decoder = FrameDecoder()
+            frames: list[Frame] = []
+            async with self._http.stream(
+                "POST",
+                "/routed_experts/batch",
+                content=orjson.dumps(body),
+                timeout=self._timeout(wait),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise error_for(resp.status_code, _json_or_text(resp.content))
+                async for chunk in resp.aiter_bytes():
+                    frames += decoder.feed(chunk)
+            if decoder.pending:
+                raise httpx.RemoteProtocolError("batch response ended inside a frame")
+            return frames
+
+        return [f.result() if f.status == 200 else f.error() for f in await self._retry(call)]
+
+    async def stream(
+        self, rid: str, start: int | None = None, layers: Iterable[int] | None = None, wait: float = 0
+    ) -> AsyncIterator[RoutedExperts]:
+        layer_list = list(layers) if layers is not None else None
+        next_start = start
+        failures = 0
+        while True:
+            params = _params(start=next_start, layers=layer_list, wait=wait, stream="true")
+            decoder = FrameDecoder()
+            try:
+                async with self._http.stream(
+                    "GET", self._path(rid), params=params, timeout=self._timeout(wait)
+                ) as resp:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        raise error_for(resp.status_code, _json_or_text(resp.content), rid)
+                    async for chunk in resp.aiter_bytes():
+                        for frame in decoder.feed(chunk):
+                            failures = 0
+                            block = _stream_block(frame)
+                            if block.rows:
+                                next_start = block.end
+                                yield block
+                            if block.final:
+                                return
+                raise httpx.RemoteProtocolError("stream ended before the record was final")
+            except _RETRYABLE:
+                if failures >= self.retries:
+                    raise
+                await asyncio.sleep(_backoff(failures, self.backoff_s, self.backoff_max_s))
+                failures += 1
+
+    async def ack(self, rid: str, missing_ok: bool = False) -> bool:
+        try:
+            await self._fetch("DELETE", self._path(rid), rid)
+        except RecordNotFound:
+            if missing_ok:
+                return False
+            raise
+        return True
+
+    async def engines(self) -> Any:
+        return orjson.loads((await self._fetch("GET", "/v1/engines", None)).body)
+
+
+# ---- shared response handling ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """A fully read response: status, headers, and the body in a writable buffer."""
+
+    status: int
+    headers: httpx.Headers
+    body: bytearray
+
+    def checked(self, rid: str | None) -> _Reply:
+        """Self on a 2xx with content; else the matching `R3Error` (202 means not final yet)."""
+        if self.status >= 300 or self.status == 202:
+            raise error_for(self.status, _json_or_text(bytes(self.body)), rid)
+        return self
+
+
+def _result(rid: str, resp: _Reply) -> RoutedExperts:
+    array = parse_npy(resp.body)
+    meta = _meta_from_headers(rid, resp.headers)
+    return RoutedExperts(array=array, **{**meta, "dtype": meta["dtype"] or array.dtype.name})
+
+
+def _stream_block(frame: Frame) -> RoutedExperts:
+    if frame.status != 200:
+        raise frame.error()
+    return frame.result()
+
+
+def _body_buffer(headers: httpx.Headers) -> bytearray:
+    length = headers.get("content-length")
+    return bytearray(int(length)) if length and length.isdigit() else bytearray()
+
+
+def _read_body(headers: httpx.Headers, chunks: Iterable[bytes]) -> bytearray:
+    """Read the body into one writable buffer: arrays over it need no copy and torch accepts them."""
+    buf = _body_buffer(headers)
+    sized, filled = bool(buf), 0
+    for chunk in chunks:
+        if sized and filled + len(chunk) <= len(buf):
+            buf[filled : filled + len(chunk)] = chunk
+        else:
+            sized = False
+            del buf[filled:]
+            buf += chunk
+        filled += len(chunk)
+    del buf[filled:]
+    return buf
+
+
+async def _aread_body(headers: httpx.Headers, chunks: AsyncIterator[bytes]) -> bytearray:
+    buf = _body_buffer(headers)
+    sized, filled = bool(buf), 0
+    async for chunk in chunks:
+        if sized and filled + len(chunk) <= len(buf):
+            buf[filled : filled + len(chunk)] = chunk
+        else:
+            sized = False
+            del buf[filled:]
+            buf += chunk
+        filled += len(chunk)
+    del buf[filled:]
+    return buf
