@@ -1,0 +1,299 @@
+"""The spool writer: the scheduler thread reserves bytes and hands rows to one bounded background thread.
+
+Why: the scheduler must never wait on I/O or on a full queue (DESIGN.md, "Nothing lost"). Everything the
+scheduler thread calls here (`reserve`, `submit`, `release`, `note_fallback`) touches in-memory counters
+under a lock held for a few arithmetic operations; files are written only by the writer thread, through
+`service.spool` (the one definition of the spool contract). A refused reservation (spool full, queue
+full, spool not writable) is the caller's cue to keep SGLang's inline path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from service.spool import RecordWriter, Spool, default_dtype, dtype_holds
+
+logger = logging.getLogger("r3_sidecar.writer")
+
+USAGE_REFRESH_S = 1.0
+"""How often the writer thread rescans the spool's real usage (the sidecar deletes records)."""
+META_ESTIMATE_BYTES = 1024
+"""A record's metadata file, counted before the next rescan sees it."""
+
+
+def spool_dtype(configured: str, num_experts: int) -> str:
+    """The record dtype: `R3_DTYPE` when set and wide enough, else the smallest that holds every id."""
+    if configured in ("", "auto"):
+        return default_dtype(num_experts)
+    if not dtype_holds(configured, num_experts):
+        raise ValueError(f"R3_DTYPE={configured} cannot hold expert id {num_experts - 1}")
+    return configured
+
+
+def compact(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """Rows `(n, layers, topk)` as a C-contiguous array of the spool dtype (a copy unless already so)."""
+    return np.ascontiguousarray(rows, dtype=dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordSpec:
+    """Everything a record's metadata needs besides its rows."""
+
+    rid: str
+    num_experts: int
+    topk: int
+    layers: tuple[int, ...]
+    start: int
+    prompt_len: int
+    dtype: str
+    engine: str = ""
+    weight_version: str | int | None = None
+
+    @property
+    def row_bytes(self) -> int:
+        return len(self.layers) * self.topk * np.dtype(self.dtype).itemsize
+
+
+@dataclass(slots=True)
+class Op:
+    """One unit of work for the writer thread.
+
+    `open` starts (or restarts) the record of `spec`; `rows` are appended; `status` finalizes it. The
+    finish-time path sends all three in one op; live rows send an open, many appends, one final.
+    """
+
+    rid: str
+    spec: RecordSpec | None = None
+    rows: np.ndarray | None = None
+    status: str | None = None
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.nbytes = 0 if self.rows is None else int(self.rows.nbytes)
+
+
+@dataclass(slots=True)
+class WriterStats:
+    """The engine file's `writer` object (Contract 1), plus counters kept for debugging."""
+
+    queued_bytes: int = 0
+    records_written: int = 0
+    fallback_inline: int = 0
+    spool_full: int = 0
+    queue_full: int = 0
+    write_errors: int = 0
+
+    def contract(self) -> dict[str, int]:
+        return {
+            "queued_bytes": self.queued_bytes,
+            "records_written": self.records_written,
+            "fallback_inline": self.fallback_inline,
+            "spool_full": self.spool_full,
+        }
+
+
+class Refusal(str):
+    """Why a reservation was refused: `spool_full`, `queue_full` or `not_writable`."""
+
+
+SPOOL_FULL = Refusal("spool_full")
+QUEUE_FULL = Refusal("queue_full")
+NOT_WRITABLE = Refusal("not_writable")
+
+
+class SpoolWriter:
+    """Bounded hand-off from the scheduler thread to one daemon thread that writes the spool."""
+
+    def __init__(
+        self,
+        spool_dir: Path | str,
+        *,
+        max_bytes: int = 0,
+        queue_bytes: int = 256 << 20,
+        engine: str = "",
+    ) -> None:
+        self.spool_dir = Path(spool_dir)
+        self.max_bytes = max_bytes
+        self.queue_bytes = queue_bytes
+        self.engine = engine
+        self.stats = WriterStats()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ops: deque[Op] = deque()
+        self._reserved = 0  # spool bytes promised to ops not yet written
+        self._usage = 0  # spool bytes in use, as last seen by the writer thread (+ its own writes since)
+        self._capacity = 0
+        self._writable = False
+        self._stopping = False
+        self._open: dict[str, RecordWriter] = {}
+        self._spool: Spool | None = None
+        self._thread: threading.Thread | None = None
+        self._last_refresh = 0.0
+        self._busy = False
+        self._probe()
+
+    # ---- scheduler thread: in-memory counters only ---------------------------------------------------
+    def reserve(self, nbytes: int) -> Refusal | None:
+        """Promise `nbytes` of spool and queue room; None on success, else why not (counted)."""
+        with self._lock:
+            if not self._writable:
+                return NOT_WRITABLE
+            if self.stats.queued_bytes + nbytes > self.queue_bytes:
+                self.stats.queue_full += 1
+                return QUEUE_FULL
+            if self._usage + self._reserved + nbytes > self._capacity:
+                self.stats.spool_full += 1
+                return SPOOL_FULL
+            self._reserved += nbytes
+            self.stats.queued_bytes += nbytes
+            return None
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation that will not be submitted (e.g. the request vanished)."""
+        with self._lock:
+            self._reserved -= nbytes
+            self.stats.queued_bytes -= nbytes
+
+    def submit(self, op: Op, *, reserved: bool = False) -> bool:
+        """Queue `op` without waiting; False (nothing queued) when its bytes cannot be reserved.
+
+        With `reserved=True` the caller already holds a reservation of `op.nbytes`.
+        """
+        if not reserved and op.nbytes and self.reserve(op.nbytes) is not None:
+            return False
+        with self._lock:
+            if not self._writable and not reserved:
+                return False
+            self._ops.append(op)
+            self._wake.notify()
+        return True
+
+    def note_fallback(self) -> None:
+        """Count a request that kept SGLang's inline payload because the spool refused it."""
+        with self._lock:
+            self.stats.fallback_inline += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return self.stats.contract()
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> SpoolWriter:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="r3-spool-writer", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (up to `timeout`), then stop the thread."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the queue is empty (tests and shutdown only; never on the scheduler's path)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._ops and self.stats.queued_bytes == 0 and not self._busy:
+                    return True
+            time.sleep(0.002)
+        return False
+
+    # ---- writer thread ---------------------------------------------------------------------------
+    def _probe(self) -> None:
+        """(Re)check the spool: create it, measure capacity and usage, decide writability."""
+        try:
+            if self._spool is None:
+                self._spool = Spool(self.spool_dir)
+            writable = os.access(self._spool.records_dir, os.W_OK)
+            capacity = self._spool.capacity_bytes(self.max_bytes)
+            usage = self._spool.usage_bytes()
+        except OSError as exc:
+            logger.warning("r3-sidecar: spool %s not usable: %s", self.spool_dir, exc)
+            writable, capacity, usage = False, 0, 0
+        with self._lock:
+            self._writable = writable
+            self._capacity = capacity
+            self._usage = usage
+        self._last_refresh = time.monotonic()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._ops and not self._stopping:
+                    self._wake.wait(USAGE_REFRESH_S)
+                    if not self._ops and time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
+                        break
+                if not self._ops and self._stopping:
+                    return
+                op = self._ops.popleft() if self._ops else None
+                self._busy = op is not None
+            if op is not None:
+                self._apply(op)
+                with self._lock:
+                    self._reserved -= op.nbytes
+                    self.stats.queued_bytes -= op.nbytes
+                    self._busy = False
+            if time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
+                self._probe()
+
+    def _apply(self, op: Op) -> None:
+        spool = self._spool
+        assert spool is not None
+        writer = self._open.get(op.rid)
+        try:
+            if op.spec is not None:
+                if writer is not None and not writer.closed:
+                    writer.finalize("error")
+                s = op.spec
+                writer = spool.writer(
+                    s.rid,
+                    num_experts=s.num_experts,
+                    topk=s.topk,
+                    layers=s.layers,
+                    start=s.start,
+                    prompt_len=s.prompt_len,
+                    engine=s.engine,
+                    dtype=s.dtype,
+                    weight_version=s.weight_version,
+                )
+                self._open[op.rid] = writer
+                with self._lock:
+                    self._usage += META_ESTIMATE_BYTES  # until the next rescan measures it
+            if writer is None:
+                logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
+                return
+            if op.rows is not None and op.rows.shape[0]:
+                writer.append(op.rows, publish=op.status is None)
+                with self._lock:
+                    self._usage += op.nbytes
+            if op.status is not None:
+                self._open.pop(op.rid, None)
+                writer.finalize(op.status)
+                with self._lock:
+                    self.stats.records_written += 1
+        except OSError as exc:
+            logger.error("r3-sidecar: writing record %r failed: %s", op.rid, exc)
+            with self._lock:
+                self.stats.write_errors += 1
+            self._open.pop(op.rid, None)
+            if writer is not None and not writer.closed:
+                with contextlib.suppress(OSError):
+                    writer.finalize("error")
+            self._probe()

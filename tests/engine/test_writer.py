@@ -1,0 +1,163 @@
+"""The spool writer: records land through `service.spool`, refusals are counted, the hand-off never blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine_ext.writer import (
+    NOT_WRITABLE,
+    QUEUE_FULL,
+    SPOOL_FULL,
+    Op,
+    RecordSpec,
+    SpoolWriter,
+    compact,
+    spool_dtype,
+)
+from service.spool import Spool
+
+
+def _spec(rid: str, *, layers=(0, 1, 3), topk: int = 2, num_experts: int = 8, start: int = 0) -> RecordSpec:
+    return RecordSpec(
+        rid=rid,
+        num_experts=num_experts,
+        topk=topk,
+        layers=tuple(layers),
+        start=start,
+        prompt_len=5,
+        dtype=spool_dtype("auto", num_experts),
+        engine="pod/dp0",
+    )
+
+
+def _rows(n: int, layers: int = 3, topk: int = 2, num_experts: int = 8, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, num_experts, size=(n, layers, topk), dtype=np.int32)
+
+
+def test_dtype_choice():
+    assert spool_dtype("auto", 8) == "uint8"
+    assert spool_dtype("auto", 256) == "uint8"
+    assert spool_dtype("auto", 257) == "uint16"
+    assert spool_dtype("int32", 8) == "int32"
+    with pytest.raises(ValueError, match="cannot hold"):
+        spool_dtype("uint8", 300)
+
+
+def test_finish_record_round_trip(tmp_path):
+    writer = SpoolWriter(tmp_path, engine="pod/dp0").start()
+    rows = _rows(7)
+    spec = _spec("req-1")
+    data = compact(rows, spec.dtype)
+    assert data.dtype == np.uint8 and data.nbytes == 7 * spec.row_bytes
+    assert writer.submit(Op("req-1", spec=spec, rows=data, status="ok"))
+    assert writer.flush()
+    meta = Spool(tmp_path).read_meta("req-1")
+    assert meta is not None and meta.final and meta.status == "ok" and meta.rows == 7
+    assert meta.layers == (0, 1, 3) and meta.engine == "pod/dp0"
+    np.testing.assert_array_equal(Spool(tmp_path).read_array(meta).astype(np.int32), rows)
+    assert writer.snapshot() == {"queued_bytes": 0, "records_written": 1, "fallback_inline": 0, "spool_full": 0}
+    writer.close()
+
+
+def test_live_record_grows_and_restarts(tmp_path):
+    writer = SpoolWriter(tmp_path).start()
+    spec = _spec("live/1 ü")  # an unsafe rid: stored under its hash name
+    rows = _rows(6)
+    assert writer.submit(Op(spec.rid, spec=spec, rows=compact(rows[:4], spec.dtype)))
+    assert writer.flush()
+    spool = Spool(tmp_path)
+    meta = spool.read_meta(spec.rid)
+    assert meta is not None and meta.rows == 4 and not meta.final
+    assert writer.submit(Op(spec.rid, rows=compact(rows[4:], spec.dtype)))
+    assert writer.submit(Op(spec.rid, status="aborted"))
+    assert writer.flush()
+    meta = spool.read_meta(spec.rid)
+    assert meta.final and meta.status == "aborted" and meta.rows == 6
+    np.testing.assert_array_equal(spool.read_array(meta), rows)
+    assert writer.snapshot()["records_written"] == 1
+    writer.close()
+
+
+def test_spool_full_is_refused_and_counted(tmp_path):
+    writer = SpoolWriter(tmp_path, max_bytes=64).start()
+    spec = _spec("big")
+    data = compact(_rows(100), spec.dtype)
+    assert writer.reserve(data.nbytes) == SPOOL_FULL
+    assert not writer.submit(Op("big", spec=spec, rows=data, status="ok"))
+    writer.note_fallback()
+    snap = writer.snapshot()
+    assert snap["spool_full"] == 2 and snap["fallback_inline"] == 1 and snap["queued_bytes"] == 0
+    assert writer.flush()
+    assert Spool(tmp_path).read_meta("big") is None
+    writer.close()
+
+
+def test_unwritable_spool_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    writer = SpoolWriter(blocker / "spool")  # cannot be created: its parent is a file
+    assert not writer.writable
+    assert writer.reserve(10) == NOT_WRITABLE
+    assert not writer.submit(Op("x", spec=_spec("x"), rows=compact(_rows(1), "uint8"), status="ok"))
+
+
+class _StalledWriter(SpoolWriter):
+    """A writer whose thread blocks on its first op until released: a disk that stopped answering."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered = threading.Event()
+        self.release_disk = threading.Event()
+
+    def _apply(self, op: Op) -> None:
+        self.entered.set()
+        self.release_disk.wait(30)
+        super()._apply(op)
+
+
+def test_handoff_never_blocks_on_a_stalled_writer(tmp_path):
+    writer = _StalledWriter(tmp_path, queue_bytes=1 << 20).start()
+    spec = _spec("r0")
+    chunk = compact(_rows(40_000, seed=1), spec.dtype)  # 240 kB
+    assert writer.submit(Op("r0", spec=spec, rows=chunk, status="ok"))
+    assert writer.entered.wait(10)
+    accepted = 1
+    results = []
+    started = time.perf_counter()
+    for i in range(1, 10):
+        results.append(writer.submit(Op(f"r{i}", spec=_spec(f"r{i}"), rows=chunk, status="ok")))
+    elapsed = time.perf_counter() - started
+    accepted += sum(results)
+    # The queue bound (1 MiB) admits four 240 kB records; the rest are refused at once, not waited for.
+    assert accepted == 4 and results[-1] is False
+    assert writer.stats.queue_full == 6
+    assert writer.reserve(chunk.nbytes) == QUEUE_FULL
+    assert writer.snapshot()["queued_bytes"] == 4 * chunk.nbytes
+    print(f"9 hand-offs against a stalled writer: {elapsed * 1e6:.0f} us")
+    writer.release_disk.set()
+    assert writer.flush()
+    assert writer.snapshot()["records_written"] == 4
+    assert writer.snapshot()["queued_bytes"] == 0
+    writer.close()
+
+
+def test_usage_counts_written_bytes_until_rescan(tmp_path):
+    spec = _spec("a")
+    data = compact(_rows(1000), spec.dtype)  # 6000 bytes
+    writer = SpoolWriter(tmp_path, max_bytes=data.nbytes * 2 + 5_000).start()
+    assert writer.submit(Op("a", spec=spec, rows=data, status="ok"))
+    assert writer.flush()
+    assert writer.submit(Op("b", spec=_spec("b"), rows=data, status="ok"))
+    assert writer.flush()
+    # Two records and their metadata now fill the cap: a third is refused before any rescan.
+    assert writer.reserve(data.nbytes) == SPOOL_FULL
+    Spool(tmp_path).delete("a")
+    Spool(tmp_path).delete("b")
+    writer._probe()
+    assert writer.reserve(data.nbytes) is None
+    writer.release(data.nbytes)
+    writer.close()
