@@ -1,0 +1,225 @@
+"""`r3-sidecar`: serve the sidecar, run it with the demo engine, fetch a record, or check an engine's budget.
+
+Every `Settings` field is a flag (`--spool-dir`, `--auth-token`, …) as well as an `R3_*` variable; a flag
+wins over the environment. The heavy imports (uvicorn, the app) happen inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from service.settings import Settings
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+# ---- settings flags -----------------------------------------------------------------------------------
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--kebab-name` flag per `Settings` field; values are validated by `Settings` itself."""
+    group = parser.add_argument_group("settings (also R3_<NAME> in the environment)")
+    for name, field in Settings.model_fields.items():
+        group.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=f"setting_{name}",
+            metavar=name.upper(),
+            default=None,
+            help=field.description or f"R3_{name.upper()} (default {field.default})",
+        )
+
+
+def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
+    flags = {
+        key.removeprefix("setting_"): value
+        for key, value in vars(args).items()
+        if key.startswith("setting_") and value is not None
+    }
+    return Settings(**{**overrides, **flags})
+
+
+# ---- serve / demo -------------------------------------------------------------------------------------
+
+
+def _serve(settings: Settings, banner: str | None = None) -> None:
+    import uvicorn
+
+    from service.api import create_app
+
+    settings.spool_dir.mkdir(parents=True, exist_ok=True)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    )
+    if banner:
+        print(banner, flush=True)
+    server.run()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _serve(_settings(args))
+    return 0
+
+
+def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
+    """The commands to try against a demo sidecar, ready to paste."""
+    auth = f" -H 'Authorization: Bearer {token}'" if token else ""
+    tok = f", token={token!r}" if token else ""
+    rid = "demo-000000"
+    return "\n".join(
+        [
+            f"r3-sidecar demo: {url}  (spool {spool_dir}; the demo engine writes {rid}, demo-000001, …)",
+            "Try:",
+            f"  curl -s{auth} '{url}/routed_experts/{rid}?wait=30&format=json&end=2'",
+            f"  curl -s{auth} -o {rid}.npy '{url}/routed_experts/{rid}?wait=30'"
+            f" && python -c 'import numpy; a = numpy.load(\"{rid}.npy\"); print(a.shape, a.dtype)'",
+            "  python -c 'from service.client import RoutedExpertsClient as C;"
+            f" r = C(\"{url}\"{tok}).get(\"{rid}\", wait=30); print(r.array.shape, r.dtype, r.layers[:4])'",
+            f"  r3-sidecar fetch {rid} --url {url} --out {rid}.npy",
+            f"  curl -s {url}/metrics | grep ^r3_",
+            f"  curl -s{auth} {url}/v1/engines",
+            "Ctrl-C stops.",
+        ]
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from service.demo import DemoConfig, DemoEngine
+    from service.spool import Spool
+
+    temp_dir: str | None = None
+    overrides: dict[str, Any] = {}
+    if args.setting_spool_dir is None and "R3_SPOOL_DIR" not in os.environ:
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        temp_dir = tempfile.mkdtemp(prefix="r3-demo-", dir=shm)
+        overrides["spool_dir"] = temp_dir
+    settings = _settings(args, **overrides)
+    cfg = DemoConfig(
+        max_live=args.max_live, max_records=args.max_records, step_s=args.step_ms / 1000, seed=args.seed
+    )
+    engine = DemoEngine(Spool(settings.spool_dir), cfg).start()
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    try:
+        _serve(settings, demo_banner(f"http://{host}:{settings.port}", settings.spool_dir, settings.auth_token))
+    finally:
+        engine.stop()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    return 0
+
+
+# ---- fetch --------------------------------------------------------------------------------------------
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from service.client import R3Error, RoutedExpertsClient
+
+    token = args.token or os.environ.get("R3_AUTH_TOKEN") or None
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    query = {"start": args.start, "end": args.end, "layers": layers, "wait": args.wait}
+    try:
+        with RoutedExpertsClient(args.url, token=token, timeout=args.timeout) as client:
+            body = client.fetch_bytes(args.rid, args.format, **query)
+    except R3Error as exc:
+        print(f"r3-sidecar fetch: {type(exc).__name__} (HTTP {exc.status}): {exc}", file=sys.stderr)
+        return 1
+    if args.out == "-":
+        sys.stdout.buffer.write(body)
+    elif args.out:
+        Path(args.out).write_bytes(body)
+        print(f"{args.rid}: {len(body)} bytes of {args.format} → {args.out}", file=sys.stderr)
+    elif args.format in ("json", "sglang_b64"):
+        sys.stdout.write(body.decode())
+        sys.stdout.write("\n")
+    else:
+        from service.client import parse_npy
+
+        summary = f"{len(body)} bytes"
+        if args.format == "npy":
+            array = parse_npy(body)
+            summary = f"shape {array.shape} dtype {array.dtype}"
+        print(f"{args.rid}: {summary} (use --out FILE to save it)")
+    return 0
+
+
+# ---- budget -------------------------------------------------------------------------------------------
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    try:
+        from engine_ext.budget_cli import main as budget_main
+    except ImportError as exc:
+        print(
+            f"r3-sidecar budget: the engine extension's budget check is not available ({exc}). "
+            "Install the engine extra: pip install 'r3-sidecar[engine]'",
+            file=sys.stderr,
+        )
+        return 2
+    return int(budget_main(list(args.sglang_args)) or 0)
+
+
+# ---- entry --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="r3-sidecar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the spool over HTTP (GET /routed_experts/<rid>, /metrics)")
+    _add_settings_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser("demo", help="serve with the built-in demo engine writing records (temp spool)")
+    _add_settings_flags(demo)
+    demo.add_argument("--max-live", type=int, default=64, help="stop creating records while this many exist")
+    demo.add_argument("--max-records", type=int, default=None, help="create at most this many records")
+    demo.add_argument("--step-ms", type=float, default=30.0, help="decode step period (one row per request)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_demo)
+
+    fetch = sub.add_parser("fetch", help="fetch one record")
+    fetch.add_argument("rid")
+    fetch.add_argument("--url", default=os.environ.get("R3_SIDECAR_URL", DEFAULT_URL))
+    fetch.add_argument("--format", default="npy", choices=("npy", "raw", "json", "sglang_b64"))
+    fetch.add_argument("--out", help="write the body here ('-' for stdout)")
+    fetch.add_argument("--start", type=int)
+    fetch.add_argument("--end", type=int)
+    fetch.add_argument("--layers", help="comma list of model layer indices")
+    fetch.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the record to be final")
+    fetch.add_argument("--token", help="bearer token (default: R3_AUTH_TOKEN)")
+    fetch.add_argument("--timeout", type=float, default=30.0)
+    fetch.set_defaults(func=cmd_fetch)
+
+    budget = sub.add_parser(
+        "budget", help="check an SGLang launch's buffer budget: r3-sidecar budget <sglang server args…>"
+    )
+    budget.add_argument("sglang_args", nargs=argparse.REMAINDER)
+    budget.set_defaults(func=cmd_budget)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["budget"] and argv[1:2] not in (["-h"], ["--help"]):
+        # SGLang's own flags follow verbatim; argparse would try to read them as ours.
+        return cmd_budget(argparse.Namespace(sglang_args=argv[1:]))
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValidationError as exc:
+        print(f"r3-sidecar {args.command}: invalid setting\n{exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
