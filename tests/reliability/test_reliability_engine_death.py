@@ -1,0 +1,69 @@
+"""Item 3: an engine (writer process) is SIGKILLed mid-request.
+
+Its open records stop being updated; after `R3_STALE_S` the sidecar marks them `aborted` (rows so far kept),
+so trainers waiting on them get 410 instead of waiting out their whole `wait`, and streams end.
+Records the engine finished before it died are still served byte-exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from urllib.parse import quote
+
+import httpx
+from r3_harness import check_record, read_ledger
+
+from service.spool import Spool
+
+STALE_S = 1.0
+OPEN = 4
+ROWS = 32
+
+
+def test_killed_engine_records_turn_aborted_and_waiters_get_410(make_sidecar, make_writer, spool_dir, tmp_path):
+    side = make_sidecar(spool_dir, env={"R3_STALE_S": str(STALE_S), "R3_RESCAN_S": "0.5", "R3_TTL_S": "600"})
+    ledger = tmp_path / "ledger.jsonl"
+    writer = make_writer(spool_dir, ledger, ["--prefix", "d", "--count", "3", "--rows", str(ROWS), "--chunk", "8",
+                                             "--open", str(OPEN)])
+    deadline = time.monotonic() + 30
+    while not any(e.get("event") == "open_done" for e in read_ledger(ledger)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    open_rids = [f"d-open-{j:04d}" for j in range(OPEN)]
+
+    results: dict[str, tuple[int, float]] = {}
+
+    def wait_on(rid: str, stream: bool) -> None:
+        t0 = time.monotonic()
+        params = {"wait": "60", "format": "raw", **({"stream": "true"} if stream else {})}
+        with httpx.Client(base_url=side.url, timeout=90) as client:
+            r = client.get(f"/routed_experts/{quote(rid, safe='')}", params=params)
+        results[("s:" if stream else "") + rid] = (r.status_code, time.monotonic() - t0)
+
+    waiters = [threading.Thread(target=wait_on, args=(rid, False)) for rid in open_rids]
+    waiters += [threading.Thread(target=wait_on, args=(open_rids[0], True))]
+    for t in waiters:
+        t.start()
+    time.sleep(0.2)
+    writer.kill()
+    killed_at = time.monotonic()
+    for t in waiters:
+        t.join(timeout=70)
+    assert not any(t.is_alive() for t in waiters), "a waiter hung on a dead engine's record"
+
+    for rid in open_rids:
+        code, elapsed = results[rid]
+        assert code == 410, f"{rid}: {code} after {elapsed:.1f}s (want 410 once stale)"
+        assert elapsed < 15 * STALE_S + 5, f"{rid}: 410 only after {elapsed:.1f}s"
+    code, _ = results["s:" + open_rids[0]]
+    assert code in (200, 410), f"stream on a dead engine's record ended with {code}"
+    spool = Spool(spool_dir, create=False)
+    for rid in open_rids:
+        meta = spool.read_meta(rid)
+        assert meta is not None and meta.final and meta.status == "aborted" and meta.rows == ROWS, meta
+    with httpx.Client(base_url=side.url, timeout=10) as client:
+        for rid in (e["rid"] for e in read_ledger(ledger) if e.get("final")):
+            ok, reason = check_record(client, rid, ROWS)
+            assert ok, reason
+    print(f"engine death: {OPEN} open records aborted; waiters got 410 within "
+          f"{max(v[1] for v in results.values()):.2f}s of waiting ({time.monotonic() - killed_at:.2f}s after kill)")

@@ -1,0 +1,216 @@
+"""Item 6: auth, path safety of rids, bounded inputs, least privilege, and no payload in logs.
+
+Each test runs the real sidecar process (`r3-sidecar serve`) on loopback and attacks it over HTTP.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import httpx
+import numpy as np
+import orjson
+from r3_harness import proc_uid
+
+from service.spool import Spool
+
+TOKEN = "s3cret-token-for-tests"
+DATA_ROUTES = [
+    ("GET", "/routed_experts/some-rid", None),
+    ("GET", "/routed_experts/some-rid?stream=true", None),
+    ("DELETE", "/routed_experts/some-rid", None),
+    ("POST", "/routed_experts/batch", {"rids": ["some-rid"]}),
+    ("GET", "/v1/engines", None),
+]
+PATTERN = b"R3PAYLOADSECRET!"  # one row: 4 layers x top-4 of uint8
+
+
+def _write_pattern_record(spool_dir: Path, rid: str, rows: int = 64) -> np.ndarray:
+    arr = np.frombuffer(PATTERN * rows, dtype=np.uint8).reshape(rows, 4, 4)
+    w = Spool(spool_dir).writer(rid, num_experts=256, topk=4, layers=[0, 1, 2, 3], prompt_len=rows)
+    w.append(arr)
+    w.finalize()
+    return arr
+
+
+def _assert_error_json(r: httpx.Response, code: int) -> None:
+    assert r.status_code == code, (r.status_code, r.text[:300])
+    body = r.json()
+    assert set(body) >= {"error", "detail"} and body["detail"], body
+
+
+def test_auth_required_on_every_data_route(make_sidecar, spool_dir):
+    _write_pattern_record(spool_dir, "some-rid")
+    side = make_sidecar(spool_dir, env={"R3_AUTH_TOKEN": TOKEN})
+    bad_headers = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}x"},
+                   {"Authorization": f"Bearer {TOKEN[:-1]}"}, {"Authorization": TOKEN},
+                   {"Authorization": f"Basic {base64.b64encode(TOKEN.encode()).decode()}"},
+                   {"Authorization": "Bearer "}, {"X-R3-Token": TOKEN}]
+    with httpx.Client(base_url=side.url, timeout=10) as client:
+        for method, path, body in DATA_ROUTES:
+            for headers in bad_headers:
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+                _assert_error_json(r, 401)
+                assert PATTERN not in r.content
+        for path in ("/metrics", "/healthz", "/readyz"):
+            assert client.get(path).status_code == 200, path
+        good = {"Authorization": f"Bearer {TOKEN}"}
+        r = client.get("/routed_experts/some-rid", params={"format": "raw"}, headers=good)
+        assert r.status_code == 200 and r.content.startswith(PATTERN)
+        assert client.get("/v1/engines", headers=good).status_code == 200
+        assert client.delete("/routed_experts/some-rid", headers=good).status_code == 204
+        assert client.get("/routed_experts/some-rid", headers=good).status_code == 404
+
+
+HOSTILE_RIDS = ["..", "../outside", "../../outside", "..%2Foutside", "/etc/passwd", "a/../../outside",
+                "v1/../../outside", "x\x00y", "\x00", "é🙂/..", "~" + "0" * 40, "." * 300, "a" * 5000,
+                "..\\outside", "%2e%2e", "\u202e..", "rid\n\r\tX", "~../outside"]
+
+
+def test_rids_never_name_a_path_outside_the_spool(make_sidecar, spool_dir):
+    outside = spool_dir.parent
+    # Decoys a path-joining server would serve or delete: valid-looking records one and two levels up.
+    for where in (outside, spool_dir / "v1", spool_dir):
+        meta = {"v": 1, "rid": "outside", "dtype": "uint8", "num_experts": 256, "topk": 4, "layers": [0, 1, 2, 3],
+                "start": 0, "rows": 1, "prompt_len": 1, "final": True, "status": "ok", "engine": "x",
+                "weight_version": None, "created": 1.0, "updated": 1.0}
+        (where / "outside.json").write_bytes(orjson.dumps(meta))
+        (where / "outside.bin").write_bytes(PATTERN)
+    before = {p: p.stat().st_mtime_ns for p in outside.rglob("*") if p.is_file()}
+    side = make_sidecar(spool_dir)
+    with httpx.Client(base_url=side.url, timeout=10) as client:
+        for rid in HOSTILE_RIDS:
+            for path in (f"/routed_experts/{quote(rid, safe='')}", f"/routed_experts/{quote(rid, safe='/')}"):
+                for method in ("GET", "DELETE"):
+                    r = client.request(method, path, params={"format": "raw"} if method == "GET" else None)
+                    assert r.status_code in (404, 414, 422), (method, path[:80], r.status_code, r.text[:200])
+                    assert PATTERN not in r.content
+        r = client.post("/routed_experts/batch", json={"rids": HOSTILE_RIDS})
+        assert r.status_code in (200, 422), r.status_code
+        assert PATTERN not in r.content
+        after = {p: p.stat().st_mtime_ns for p in outside.rglob("*") if p.is_file()}
+        for p, mtime in before.items():
+            assert after.get(p) == mtime, f"{p} was changed or deleted"
+        # The same hostile names work as rids when a record really has them: stored under a hashed name.
+        for rid in ["../outside", "x\x00y", "é🙂/..", "a" * 5000]:
+            arr = _write_pattern_record(spool_dir, rid, rows=3)
+            r = client.get(f"/routed_experts/{quote(rid, safe='')}", params={"format": "raw", "wait": 5})
+            assert r.status_code == 200 and r.content == arr.tobytes(), (rid[:20], r.status_code, r.text[:200])
+            assert unquote(r.headers["X-R3-Rid"]) == rid, r.headers["X-R3-Rid"][:80]
+            assert client.delete(f"/routed_experts/{quote(rid, safe='')}").status_code == 204
+        assert sorted(p.name for p in (spool_dir / "v1" / "records").iterdir() if not p.name.startswith(".")) == [
+            "outside.bin", "outside.json"]
+    assert side.proc.poll() is None
+
+
+def test_request_sizes_wait_and_batches_are_bounded(make_sidecar, spool_dir):
+    side = make_sidecar(spool_dir, env={"R3_MAX_BATCH": "16", "R3_MAX_WAIT_S": "30"})
+    _write_pattern_record(spool_dir, "r", rows=8)
+    with httpx.Client(base_url=side.url, timeout=30) as client:
+        for wait in ("31", "601", "-1", "1e309", "nan", "inf", "abc", "99999999999999999999"):
+            _assert_error_json(client.get("/routed_experts/r", params={"wait": wait}), 422)
+        for params, code in [({"start": "-1"}, (416, 422)), ({"start": str(2**70)}, (416, 422)),
+                             ({"end": "0"}, (416,)), ({"start": "5", "end": "3"}, (416, 422)),
+                             ({"end": str(10**30)}, (416, 422)), ({"layers": "9"}, (422,)),
+                             ({"layers": ",".join(["0"] * 100000)}, (414, 422, 431)), ({"format": "pickle"}, (422,))]:
+            r = client.get("/routed_experts/r", params=params)
+            assert r.status_code in code, (params if len(str(params)) < 100 else "long", r.status_code)
+        r = client.post("/routed_experts/batch", json={"rids": [f"r{i}" for i in range(17)]})
+        assert r.status_code in (413, 422), r.status_code
+        r = client.post("/routed_experts/batch", json={"rids": ["r"], "wait": 31})
+        assert r.status_code == 422, r.status_code
+        big = b'{"rids": [' + b",".join([b'"' + b"x" * 1000 + b'"'] * 20000) + b"]}"  # 20 MB body
+        try:
+            r = client.post("/routed_experts/batch", content=big, headers={"Content-Type": "application/json"})
+            assert r.status_code in (413, 422), r.status_code
+        except httpx.HTTPError:
+            pass  # the server may cut an oversized upload short; it must stay up (checked below)
+        r = client.post("/routed_experts/batch", content=b"[" * 100000, headers={"Content-Type": "application/json"})
+        assert r.status_code in (400, 413, 422), r.status_code
+        r = client.get("/routed_experts/" + "a" * 100_000)
+        assert r.status_code in (404, 414, 422, 431), r.status_code
+        assert client.get("/routed_experts/r", params={"format": "raw"}).content == PATTERN * 8
+    assert side.proc.poll() is None
+
+
+def _shared_tmp() -> Path:
+    """A temp dir another uid can reach (pytest's tmp_path is 0700 under root)."""
+    base = Path(tempfile.mkdtemp(prefix="r3-rel-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    base.chmod(0o755)
+    return base
+
+
+def test_runs_unprivileged_with_only_the_spool_writable(make_sidecar, tmp_path):
+    base = _shared_tmp()
+    try:
+        spool_dir, ro = base / "spool", base / "ro"
+        spool_dir.mkdir()
+        ro.mkdir()
+        user = group = None
+        if os.geteuid() == 0:
+            user = group = 65534  # nobody
+            os.chown(spool_dir, user, group)
+        ro.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+        env = {"HOME": str(ro), "TMPDIR": str(ro), "XDG_CACHE_HOME": str(ro), "R3_TTL_S": "1", "R3_RESCAN_S": "0.5",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        side = make_sidecar(spool_dir, env=env, cwd=ro, user=user, group=group)
+        assert proc_uid(side.pid) != 0, "the sidecar runs as root"
+        writer_spool = Spool(spool_dir)
+        if user is not None:
+            for d in (spool_dir / "v1", writer_spool.records_dir, writer_spool.engines_dir):
+                os.chown(d, user, group)
+        with httpx.Client(base_url=side.url, timeout=10) as client:
+            for i in range(3):
+                _write_pattern_record(spool_dir, f"p{i}", rows=4)
+                r = client.get(f"/routed_experts/p{i}", params={"format": "raw", "wait": 5})
+                assert r.status_code == 200 and r.content == PATTERN * 4
+                assert client.get("/metrics").status_code == 200
+            assert client.delete("/routed_experts/p0").status_code == 204
+            _write_files = _writable_fds(side.pid)
+            assert all(Path(p).is_relative_to(spool_dir) for p in _write_files), _write_files
+        assert list(ro.iterdir()) == [], f"wrote outside the spool: {list(ro.iterdir())}"
+        assert "PermissionError" not in side.log_tail(100_000), side.log_tail()
+        assert side.proc.poll() is None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _writable_fds(pid: int) -> list[str]:
+    """Regular files the process holds open for writing (flags from /proc/<pid>/fdinfo)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            flags = int(Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+        except (FileNotFoundError, IndexError):
+            continue
+        if target.startswith("/") and flags & (os.O_WRONLY | os.O_RDWR) and os.path.isfile(target):
+            out.append(target)
+    return out
+
+
+def test_no_payload_bytes_in_logs(make_sidecar, spool_dir):
+    arr = _write_pattern_record(spool_dir, "secret-rid", rows=32)
+    side = make_sidecar(spool_dir)
+    with httpx.Client(base_url=side.url, timeout=10) as client:
+        for fmt in ("npy", "raw", "json", "sglang_b64"):
+            assert client.get("/routed_experts/secret-rid", params={"format": fmt}).status_code == 200
+        assert client.get("/routed_experts/secret-rid", params={"stream": "true"}).status_code == 200
+        assert client.post("/routed_experts/batch", json={"rids": ["secret-rid", "nope"]}).status_code == 200
+        assert client.get("/routed_experts/secret-rid", params={"start": "1000"}).status_code == 416
+        assert client.get("/routed_experts/secret-rid", params={"layers": "9"}).status_code == 422
+    side.stop()
+    log = Path(side.log_path).read_bytes()
+    as_json = orjson.dumps(arr.tolist())
+    b64 = base64.b64encode(arr.astype(np.int32).tobytes())
+    needles = {"raw": PATTERN[:8], "json": as_json[10:40], "json-spaced": b"82, 51, 80, 65",
+               "sglang_b64": b64[64:96], "raw-b64": base64.b64encode(PATTERN * 3)[8:32]}
+    found = {name: needle for name, needle in needles.items() if needle in log}
+    assert not found, f"payload in logs: {found}"
