@@ -286,7 +286,12 @@ class Spool:
         row_bytes = meta.row_bytes
         lo, hi = row_lo * row_bytes, row_hi * row_bytes
         step = max(row_bytes, chunk_bytes - chunk_bytes % row_bytes)
-        fd = os.open(self.bin_path(meta.rid), os.O_RDONLY)
+        if lo == hi:
+            return
+        try:
+            fd = os.open(self.bin_path(meta.rid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise SpoolFormatError("missing_bin", f"{meta.rid!r}: {meta.rows} rows promised, no .bin") from None
         try:
             if os.fstat(fd).st_size < hi:
                 raise SpoolFormatError("truncated_bin", f"{meta.rid!r}: .bin shorter than {hi} bytes")

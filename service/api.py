@@ -1,0 +1,569 @@
+"""The HTTP API of Contract 2: `create_app(settings)` builds the FastAPI app with every route.
+
+Bodies stream straight from the spool files (`os.pread` chunks through the pure encoders of
+`service.formats`), so a record is never built whole in memory. Every error is JSON
+`{"error": code, "detail": text}`, FastAPI's own validation and routing errors included, and the
+OpenAPI schema documents each status, media type and header a route can return.
+"""
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+from urllib.parse import quote
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Query, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import formats
+from service.metrics import Metrics
+from service.settings import Settings
+from service.spool import RecordMeta, Spool, SpoolFormatError
+from service.store import Store
+
+log = logging.getLogger("r3.api")
+
+MAX_RID_CHARS = 1024
+LAYERS_PATTERN = r"^[0-9]+(,[0-9]+)*$"
+
+
+# ---- errors -----------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error response: HTTP status, a short machine code and a sentence for a person."""
+
+    def __init__(self, status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.code, self.detail, self.headers = status, code, detail, headers
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="Short machine-readable code, e.g. `not_found`.")
+    detail: str = Field(description="What was wrong, for a person.")
+
+
+class Pending(BaseModel):
+    rid: str
+    rows: int = Field(description="Rows written so far.")
+    final: Literal[False]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Engines(BaseModel):
+    engines: list[dict[str, Any]] = Field(description="Engine files (Contract 1), one per engine process.")
+
+
+def error_response(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+def _validation_detail(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("query", "path", "body"))
+        parts.append(f"{loc or 'request'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as `{"error", "detail"}` JSON, including FastAPI's and Starlette's own."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.detail, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_parameter", _validation_detail(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no route {request.method} {request.url.path}"
+        return error_response(
+            exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), detail, dict(exc.headers or {})
+        )
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse request bodies over `max_bytes` with 413 before the app reads them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        detail = f"request body over {self.max_bytes} bytes"
+        await error_response(413, "body_too_large", detail)(scope, receive, send)
+
+
+# ---- OpenAPI descriptions ---------------------------------------------------------------------
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_TEXT = {"type": "string"}
+_X_HEADERS = {
+    "X-R3-Rid": "The rid, percent-encoded UTF-8.",
+    "X-R3-Dtype": "numpy dtype of the numbers in the body (`int32` for `sglang_b64`).",
+    "X-R3-Shape": "`rows,layers,topk` of the returned array.",
+    "X-R3-Start": "Token position of the first returned row.",
+    "X-R3-Prompt-Len": "Prompt length of the request.",
+    "X-R3-Layers": "Comma list of the model layer index of each returned layer slot.",
+    "X-R3-Final": "`true` when the record is complete.",
+}
+_ERRORS = {
+    401: "Missing or wrong bearer token (only when R3_AUTH_TOKEN is set).",
+    404: "No such record.",
+    410: "The record was aborted, ended in error, was corrupt, or expired.",
+    416: "`start`/`end` outside the record's rows.",
+    422: "Malformed parameters.",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody, "description": _ERRORS[code]} for code in codes}
+
+
+RECORD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The rows, in the requested format (or frames with `stream=true`).",
+        "headers": {name: {"description": text, "schema": {"type": "string"}} for name, text in _X_HEADERS.items()},
+        "content": {
+            "application/x-npy": _BINARY,
+            "application/octet-stream": _BINARY,
+            "application/json": {"schema": {"type": "object"}},
+            "text/plain": {"schema": _TEXT},
+            formats.FRAMES_MEDIA_TYPE: _BINARY,
+        },
+    },
+    202: {"model": Pending, "description": "The record exists but is not final after `wait`."},
+    **_errors(401, 404, 410, 416, 422),
+}
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def header_rid(rid: str) -> str:
+    return quote(rid, safe=":")
+
+
+def _gone(meta: RecordMeta) -> ApiError:
+    return ApiError(410, f"record_{meta.status}", f"record {meta.rid!r} ended with status {meta.status!r}")
+
+
+def _missing(store: Store, rid: str) -> ApiError:
+    if store.expired(rid):
+        return ApiError(410, "expired", f"record {rid!r} expired and was deleted")
+    return ApiError(404, "not_found", f"no record {rid!r}")
+
+
+def _slots(meta: RecordMeta, wanted: list[int] | None) -> list[int] | None:
+    try:
+        return formats.layer_slots(meta.layers, wanted)
+    except ValueError as exc:
+        raise ApiError(422, "invalid_layers", str(exc)) from None
+
+
+def _check_bin(store: Store, meta: RecordMeta, row_hi: int) -> None:
+    """Refuse a record whose `.bin` is shorter than its metadata promises (corrupt: 410, counted)."""
+    need = row_hi * meta.row_bytes
+    try:
+        size = os.stat(store.spool.bin_path(meta.rid)).st_size if need else 0
+    except FileNotFoundError:
+        size = -1
+    if size < need:
+        reason = "missing_bin" if size < 0 else "truncated_bin"
+        store.count_skip(reason)
+        raise ApiError(410, reason, f"record {meta.rid!r}: .bin holds fewer than {meta.rows} rows (corrupt)")
+
+
+def _row_chunks(store: Store, meta: RecordMeta, row_lo: int, row_hi: int, slots: list[int] | None) -> Iterator[bytes]:
+    """Rows `[row_lo, row_hi)` narrowed to `slots`, chunk by chunk (one `pread` each)."""
+    chunks = store.spool.iter_rows(meta, row_lo, row_hi, chunk_bytes=store.settings.chunk_bytes)
+    return formats.select_layers(chunks, np.dtype(meta.dtype), len(meta.layers), meta.topk, slots)
+
+
+def _frame(rid: str, status: int, meta: RecordMeta | None, **extra: Any) -> bytes:
+    """Header of a frame without payload (status ≠ 200, or an empty final frame)."""
+    layers = list(meta.layers) if meta else []
+    header = {
+        "rid": rid,
+        "status": status,
+        "dtype": meta.dtype if meta else "uint8",
+        "shape": [0, len(layers), meta.topk if meta else 0],
+        "start": meta.end if meta else 0,
+        "layers": layers,
+        "final": bool(meta and meta.final),
+        **extra,
+    }
+    return formats.frame_header(header)
+
+
+# ---- app --------------------------------------------------------------------------------------
+def create_app(settings: Settings) -> FastAPI:
+    """The sidecar app over `settings.spool_dir`; its store starts and stops with the app's lifespan."""
+    spool = Spool(settings.spool_dir)
+    store = Store(spool, settings)
+    metrics = Metrics(store)
+    token = settings.auth_token.encode() if settings.auth_token else None
+    bearer = HTTPBearer(auto_error=False, description="Required when the sidecar runs with R3_AUTH_TOKEN.")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await store.start()
+        try:
+            yield
+        finally:
+            await store.stop()
+
+    app = FastAPI(
+        title="r3-sidecar",
+        version="1",
+        summary="Routed experts of MoE requests, served from the r3 spool (Contract 2).",
+        lifespan=lifespan,
+    )
+    app.state.settings, app.state.store, app.state.metrics = settings, store, metrics
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=64 * 1024 + settings.max_batch * (4 * MAX_RID_CHARS + 8))
+
+    async def authorized(creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> None:
+        if token is None:
+            return
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token):
+            raise ApiError(
+                401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    Auth = Annotated[None, Security(authorized)]
+    Wait = Annotated[
+        float,
+        Query(ge=0, le=settings.max_wait_s, description="Seconds to wait until the record exists and is final."),
+    ]
+    Rid = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RID_CHARS)]
+
+    class BatchRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        rids: list[Rid] = Field(max_length=settings.max_batch, description="Rids, answered in this order.")
+        wait: float = Field(0.0, ge=0, le=settings.max_wait_s, description="Seconds to wait for all of them.")
+        layers: list[NonNegativeInt] | None = Field(None, description="Model layer indices to return.")
+
+    def observe(fmt: str, code: int, t0: float, nbytes: int = 0) -> None:
+        metrics.observe(fmt, code, nbytes, time.perf_counter() - t0)
+
+    async def counted(body: Iterator[bytes] | AsyncIterator[bytes], fmt: str, t0: float) -> AsyncIterator[bytes]:
+        """Pass the body through, counting bytes; observe the fetch when it ends (or the client leaves)."""
+        sent = 0
+        try:
+            if isinstance(body, Iterator):
+                for chunk in body:
+                    sent += len(chunk)
+                    yield chunk
+            else:
+                async for chunk in body:
+                    sent += len(chunk)
+                    yield chunk
+        finally:
+            observe(fmt, 200, t0, sent)
+
+    # ---- GET /routed_experts/{rid} ---------------------------------------------------------
+    @app.post(
+        "/routed_experts/batch",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "One frame per rid in request order, each header with its own `status`.",
+                "content": {formats.FRAMES_MEDIA_TYPE: _BINARY},
+            },
+            413: {"model": ErrorBody, "description": "Request body too large."},
+            **_errors(401, 422),
+        },
+        summary="Several records at once, as frames",
+    )
+    async def batch(request: BatchRequest, _auth: Auth) -> StreamingResponse:
+        t0 = time.perf_counter()
+        wanted = request.layers
+        if wanted is not None and len(set(wanted)) != len(wanted):
+            raise ApiError(422, "invalid_layers", f"layers {wanted} repeat an index")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + request.wait
+
+        async def frames() -> AsyncIterator[bytes]:
+            for rid in request.rids:
+                meta = await store.wait_final(rid, deadline - loop.time())
+                if meta is None:
+                    err = _missing(store, rid)
+                    yield _frame(rid, err.status, None, error=err.code, detail=err.detail)
+                    continue
+                if not meta.final:
+                    yield _frame(rid, 202, meta, rows=meta.rows, error="not_final", detail="record is not final")
+                    continue
+                if meta.status != "ok":
+                    err = _gone(meta)
+                    yield _frame(rid, 410, meta, error=err.code, detail=err.detail)
+                    continue
+                try:
+                    slots = _slots(meta, wanted)
+                    _check_bin(store, meta, meta.rows)
+                except ApiError as err:
+                    yield _frame(rid, err.status, meta, error=err.code, detail=err.detail)
+                    continue
+                layers = list(wanted) if wanted is not None else list(meta.layers)
+                header = {
+                    "rid": rid,
+                    "status": 200,
+                    "dtype": meta.dtype,
+                    "shape": [meta.rows, len(layers), meta.topk],
+                    "start": meta.start,
+                    "layers": layers,
+                    "final": True,
+                    "prompt_len": meta.prompt_len,
+                }
+                yield formats.frame_header(header)
+                for chunk in _row_chunks(store, meta, 0, meta.rows, slots):
+                    yield chunk
+
+        return StreamingResponse(counted(frames(), "batch", t0), media_type=formats.FRAMES_MEDIA_TYPE)
+
+    @app.get(
+        "/routed_experts/{rid:path}",
+        response_class=Response,
+        responses=RECORD_RESPONSES,
+        summary="One record's routed experts",
+    )
+    async def get_record(
+        rid: str,
+        _auth: Auth,
+        fmt: Annotated[formats.Format, Query(alias="format", description="Body format.")] = "npy",
+        start: Annotated[int | None, Query(ge=0, description="First token position (default: record start).")] = None,
+        end: Annotated[int | None, Query(ge=0, description="One past the last token position.")] = None,
+        layers: Annotated[
+            str | None, Query(pattern=LAYERS_PATTERN, max_length=65536, description="Comma list of layer indices.")
+        ] = None,
+        wait: Wait = 0.0,
+        stream: Annotated[bool, Query(description="Send frames as rows arrive, until final.")] = False,
+    ) -> Response:
+        t0 = time.perf_counter()
+        if not rid or len(rid) > MAX_RID_CHARS:
+            raise ApiError(422, "invalid_rid", f"rid must be 1 … {MAX_RID_CHARS} characters")
+        try:
+            wanted = formats.parse_layers(layers) if layers is not None else None
+        except ValueError as exc:
+            raise ApiError(422, "invalid_layers", str(exc)) from None
+        try:
+            if stream:
+                return await stream_record(rid, wanted, start, end, wait, t0)
+            return await fetch_record(rid, fmt, wanted, start, end, wait, t0)
+        except ApiError as err:
+            observe("frames" if stream else fmt, err.status, t0)
+            raise
+
+    async def fetch_record(
+        rid: str, fmt: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, t0: float
+    ) -> Response:
+        meta = await store.wait_final(rid, wait) if wait > 0 else store.lookup(rid)
+        if meta is None:
+            raise _missing(store, rid)
+        if not meta.final:
+            observe(fmt, 202, t0)
+            return JSONResponse({"rid": rid, "rows": meta.rows, "final": False}, status_code=202)
+        if meta.status != "ok":
+            raise _gone(meta)
+        slots = _slots(meta, wanted)
+        lo = meta.start if start is None else start
+        hi = meta.end if end is None else end
+        if not meta.start <= lo <= hi <= meta.end:
+            raise ApiError(
+                416, "range_not_satisfiable", f"[{lo}, {hi}) is not inside the record's [{meta.start}, {meta.end})"
+            )
+        row_lo, row_hi = lo - meta.start, hi - meta.start
+        _check_bin(store, meta, row_hi)
+        out_layers = list(wanted) if wanted is not None else list(meta.layers)
+        shape = (row_hi - row_lo, len(out_layers), meta.topk)
+        out_dtype = formats.payload_dtype(fmt, meta.dtype)
+        headers = {
+            "X-R3-Rid": header_rid(rid),
+            "X-R3-Dtype": out_dtype,
+            "X-R3-Shape": ",".join(map(str, shape)),
+            "X-R3-Start": str(lo),
+            "X-R3-Prompt-Len": str(meta.prompt_len),
+            "X-R3-Layers": ",".join(map(str, out_layers)),
+            "X-R3-Final": "true",
+        }
+        length = formats.body_length(fmt, np.dtype(meta.dtype), shape)
+        if length is not None:
+            headers["Content-Length"] = str(length)
+        head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
+        body = formats.encode(
+            fmt, _row_chunks(store, meta, row_lo, row_hi, slots), dtype=np.dtype(meta.dtype), shape=shape, head=head
+        )
+        return StreamingResponse(counted(body, fmt, t0), media_type=formats.MEDIA_TYPES[fmt], headers=headers)
+
+    async def stream_record(
+        rid: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, t0: float
+    ) -> Response:
+        meta = await store.wait_until(rid, lambda m: m is not None, wait)
+        if meta is None:
+            raise _missing(store, rid)
+        if meta.final and meta.status != "ok":
+            raise _gone(meta)
+        slots = _slots(meta, wanted)
+        lo = meta.start if start is None else start
+        if lo < meta.start or (end is not None and end < lo) or (meta.final and max(lo, end or lo) > meta.end):
+            raise ApiError(
+                416, "range_not_satisfiable", f"start={lo}, end={end} do not fit the record starting at {meta.start}"
+            )
+        out_layers = list(wanted) if wanted is not None else list(meta.layers)
+        row_bytes = len(out_layers) * meta.topk * meta.itemsize
+        rows_per_frame = max(1, settings.chunk_bytes // max(1, row_bytes))
+        limit = None if end is None else end - meta.start
+        headers = {
+            "X-R3-Rid": header_rid(rid),
+            "X-R3-Dtype": meta.dtype,
+            "X-R3-Shape": f"{max(0, meta.rows - (lo - meta.start))},{len(out_layers)},{meta.topk}",
+            "X-R3-Start": str(lo),
+            "X-R3-Prompt-Len": str(meta.prompt_len),
+            "X-R3-Layers": ",".join(map(str, out_layers)),
+            "X-R3-Final": "true" if meta.final else "false",
+        }
+
+        async def frames() -> AsyncIterator[bytes]:
+            sent = lo - meta.start
+            current: RecordMeta | None = meta
+            while True:
+                if current is None:
+                    err = _missing(store, rid)
+                    yield _frame(rid, err.status, None, error=err.code, detail=err.detail)
+                    return
+                stop = current.rows if limit is None else min(current.rows, limit)
+                while sent < stop:
+                    upto = min(stop, sent + rows_per_frame)
+                    is_last = current.final and upto == current.rows
+                    try:
+                        _check_bin(store, current, upto)
+                    except ApiError as err:
+                        yield _frame(rid, err.status, current, error=err.code, detail=err.detail)
+                        return
+                    header = {
+                        "rid": rid,
+                        "status": 200,
+                        "dtype": current.dtype,
+                        "shape": [upto - sent, len(out_layers), current.topk],
+                        "start": current.start + sent,
+                        "layers": out_layers,
+                        "final": is_last and current.status == "ok",
+                        "record_status": current.status,
+                    }
+                    yield formats.frame_header(header)
+                    for chunk in _row_chunks(store, current, sent, upto, slots):
+                        yield chunk
+                    sent = upto
+                    if header["final"]:
+                        return
+                done = current.final or (limit is not None and sent >= limit)
+                if done:
+                    status = 200 if current.status == "ok" or not current.final else 410
+                    extra = {} if status == 200 else {"error": f"record_{current.status}", "detail": "record ended"}
+                    yield _frame(rid, status, current, record_status=current.status, **extra)
+                    return
+                current = await store.wait_until(
+                    rid, lambda m, seen=sent: m is None or m.final or m.rows > seen, settings.rescan_s
+                )
+
+        return StreamingResponse(counted(frames(), "frames", t0), media_type=formats.FRAMES_MEDIA_TYPE, headers=headers)
+
+    # ---- DELETE ------------------------------------------------------------------------------
+    @app.delete(
+        "/routed_experts/{rid:path}",
+        status_code=204,
+        response_class=Response,
+        responses={204: {"description": "Deleted; the spool space is freed."}, **_errors(401, 404, 422)},
+        summary="Acknowledge a record: delete its files",
+    )
+    async def delete_record(rid: str, _auth: Auth) -> Response:
+        if not rid or len(rid) > MAX_RID_CHARS:
+            raise ApiError(422, "invalid_rid", f"rid must be 1 … {MAX_RID_CHARS} characters")
+        if not store.delete(rid):
+            raise ApiError(404, "not_found", f"no record {rid!r}")
+        return Response(status_code=204)
+
+    # ---- engines, health, metrics -----------------------------------------------------------
+    @app.get("/v1/engines", response_model=Engines, responses=_errors(401), summary="Engine budget and occupancy")
+    async def engines(_auth: Auth) -> Response:
+        return Response(orjson.dumps({"engines": store.engines()}), media_type="application/json")
+
+    @app.get("/healthz", response_model=Health, summary="Liveness")
+    async def healthz() -> Health:
+        return Health(status="ok")
+
+    @app.get(
+        "/readyz",
+        response_model=Health,
+        responses={503: {"model": ErrorBody, "description": "The spool index is not ready."}},
+        summary="Readiness: the spool is indexed and watched",
+    )
+    async def readyz() -> Response:
+        if not store.ready or not spool.records_dir.is_dir():
+            return error_response(503, "not_ready", f"spool {spool.root} is not indexed or not present")
+        return JSONResponse({"status": "ready"})
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": _TEXT}}}
+        },
+        summary="Prometheus metrics (Contract 3)",
+    )
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for `uvicorn --factory service.api:app_from_env`: settings from `R3_*` variables."""
+    return create_app(Settings())
+
+
+__all__ = ["ApiError", "SpoolFormatError", "app_from_env", "create_app"]

@@ -1,0 +1,194 @@
+"""Body encoders for Contract 2: pure functions from row bytes to response bytes, chunk by chunk.
+
+Every encoder takes an iterator of whole-row chunks (C order, the record's dtype, already narrowed to
+the requested layers) and yields body chunks, so a large record is never held whole in memory. The
+callers (`service.api`) own the I/O; nothing here touches a file or a socket.
+"""
+
+from __future__ import annotations
+
+import binascii
+import io
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import orjson
+
+Format = Literal["npy", "raw", "json", "sglang_b64"]
+FORMATS: tuple[str, ...] = ("npy", "raw", "json", "sglang_b64")
+MEDIA_TYPES: dict[str, str] = {
+    "npy": "application/x-npy",
+    "raw": "application/octet-stream",
+    "json": "application/json",
+    "sglang_b64": "text/plain; charset=utf-8",
+}
+FRAMES_MEDIA_TYPE = "application/vnd.r3.frames"
+SGLANG_DTYPE = np.dtype("<i4")
+
+_FRAME_LEN = struct.Struct("<I")
+
+
+# ---- layers -----------------------------------------------------------------------------------
+def parse_layers(text: str) -> list[int]:
+    """`"0,3,5"` → `[0, 3, 5]`; raises ValueError with a message a client can act on."""
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p.isdigit() or not p.isascii() for p in parts):
+        raise ValueError(f"layers={text!r}: want a comma list of non-negative layer indices, e.g. 0,1,5")
+    layers = [int(p) for p in parts]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers={text!r}: an index repeats")
+    return layers
+
+
+def layer_slots(record_layers: Sequence[int], wanted: Sequence[int] | None) -> list[int] | None:
+    """Slot index of each wanted model layer in a row, or None for all of them (no gather needed).
+
+    Raises ValueError naming the layers the record does not hold.
+    """
+    if wanted is None:
+        return None
+    position = {layer: slot for slot, layer in enumerate(record_layers)}
+    missing = [layer for layer in wanted if layer not in position]
+    if missing:
+        raise ValueError(f"layers {missing} are not in this record (it holds {list(record_layers)})")
+    slots = [position[layer] for layer in wanted]
+    return None if slots == list(range(len(record_layers))) else slots
+
+
+def select_layers(
+    chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, slots: list[int] | None
+) -> Iterator[bytes]:
+    """Narrow each chunk of whole rows to the given layer slots (one numpy gather per chunk)."""
+    if slots is None:
+        yield from chunks
+        return
+    index = np.asarray(slots, dtype=np.intp)
+    for chunk in chunks:
+        rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
+        yield rows[:, index, :].tobytes()
+
+
+# ---- encoders ---------------------------------------------------------------------------------
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The `.npy` preamble for a C-order array; the raw rows follow it unchanged."""
+    buf = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue()
+
+
+def encode_npy(chunks: Iterable[bytes], dtype: np.dtype, shape: tuple[int, ...]) -> Iterator[bytes]:
+    yield npy_header(dtype, shape)
+    yield from chunks
+
+
+def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes]:
+    """Widen to little-endian int32, SGLang's dtype for `meta_info["routed_experts"]`."""
+    dtype = np.dtype(dtype)
+    if dtype == SGLANG_DTYPE:
+        yield from chunks
+        return
+    for chunk in chunks:
+        yield np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE).tobytes()
+
+
+def encode_b64(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """Standard base64 of the concatenated chunks, emitted per chunk.
+
+    Each piece encodes a multiple of 3 bytes (the remainder is carried), so the concatenated output is
+    byte-identical to `base64.b64encode(b"".join(chunks))`.
+    """
+    carry = b""
+    for chunk in chunks:
+        data = carry + chunk if carry else chunk
+        cut = len(data) - len(data) % 3
+        carry = data[cut:]
+        if cut:
+            yield binascii.b2a_base64(memoryview(data)[:cut], newline=False)
+    if carry:
+        yield binascii.b2a_base64(carry, newline=False)
+
+
+def b64_length(nbytes: int) -> int:
+    return 4 * ((nbytes + 2) // 3)
+
+
+def encode_json(
+    chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, head: dict[str, Any]
+) -> Iterator[bytes]:
+    """`{...head, "data": [[[e, …], …], …]}`, streamed row chunk by row chunk (for debugging)."""
+    yield orjson.dumps(head)[:-1] + b',"data":['
+    first = True
+    for chunk in chunks:
+        rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
+        if not len(rows):
+            continue
+        body = orjson.dumps(rows, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+        yield body if first else b"," + body
+        first = False
+    yield b"]}"
+
+
+def encode(
+    fmt: str,
+    chunks: Iterable[bytes],
+    *,
+    dtype: np.dtype,
+    shape: tuple[int, int, int],
+    head: dict[str, Any] | None = None,
+) -> Iterator[bytes]:
+    """Dispatch to the encoder for `fmt`; `shape` is `(rows, layers, topk)` of what `chunks` hold."""
+    dtype = np.dtype(dtype)
+    if fmt == "raw":
+        return iter(chunks)
+    if fmt == "npy":
+        return encode_npy(chunks, dtype, shape)
+    if fmt == "sglang_b64":
+        return encode_b64(to_int32(chunks, dtype))
+    if fmt == "json":
+        return encode_json(chunks, dtype, shape[1], shape[2], head or {})
+    raise ValueError(f"format={fmt!r}: one of {', '.join(FORMATS)}")
+
+
+def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int]) -> int | None:
+    """Exact body size when it is known before encoding (all but `json`)."""
+    n = int(np.prod(shape))
+    if fmt == "raw":
+        return n * np.dtype(dtype).itemsize
+    if fmt == "npy":
+        return len(npy_header(dtype, shape)) + n * np.dtype(dtype).itemsize
+    if fmt == "sglang_b64":
+        return b64_length(n * SGLANG_DTYPE.itemsize)
+    return None
+
+
+def payload_dtype(fmt: str, dtype: str) -> str:
+    """The dtype of the numbers a response carries (SGLang's base64 is always int32)."""
+    return "int32" if fmt == "sglang_b64" else dtype
+
+
+# ---- frames (application/vnd.r3.frames) -------------------------------------------------------
+def frame_header(header: dict[str, Any]) -> bytes:
+    """`[u32 LE header length][UTF-8 JSON header]`; the payload follows, `prod(shape) * itemsize` bytes."""
+    data = orjson.dumps(header)
+    return _FRAME_LEN.pack(len(data)) + data
+
+
+def parse_frames(body: bytes) -> list[tuple[dict[str, Any], bytes]]:
+    """Split a whole frames body into `(header, payload)` pairs (the inverse of `frame_header` + payload)."""
+    frames = []
+    pos = 0
+    while pos < len(body):
+        if pos + 4 > len(body):
+            raise ValueError(f"frames: {len(body) - pos} stray bytes at {pos}")
+        (hlen,) = _FRAME_LEN.unpack_from(body, pos)
+        header = orjson.loads(body[pos + 4 : pos + 4 + hlen])
+        pos += 4 + hlen
+        size = int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize
+        if pos + size > len(body):
+            raise ValueError(f"frames: payload of {header.get('rid')!r} cut short")
+        frames.append((header, body[pos : pos + size]))
+        pos += size
+    return frames

@@ -1,0 +1,147 @@
+"""Prometheus metrics of Contract 3, one `CollectorRegistry` per app.
+
+Request counters are updated by the API as it serves. Everything that is a fact about the spool or the
+engines (records by state, bytes, engine budgets and occupancy) is read at scrape time by a custom
+collector, so there is no background poller and no second copy of the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from service.store import Store
+
+log = logging.getLogger("r3.metrics")
+
+FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0)
+RECORD_STATES = ("open", "ok", "aborted", "error")
+
+
+class Metrics:
+    """The counters the API updates, plus the scrape-time collector over the store."""
+
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.served = Counter(
+            "r3_served", "Responses to record requests, by format and HTTP status.", ["format", "code"],
+            registry=self.registry,
+        )
+        self.served_bytes = Counter("r3_served_bytes", "Body bytes of record responses.", registry=self.registry)
+        self.fetch_seconds = Histogram(
+            "r3_fetch_seconds", "Time to serve one record request, waits included.", buckets=FETCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(SpoolCollector(store))
+
+    def observe(self, fmt: str, code: int, nbytes: int, seconds: float) -> None:
+        self.served.labels(format=fmt, code=str(code)).inc()
+        if nbytes:
+            self.served_bytes.inc(nbytes)
+        self.fetch_seconds.observe(seconds)
+
+
+def _num(value: Any) -> float:
+    """A JSON number as float; anything else is a malformed engine file."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"not a number: {value!r}")
+    return float(value)
+
+
+def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: float) -> list[Any]:
+    """Contract 3's per-engine gauges from parsed engine files (pure: no I/O)."""
+    g = {
+        name: GaugeMetricFamily(name, doc, labels=labels)
+        for name, doc, labels in (
+            ("r3_buffer_capacity", "Capacity of an engine buffer, in its unit.", ["engine", "buffer"]),
+            ("r3_buffer_peak", "Peak use of an engine buffer over the last window.", ["engine", "buffer"]),
+            ("r3_buffer_headroom_ratio", "1 - peak/capacity over the last window.", ["engine", "buffer"]),
+            ("r3_budget_capacity", "Budgeted capacity of a buffer at launch.", ["engine", "buffer"]),
+            ("r3_budget_demand", "Worst-case demand on a buffer at launch.", ["engine", "buffer"]),
+            ("r3_budget_ok", "1 when the buffer's capacity covers its worst-case demand.", ["engine", "buffer"]),
+            ("r3_host_cache_used_tokens", "Tokens held in the host routed-experts cache.", ["engine"]),
+            ("r3_host_cache_capacity_tokens", "Capacity of the host routed-experts cache in tokens.", ["engine"]),
+            ("r3_engine_queued_bytes", "Bytes queued in the engine's spool writer.", ["engine"]),
+            ("r3_engine_stale", "1 when the engine file was not updated within engine_stale_s.", ["engine"]),
+        )
+    }
+    fallback = CounterMetricFamily(
+        "r3_engine_fallback_inline", "Requests that kept SGLang's inline payload (spool refused).", labels=["engine"]
+    )
+    for report in engines:
+        engine = report["engine"]
+        try:
+            rows: list[tuple[str, list[str], float]] = []
+            for occ in report.get("occupancy") or []:
+                buf, cap, peak = str(occ["buffer"]), _num(occ["capacity"]), _num(occ["peak"])
+                rows += [
+                    ("r3_buffer_capacity", [engine, buf], cap),
+                    ("r3_buffer_peak", [engine, buf], peak),
+                    ("r3_buffer_headroom_ratio", [engine, buf], 1.0 - peak / cap if cap > 0 else 0.0),
+                ]
+            for bud in report.get("budget") or []:
+                buf = str(bud["buffer"])
+                rows += [
+                    ("r3_budget_capacity", [engine, buf], _num(bud["capacity"])),
+                    ("r3_budget_demand", [engine, buf], _num(bud["demand"])),
+                    ("r3_budget_ok", [engine, buf], 1.0 if bud["ok"] else 0.0),
+                ]
+            host = report.get("host_cache") or {}
+            if host:
+                rows += [
+                    ("r3_host_cache_used_tokens", [engine], _num(host["used_tokens"])),
+                    ("r3_host_cache_capacity_tokens", [engine], _num(host["capacity_tokens"])),
+                ]
+            writer = report.get("writer") or {}
+            if writer:
+                rows.append(("r3_engine_queued_bytes", [engine], _num(writer["queued_bytes"])))
+                fallback_inline = _num(writer["fallback_inline"])
+            else:
+                fallback_inline = None
+            updated = _num(report.get("updated"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.warning("engine file of %r is malformed (%s); its gauges are left out", engine, exc)
+            continue
+        for name, labels, value in rows:
+            g[name].add_metric(labels, value)
+        if fallback_inline is not None:
+            fallback.add_metric([engine], fallback_inline)
+        g["r3_engine_stale"].add_metric([engine], 1.0 if now - updated > stale_after_s else 0.0)
+    return [*g.values(), fallback]
+
+
+class SpoolCollector(Collector):
+    """Reads the store and the engine files at scrape time."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Any]:
+        store = self.store
+        records = GaugeMetricFamily("r3_records", "Records in the spool, by state.", labels=["state"])
+        counts = store.state_counts()
+        for state in (*RECORD_STATES, *sorted(set(counts) - set(RECORD_STATES))):
+            records.add_metric([state], counts.get(state, 0))
+        yield records
+        yield GaugeMetricFamily("r3_spool_bytes", "Bytes held by record files.", value=store.usage_bytes())
+        yield GaugeMetricFamily(
+            "r3_spool_capacity_bytes", "Spool capacity (R3_SPOOL_MAX_BYTES or the file system size).",
+            value=store.capacity_bytes(),
+        )
+        yield CounterMetricFamily(
+            "r3_records_expired", "Records deleted by retention (TTL).", value=store.expired_total
+        )
+        engines = store.engines()
+        skipped = CounterMetricFamily(
+            "r3_spool_skipped", "Malformed or foreign spool files skipped, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(store.skipped.items()):
+            skipped.add_metric([reason], count)
+        yield skipped
+        yield from engine_families(engines, store.settings.engine_stale_s, time.time())

@@ -1,0 +1,50 @@
+"""Shared fixtures: a temporary spool, sidecar settings over it, and a live sidecar on 127.0.0.1."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import live_server
+
+from service.settings import Settings
+from service.spool import Spool
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
+
+
+@pytest.fixture
+def spool(spool_dir: Path) -> Spool:
+    return Spool(spool_dir)
+
+
+@pytest.fixture
+def make_settings(spool_dir: Path) -> Callable[..., Settings]:
+    """`make_settings(ttl_s=1, ...)`: settings over the test spool (no `R3_*` from the environment leaks in)."""
+
+    def make(**overrides: object) -> Settings:
+        return Settings.model_validate({"spool_dir": spool_dir, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def serve(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., str]]:
+    """`base_url = serve(auth_token="t", ...)`: start a sidecar (threaded uvicorn); stopped after the test."""
+    with ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(live_server(make_settings(**overrides)))
+
+
+@pytest.fixture
+def base_url(serve: Callable[..., str]) -> str:
+    """A sidecar with default settings over the test spool."""
+    return serve()

@@ -1,0 +1,145 @@
+"""Shared test helpers: a real uvicorn sidecar on a free 127.0.0.1 port, and record writing shortcuts.
+
+`live_server(settings)` runs the app in a thread of this process (fast to start, for API tests);
+`live_server(settings, process=True)` runs it as a separate `uvicorn` process (its own GIL: for
+benchmarks and restart tests). Both bind the socket here first, so there is no port race.
+Import as `from helpers import live_server` (pytest puts `tests/` on the path through `conftest.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import uvicorn
+
+from service.api import create_app
+from service.settings import Settings
+from service.spool import RecordMeta, Spool
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bound_socket() -> socket.socket:
+    """A listening-ready TCP socket on 127.0.0.1 with a free port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def _wait_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/readyz", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.02)
+    raise TimeoutError(f"sidecar at {base_url} not ready in {timeout}s")
+
+
+@contextlib.contextmanager
+def live_server(settings: Settings, *, process: bool = False, timeout: float = 20.0) -> Iterator[str]:
+    """Serve `create_app(settings)` on 127.0.0.1; yield its base URL; shut it down on exit."""
+    sock = bound_socket()
+    port = sock.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    if process:
+        sock.listen(128)
+        env = {**os.environ, **settings_env(settings)}
+        cmd = [sys.executable, "-m", "uvicorn", "--factory", "service.api:app_from_env", "--fd", str(sock.fileno()),
+               "--log-level", "warning", "--no-access-log"]
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, pass_fds=(sock.fileno(),))
+        sock.close()
+        try:
+            _wait_ready(base_url, timeout, proc)
+            yield base_url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return
+    config = uvicorn.Config(create_app(settings), log_level="warning", access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="r3-test-uvicorn")
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        yield base_url
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """`R3_*` variables that reproduce `settings` in another process."""
+    env = {}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"R3_{name.upper()}"] = str(value)
+    return env
+
+
+def write_record(
+    spool: Spool,
+    rid: str,
+    rows: np.ndarray,
+    *,
+    num_experts: int = 128,
+    layers: list[int] | None = None,
+    start: int = 0,
+    prompt_len: int = 0,
+    final: bool = True,
+    status: str = "ok",
+    dtype: str | None = None,
+) -> RecordMeta:
+    """Write a whole record through the spool writer; `rows` has shape `(n, layers, topk)`."""
+    layers = list(range(rows.shape[1])) if layers is None else layers
+    writer = spool.writer(
+        rid, num_experts=num_experts, topk=rows.shape[2], layers=layers, start=start, prompt_len=prompt_len,
+        dtype=dtype, engine="test/dp0",
+    )
+    if len(rows):
+        writer.append(rows)
+    return writer.finalize(status) if final else writer.meta
+
+
+def random_rows(n: int, layers: int = 4, topk: int = 8, num_experts: int = 128, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, num_experts, size=(n, layers, topk)).astype(np.int64)
+
+
+def engine_report(engine: str = "pod-a/dp0", *, updated: float | None = None) -> dict:
+    """A complete engine file body (Contract 1) with one buffer in budget and occupancy."""
+    return {
+        "engine": engine,
+        "dp_rank": 0,
+        "pid": os.getpid(),
+        "sglang": "0.5.23",
+        "updated": time.time() if updated is None else updated,
+        "budget": [
+            {"buffer": "device_cache", "unit": "tokens", "capacity": 8192, "demand": 4096, "ok": True,
+             "formula": "N*max(P, bs*w)"},
+        ],
+        "occupancy": [{"buffer": "device_cache", "capacity": 8192, "peak": 2048, "window_s": 60}],
+        "host_cache": {"capacity_tokens": 100000, "used_tokens": 2500},
+        "writer": {"queued_bytes": 1234, "records_written": 7, "fallback_inline": 2, "spool_full": 0},
+    }
