@@ -202,7 +202,7 @@ def parse_npy(buf: bytes | bytearray | memoryview) -> np.ndarray:
 def _meta_from_headers(rid: str, headers: httpx.Headers) -> dict[str, Any]:
     layers = headers.get("x-r3-layers", "")
     return {
-        "rid": headers.get("x-r3-rid", rid),
+        "rid": rid,
         "start": int(headers.get("x-r3-start", "0")),
         "prompt_len": int(headers.get("x-r3-prompt-len", "0")),
         "layers": tuple(int(x) for x in layers.split(",") if x.strip()),
@@ -491,9 +491,9 @@ class RoutedExpertsClient(_Base):
             raise
         return True
 
-    def engines(self) -> Any:
-        """Every engine's budget and occupancy report (`GET /v1/engines`)."""
-        return orjson.loads(self._fetch("GET", "/v1/engines", None).body)
+    def engines(self) -> list[dict[str, Any]]:
+        """Every engine's budget and occupancy report (`GET /v1/engines`, Contract 1 engine files)."""
+        return orjson.loads(self._fetch("GET", "/v1/engines", None).body)["engines"]
 
 
 class AsyncRoutedExpertsClient(_Base):
@@ -609,8 +609,8 @@ class AsyncRoutedExpertsClient(_Base):
             raise
         return True
 
-    async def engines(self) -> Any:
-        return orjson.loads((await self._fetch("GET", "/v1/engines", None)).body)
+    async def engines(self) -> list[dict[str, Any]]:
+        return orjson.loads((await self._fetch("GET", "/v1/engines", None)).body)["engines"]
 
 
 # ---- shared response handling ---------------------------------------------------------------------------
