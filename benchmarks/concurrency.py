@@ -1,0 +1,110 @@
+"""Throughput under concurrency: C trainer threads draining one rollout batch from the sidecar.
+
+Each thread has its own `RoutedExpertsClient` (one kept-alive connection) and takes the next chunk of rids
+from a shared queue until the batch is done: chunks of one rid through `get`, or of `batch_chunk` rids
+through `get_many`. Latency is per HTTP request; GB/s counts payload bytes over the wall time of the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from queue import Empty, SimpleQueue
+
+import numpy as np
+
+from benchmarks.shapes import ModelShape, relabel
+from benchmarks.stats import summary
+from service.client import R3Error, RoutedExpertsClient
+from service.spool import Spool
+
+
+def write_batch(spool: Spool, shape: ModelShape, bases: list[np.ndarray], records: int, prefix: str) -> list[str]:
+    """`records` final records: the base routings, relabeled so every record differs."""
+    rids = []
+    for i in range(records):
+        rid = f"{prefix}-{i:05d}"
+        rows = relabel(bases[i % len(bases)], shape, i // len(bases))
+        writer = spool.writer(
+            rid,
+            num_experts=shape.num_experts,
+            topk=shape.topk,
+            layers=shape.moe_layers,
+            start=0,
+            prompt_len=rows.shape[0] // 2,
+            dtype=shape.dtype,
+        )
+        writer.append(rows, publish=False)
+        writer.finalize()
+        rids.append(rid)
+    return rids
+
+
+def drain(url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: int, expect_shape: tuple) -> dict:
+    """Fetch every rid once with `concurrency` threads; per-request latencies, errors, GB/s."""
+    chunk = 1 if mode == "get" else batch_chunk
+    work: SimpleQueue[list[str]] = SimpleQueue()
+    for i in range(0, len(rids), chunk):
+        work.put(rids[i : i + chunk])
+    local = threading.local()
+    clients: list[RoutedExpertsClient] = []
+    lock = threading.Lock()
+    latencies: list[float] = []
+    errors: list[str] = []
+    payload = [0]
+
+    def client() -> RoutedExpertsClient:
+        if not hasattr(local, "client"):
+            local.client = RoutedExpertsClient(url, timeout=300, retries=0)
+            with lock:
+                clients.append(local.client)
+        return local.client
+
+    def worker() -> None:
+        c = client()
+        while True:
+            try:
+                batch = work.get_nowait()
+            except Empty:
+                return
+            t0 = time.perf_counter()
+            try:
+                results = [c.get(batch[0])] if mode == "get" else c.get_many(batch)
+            except Exception as exc:
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            elapsed = time.perf_counter() - t0
+            nbytes, bad = 0, []
+            for r in results:
+                if isinstance(r, R3Error) or r.array.shape != expect_shape:
+                    bad.append(repr(r)[:200])
+                else:
+                    nbytes += r.array.nbytes
+            with lock:
+                latencies.append(elapsed)
+                payload[0] += nbytes
+                errors.extend(bad)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    for c in clients:
+        c.close()
+    lat = summary(latencies) if latencies else {"p50": float("nan"), "p99": float("nan"), "min": float("nan"), "n": 0}
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "rids_per_request": chunk,
+        "records": len(rids),
+        "bytes": payload[0],
+        "wall_s": wall,
+        "gbps": payload[0] / wall / 1e9,
+        "latency": lat,
+        "p99_over_p50": lat["p99"] / lat["p50"] if latencies else float("nan"),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+    }

@@ -1,0 +1,36 @@
+"""Small timing helpers: repeated wall-clock samples and their summary."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def samples(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of `reps` calls of `fn`, after `warmup` unmeasured calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """Median, p99, min and count: the median is what the tables quote (robust to a shared machine)."""
+    arr = np.asarray(values, dtype=float)
+    return {
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+        "min": float(arr.min()),
+        "n": len(arr),
+    }
+
+
+def reps_for(nbytes: int, budget_bytes: int, low: int = 3, high: int = 30) -> int:
+    """Repetitions so that one measurement moves about `budget_bytes`, clamped to `[low, high]`."""
+    return max(low, min(high, budget_bytes // max(nbytes, 1)))
