@@ -119,7 +119,7 @@ def encode_json(
     chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, head: dict[str, Any]
 ) -> Iterator[bytes]:
     """`{...head, "data": [[[e, …], …], …]}`, streamed row chunk by row chunk (for debugging)."""
-    yield orjson.dumps(head)[:-1] + b',"data":['
+    yield orjson.dumps(head)[:-1] + (b',"data":[' if head else b'"data":[')
     first = True
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)

@@ -218,7 +218,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    if view.nbytes == 0:
+        return
+    view = view.cast("B")
     while view:
         written = os.write(fd, view)
         view = view[written:]

@@ -1,0 +1,144 @@
+"""The spool contract under generated inputs: what a writer appends is exactly what a reader gets."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.spool import DTYPES, RecordMeta, Spool, SpoolFormatError, safe_name
+
+ODD_RIDS = ["../x", "../../etc/passwd", "a/b/c", "..", ".", "~abc", "ünïcødé-rid", "sp ace", "%2F", "a" * 300, "x\ny"]
+rids = st.one_of(
+    st.sampled_from(ODD_RIDS),
+    st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=80),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,40}", fullmatch=True),
+)
+
+
+@st.composite
+def records(draw: st.DrawFn) -> tuple[str, str, int, list[int], int, list[np.ndarray]]:
+    dtype = draw(st.sampled_from(DTYPES))
+    num_experts = draw(st.integers(1, min(int(np.iinfo(dtype).max) + 1, 70000)))
+    layers = draw(st.lists(st.integers(0, 200), min_size=1, max_size=6, unique=True))
+    topk = draw(st.integers(1, 9))
+    pieces = draw(st.lists(st.integers(0, 40), max_size=4))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, num_experts, size=(n, len(layers), topk)) for n in pieces]
+    return draw(rids), dtype, num_experts, layers, topk, arrays
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records(), st.integers(0, 10_000))
+def test_roundtrip_exact_rows_any_rid(record: tuple, start: int) -> None:
+    rid, dtype, num_experts, layers, topk, arrays = record
+    with tempfile.TemporaryDirectory() as root:
+        spool = Spool(root)
+        writer = spool.writer(rid, num_experts=num_experts, topk=topk, layers=layers, start=start, dtype=dtype)
+        for rows in arrays:
+            writer.append(rows)
+        meta = writer.finalize()
+        expected = np.concatenate([np.zeros((0, len(layers), topk)), *arrays]).astype(dtype)
+
+        read = spool.read_meta(rid)
+        assert read == meta
+        assert read.rid == rid and read.final and read.rows == len(expected) and read.end == start + len(expected)
+        got = spool.read_array(read)
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got, expected)
+        for path in (spool.bin_path(rid), spool.meta_path(rid)):
+            assert path.parent == spool.records_dir  # no rid escapes the records directory
+        assert [spool.meta_path(rid).stem] == spool.record_names()
+        assert spool.delete(rid) and os.listdir(spool.records_dir) == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 20), st.binary(min_size=1, max_size=100))
+def test_rows_in_flight_never_returned(published: int, unpublished: int, junk: bytes) -> None:
+    """Bytes past `rows * row_bytes` (an unpublished append, stray bytes) are invisible to readers."""
+    with tempfile.TemporaryDirectory() as root:
+        spool = Spool(root)
+        writer = spool.writer("r", num_experts=64, topk=2, layers=[3, 4])
+        first = np.arange(published * 4).reshape(published, 2, 2) % 64
+        writer.append(first)
+        writer.append(np.ones((unpublished, 2, 2)), publish=False)
+        with open(spool.bin_path("r"), "ab") as f:
+            f.write(junk)
+        meta = spool.read_meta("r")
+        assert meta.rows == published
+        assert sum(len(c) for c in spool.iter_rows(meta, chunk_bytes=7)) == published * meta.row_bytes
+        np.testing.assert_array_equal(spool.read_array(meta), first)
+        writer.publish()
+        assert spool.read_meta("r").rows == published + unpublished
+
+
+def test_chunks_are_whole_rows(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    writer = spool.writer("c", num_experts=256, topk=3, layers=[0, 1, 2])
+    writer.append(np.arange(100 * 9).reshape(100, 3, 3) % 256)
+    meta = writer.finalize()
+    chunks = list(spool.iter_rows(meta, 10, 90, chunk_bytes=50))
+    assert all(len(c) % meta.row_bytes == 0 for c in chunks)
+    assert b"".join(chunks) == spool.read_array(meta)[10:90].tobytes()
+    assert list(spool.iter_rows(meta, 5, 5)) == []
+    with pytest.raises(ValueError):
+        list(spool.iter_rows(meta, 0, 101))
+
+
+def test_safe_name_rule() -> None:
+    assert safe_name("req-1:a.b_c") == "req-1:a.b_c"
+    for rid in ODD_RIDS:
+        name = safe_name(rid)
+        assert name.startswith("~") and len(name) == 41 and "/" not in name
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"not json", "bad_json"),
+        (b"[1, 2]", "bad_json"),
+        (b'{"v": 2, "rid": "m"}', "unknown_version"),
+        (b'{"v": 1, "rid": "m"}', "bad_field"),
+        (b"x" * (1 << 21), "oversized_meta"),
+    ],
+)
+def test_malformed_metadata_raises_with_reason(tmp_path: Path, content: bytes, reason: str) -> None:
+    spool = Spool(tmp_path)
+    spool.meta_path("m").write_bytes(content)
+    with pytest.raises(SpoolFormatError) as exc:
+        spool.read_meta("m")
+    assert exc.value.reason == reason
+
+
+def test_name_mismatch_and_truncated_bin(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    writer = spool.writer("real", num_experts=8, topk=1, layers=[0])
+    writer.append(np.zeros((10, 1, 1)))
+    meta = writer.finalize()
+    (spool.records_dir / "other.json").write_bytes(meta.to_json())
+    with pytest.raises(SpoolFormatError) as exc:
+        spool.read_meta("other")
+    assert exc.value.reason == "name_mismatch"
+    os.truncate(spool.bin_path("real"), 5)
+    with pytest.raises(SpoolFormatError) as exc:
+        list(spool.iter_rows(meta))
+    assert exc.value.reason == "truncated_bin"
+    spool.bin_path("real").unlink()
+    with pytest.raises(SpoolFormatError) as exc:
+        list(spool.iter_rows(meta))
+    assert exc.value.reason == "missing_bin"
+
+
+def test_meta_json_is_contract_shape(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    meta = spool.writer("k", num_experts=300, topk=2, layers=[1, 5], prompt_len=7).finalize("error")
+    obj = RecordMeta.from_json(spool.meta_path("k").read_bytes()).to_dict()
+    assert set(obj) == {"v", "rid", "dtype", "num_experts", "topk", "layers", "start", "rows", "prompt_len", "final",
+                        "status", "engine", "weight_version", "created", "updated"}
+    assert obj["dtype"] == "uint16" and obj["status"] == "error" and meta.final
