@@ -7,8 +7,10 @@ wins over the environment. The heavy imports (uvicorn, the app) happen inside th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -59,7 +61,15 @@ def _serve(settings: Settings, banner: str | None = None) -> None:
     )
     if banner:
         print(banner, flush=True)
-    server.run()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: turn that into a clean
+    # exit (status 0) so `finally` blocks run and Ctrl-C or a pod stop is not reported as a failure.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+
+
+def _exit_cleanly(_signum: int, _frame: object) -> None:
+    raise SystemExit(0)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
