@@ -1,0 +1,678 @@
+"""Buffer budget table: every fixed-size buffer the routed-experts path depends on, its capacity and worst case.
+
+Pure arithmetic over plain values (no SGLang import), so the pre-launch check, the offline CLI and the
+telemetry file all print the same numbers. Each formula mirrors the sizing code of SGLang 0.5.23 (file and
+line in the row's `formula`); the worst-case demand is what one forward can put into that buffer.
+
+Conventions (see `BudgetInputs`): "per rank" means one attention-DP rank (one scheduler). Rows that do not
+apply to a configuration (a backend that is not selected, no speculative decoding, no decode graph) are
+omitted, not shown as n/a: the table lists only buffers that exist in that server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+try:  # buffers the plugin's capture hooks size themselves (engine_ext/capturer.py, pure)
+    from engine_ext.capturer import CORRECTED_BUFFERS as PLUGIN_CORRECTED
+except ImportError:  # the capture work's module absent: the same names, kept in step by hand
+    PLUGIN_CORRECTED = frozenset({"routed_experts.device_cache", "routed_experts.gather_buffer", "cutedsl_moe.wrapper"})
+
+MRR_ESTIMATE = 4096  # upper end of SGLang's per-worker estimate when --max-running-requests is unset
+DEEPEP_LL_HARD_CAP = 1024  # deepep.py:409 asserts the low-latency cap <= 1024 (FINISHED_SUM_TAG)
+INT32_LIMIT = 2**31  # spec_utils.py:304 asserts num_seqs * topk * max_context_len < 2**31
+EAGLE_FAMILY = frozenset({"EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "FROZEN_KV_MTP"})
+SCATTERED_A2A = frozenset({"deepep", "deepep_v2"})  # routed_experts.py:25-28: tokens scattered over attn-TP
+
+
+@dataclass(frozen=True)
+class BudgetInputs:
+    """The plain values the budget depends on; build with `inputs_from_server_args` or by hand in tests."""
+
+    tp_size: int = 1
+    dp_size: int = 1  # replicas (--dp-size without attention DP); each is its own scheduler
+    attn_dp_size: int = 1  # attention-DP groups (--attn-dp-size)
+    ep_size: int = 1
+    attn_tp_size: int | None = None  # default tp_size // attn_dp_size
+    # Per attention-DP rank, as the scheduler sees it: SGLang divides --chunked-prefill-size by
+    # attn_dp_size (parallel_hook.py:326-331). <= 0 or None: chunked prefill disabled.
+    chunked_prefill_size: int | None = 8192
+    max_prefill_tokens: int = 16384
+    max_running_requests: int | None = None  # global, as on the command line
+    context_length: int | None = None
+    max_total_tokens: int | None = None  # KV pool tokens per rank; known after memory profiling
+    page_size: int = 1
+    decode_graph_max_bs: int = 0  # 0: no decode CUDA graph
+    prefill_graph_mode: str = "disabled"  # disabled | breakable | full | tc_piecewise
+    prefill_graph_max_tokens: int = 0
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    moe_a2a_backend: str = "none"
+    moe_runner_backend: str = "auto"
+    deepep_mode: str = "auto"
+    enable_return_routed_experts: bool = True
+    # Environment caps (srt/environ.py), defaults as in 0.5.23.
+    deepep_max_dispatch_tokens_per_rank: int = 128  # SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK
+    deepep_v2_max_dispatch_tokens_per_rank: int = 128  # SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK
+    mori_max_dispatch_tokens_per_rank: int = 4096  # SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK
+    flashinfer_max_dispatch_tokens_per_rank: int | None = None  # SGLANG_FLASHINFER_NUM_MAX_DISPATCH_TOKENS_PER_RANK
+    flashinfer_megamoe_max_tokens_per_rank: int = 0  # SGLANG_FLASHINFER_MEGAMOE_MAX_TOKENS_PER_RANK
+    deepgemm_megamoe_max_tokens_per_rank: int = 8192  # SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK
+    # Model (optional: only byte counts and the indexer row need them).
+    num_layers: int | None = None
+    topk: int | None = None
+    num_fused_shared_experts: int = 0
+    num_indexer_layers: int = 0
+    index_topk: int = 0
+    enable_return_indexer_topk: bool = False
+    hidden_size: int | None = None
+
+
+ENV_CAPS: dict[str, str] = {
+    "deepep_max_dispatch_tokens_per_rank": "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
+    "deepep_v2_max_dispatch_tokens_per_rank": "SGLANG_DEEPEP_V2_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
+    "mori_max_dispatch_tokens_per_rank": "SGLANG_MORI_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
+    "flashinfer_max_dispatch_tokens_per_rank": "SGLANG_FLASHINFER_NUM_MAX_DISPATCH_TOKENS_PER_RANK",
+    "flashinfer_megamoe_max_tokens_per_rank": "SGLANG_FLASHINFER_MEGAMOE_MAX_TOKENS_PER_RANK",
+    "deepgemm_megamoe_max_tokens_per_rank": "SGLANG_OPT_DEEPGEMM_MEGA_MOE_NUM_MAX_TOKENS_PER_RANK",
+}
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """One buffer: capacity against the worst case one forward can need, and what fixes a shortfall."""
+
+    buffer: str
+    unit: str
+    capacity: int
+    demand: int
+    formula: str
+    ok: bool
+    fix: str | None = None  # the exact flag or env var and value that makes `ok` true
+    corrected: bool = False  # the plugin sizes this buffer itself, whatever the flags say
+
+    @property
+    def blocking(self) -> bool:
+        """A shortfall nothing in this process will correct: the server would fail or corrupt rows."""
+        return not self.ok and not self.corrected
+
+    def as_contract(self) -> dict[str, Any]:
+        """The engine file's `budget` entry (DESIGN.md contract 1)."""
+        return {k: v for k, v in asdict(self).items() if k in ("buffer", "unit", "capacity", "demand", "ok", "formula")}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Quantities every row shares, derived once."""
+
+    attn_dp: int
+    attn_tp: int
+    num_dp_ranks: int  # capacity multiplier of the routed-experts device cache (runtime_context.py:202-207)
+    gathered: int  # N: ranks whose tokens one MoE forward sees (DP attention without DeepEP)
+    w: int  # tokens per request in a decode/verify forward
+    spec: bool
+    mrr_worker: int  # per-rank request cap (kv_cache_configurator.py:3126-3132)
+    mrr_known: bool
+    cps: int  # per-rank chunk, <= 0 when chunked prefill is off
+    p_eager: int  # largest eager prefill forward per rank
+    p_graph: int  # largest prefill CUDA-graph bucket per rank
+    graph_bs: int  # decode graph max bs, clamped to the per-rank request pool
+    decode_reqs: int  # largest decode batch per rank (eager or graph)
+
+    @property
+    def p(self) -> int:
+        return max(self.p_eager, self.p_graph)
+
+    @property
+    def d(self) -> int:
+        return self.decode_reqs * self.w
+
+    @property
+    def t(self) -> int:
+        return max(self.p, self.d)
+
+
+def _shape(i: BudgetInputs) -> _Shape:
+    attn_dp = max(1, i.attn_dp_size)
+    attn_tp = i.attn_tp_size or max(1, i.tp_size // attn_dp)
+    spec = bool(i.speculative_algorithm)
+    w = max(1, i.speculative_num_draft_tokens or 1) if spec else 1
+    mrr_known = i.max_running_requests is not None
+    mrr_worker = max(1, i.max_running_requests // attn_dp) if mrr_known else MRR_ESTIMATE
+    cps = i.chunked_prefill_size if i.chunked_prefill_size and i.chunked_prefill_size > 0 else 0
+    # Without chunking one prefill forward takes a whole prompt: up to max(max_prefill_tokens, context).
+    p_eager = cps if cps else max(i.max_prefill_tokens, i.context_length or 0)
+    p_graph = i.prefill_graph_max_tokens if i.prefill_graph_mode != "disabled" else 0
+    graph_bs = min(i.decode_graph_max_bs, mrr_worker) if mrr_known else i.decode_graph_max_bs
+    decode_reqs = mrr_worker if mrr_known else max(graph_bs, MRR_ESTIMATE)
+    gathered = attn_dp if attn_dp > 1 and i.moe_a2a_backend not in SCATTERED_A2A else 1
+    return _Shape(
+        attn_dp=attn_dp,
+        attn_tp=attn_tp,
+        num_dp_ranks=max(1, i.dp_size) * attn_dp,
+        gathered=gathered,
+        w=w,
+        spec=spec,
+        mrr_worker=mrr_worker,
+        mrr_known=mrr_known,
+        cps=cps,
+        p_eager=p_eager,
+        p_graph=p_graph,
+        graph_bs=graph_bs,
+        decode_reqs=decode_reqs,
+    )
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _terms(s: _Shape) -> str:
+    """The per-rank worst case in words, shared by most formulas."""
+    prefill = f"P={s.p} (chunk {s.cps})" if s.cps else f"P={s.p} (no chunking: max(max_prefill_tokens, context))"
+    if s.p_graph > s.p_eager:
+        prefill = f"P={s.p} (prefill graph bucket)"
+    mrr = f"{s.mrr_worker}" if s.mrr_known else f"{s.decode_reqs} (estimate: pin --max-running-requests)"
+    return f"{prefill}; decode/verify D=reqs {mrr} x w {s.w} = {s.d}"
+
+
+def _chunk_fix(i: BudgetInputs, s: _Shape, need_rank: int) -> str:
+    """`--chunked-prefill-size` (global flag value) that gives each rank `need_rank` tokens, plus the other knob."""
+    fix = f"--chunked-prefill-size {need_rank * s.attn_dp}"
+    if s.attn_dp > 1:
+        fix += f" ({need_rank} per DP rank)"
+    if s.w > 1 and s.cps and s.d > max(s.cps, s.p_graph):
+        fix += f", or --max-running-requests {max(1, s.cps // s.w) * s.attn_dp}"
+    return fix
+
+
+def _device_cache_rows(i: BudgetInputs, s: _Shape) -> list[BudgetRow]:
+    rows_per_rank = max(i.chunked_prefill_size or 0, s.mrr_worker)  # max(cps*n, mrr*n) with cps possibly -1
+    capacity = s.num_dp_ranks * rows_per_rank
+    scattered = i.moe_a2a_backend in SCATTERED_A2A
+    local = _ceil_to(s.t, s.attn_tp) if scattered else s.t
+    demand = s.gathered * local
+    width = (i.topk or 0) + i.num_fused_shared_experts
+    nbytes = f"; {capacity * i.num_layers * width * 4} B int32" if i.num_layers and i.topk else ""
+    need = max(s.d, s.p_graph, s.cps)
+    ok = capacity >= demand
+    rows = [
+        BudgetRow(
+            buffer="routed_experts.device_cache",
+            unit="tokens",
+            capacity=capacity,
+            demand=demand,
+            formula=(
+                f"capacity num_dp_ranks {s.num_dp_ranks} x max(chunked_prefill {i.chunked_prefill_size}, "
+                f"max_running_requests/rank {s.mrr_worker}) (routed_experts.py:80-83){nbytes}; "
+                f"demand N {s.gathered} x max(P, D): {_terms(s)}"
+                + (f", padded to attn_tp {s.attn_tp}" if scattered else "")
+            ),
+            ok=ok,
+            fix=None if ok else _chunk_fix(i, s, need),
+        )
+    ]
+    if scattered:
+        g_capacity = capacity * s.attn_tp
+        g_demand = _ceil_to(s.t, s.attn_tp)
+        rows.append(
+            BudgetRow(
+                buffer="routed_experts.gather_buffer",
+                unit="tokens",
+                capacity=g_capacity,
+                demand=g_demand,
+                formula=(
+                    f"capacity device rows {capacity} x attn_tp {s.attn_tp} (routed_experts.py:96-107); "
+                    f"demand ceil(max(P, D) / attn_tp) x attn_tp: {_terms(s)}"
+                ),
+                ok=g_capacity >= g_demand,
+                fix=None if g_capacity >= g_demand else _chunk_fix(i, s, need),
+            )
+        )
+    return rows
+
+
+def _host_cache_row(i: BudgetInputs) -> BudgetRow | None:
+    if i.max_total_tokens is None:
+        return None  # sized from the KV pool after memory profiling; nothing to check before it
+    capacity = i.max_total_tokens + i.page_size
+    nbytes = f"; pinned {capacity * i.num_layers * i.topk * 4} B on every TP rank" if i.num_layers and i.topk else ""
+    return BudgetRow(
+        buffer="routed_experts.host_cache",
+        unit="tokens",
+        capacity=capacity,
+        demand=capacity,
+        formula=(
+            f"capacity max_total_tokens {i.max_total_tokens} + page_size {i.page_size} "
+            f"(kv_index_translator.py:268, base.py:63-75){nbytes}; demand max(out_cache_loc)+1 <= the same"
+        ),
+        ok=True,
+    )
+
+
+def _indexer_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
+    if not (i.enable_return_indexer_topk and i.num_indexer_layers > 0):
+        return None
+    capacity = max(i.chunked_prefill_size or 0, s.mrr_worker)
+    ok = capacity >= s.t
+    return BudgetRow(
+        buffer="indexer_topk.device_cache",
+        unit="tokens",
+        capacity=capacity,
+        demand=s.t,
+        formula=(
+            f"capacity max(chunked_prefill {i.chunked_prefill_size}, max_running_requests/rank {s.mrr_worker}) "
+            f"per rank (indexer_topk.py:37); demand max(P, D): {_terms(s)}"
+        ),
+        ok=ok,
+        fix=None if ok else _chunk_fix(i, s, max(s.d, s.p_graph, s.cps)),
+    )
+
+
+def _flashinfer_workspace_bytes(i: BudgetInputs, max_num_tokens: int) -> int | None:
+    """FlashInfer's own byte count (bf16 dispatch payload, flashinfer.py:220-259), when FlashInfer imports."""
+    if not (i.hidden_size and i.topk):
+        return None
+    try:
+        from flashinfer.comm import moe_a2a_get_workspace_size_per_rank
+    except Exception:  # not installed, or no CUDA build: tokens only
+        return None
+    return int(
+        moe_a2a_get_workspace_size_per_rank(
+            ep_size=i.ep_size,
+            max_num_tokens=max_num_tokens,
+            total_dispatch_payload_size_per_token=i.hidden_size * 2 + i.topk * 8,
+            combine_payload_size_per_token=i.hidden_size * 2,
+        )
+    )
+
+
+def _flashinfer_a2a_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    env = ENV_CAPS["flashinfer_max_dispatch_tokens_per_rank"]
+    configured = i.flashinfer_max_dispatch_tokens_per_rank
+    capacity = configured if configured is not None else max(s.cps, 4096)
+    source = f"{env}={configured}" if configured is not None else f"max(chunked_prefill {s.cps}, 4096)"
+    nbytes = _flashinfer_workspace_bytes(i, capacity)
+    byte_note = (
+        f"; workspace {nbytes} B per rank (FlashInfer moe_a2a_get_workspace_size_per_rank, bf16 payload)"
+        if nbytes is not None
+        else "; byte count not computed (FlashInfer's moe_a2a_get_workspace_size_per_rank not importable here)"
+    )
+    if not s.cps:
+        return BudgetRow(
+            buffer="flashinfer_a2a.workspace",
+            unit="tokens/rank",
+            capacity=capacity,
+            demand=s.p,
+            formula=f"capacity {source} (overrides.py:1886-1894){byte_note}; chunked prefill is off, "
+            "so one eager prefill sends a whole prompt (moe_hook.py:740-746 refuses it)",
+            ok=False,
+            fix=f"--chunked-prefill-size {max(capacity, 1) * s.attn_dp}",
+        )
+    demand = -(-s.t // s.attn_tp)
+    ok = capacity >= demand
+    return BudgetRow(
+        buffer="flashinfer_a2a.workspace",
+        unit="tokens/rank",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity {source} (overrides.py:1886-1894){byte_note}; demand ceil(max(P, D) / attn_tp {s.attn_tp}) "
+            f"(flashinfer.py:512): {_terms(s)}"
+        ),
+        ok=ok,
+        fix=None if ok else f"{env}={demand}",
+    )
+
+
+def _cutedsl_bound(i: BudgetInputs, s: _Shape) -> int:
+    """`cutedsl_moe_max_num_tokens()` of 0.5.23 (runtime_context.py:2050-2069), prefill graph as it counts it."""
+    prefill = i.max_prefill_tokens
+    if i.prefill_graph_mode == "tc_piecewise":
+        prefill = max(prefill, i.prefill_graph_max_tokens)
+    return max(prefill, i.decode_graph_max_bs * s.w)
+
+
+def _cutedsl_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    bound = _cutedsl_bound(i, s)
+    capacity = s.num_dp_ranks * bound
+    demand = s.gathered * s.t
+    ok = capacity >= demand
+    return BudgetRow(
+        buffer="cutedsl_moe.wrapper",
+        unit="tokens",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity num_dp_ranks {s.num_dp_ranks} x max(max_prefill_tokens {i.max_prefill_tokens}, "
+            f"decode graph bs {i.decode_graph_max_bs} x w {s.w}) (flashinfer_cutedsl.py:335-345; breakable/full "
+            f"prefill graphs not counted, runtime_context.py:2063); demand N {s.gathered} x max(P, D): {_terms(s)}"
+        ),
+        ok=ok,
+        fix=None if ok else f"--max-prefill-tokens {s.t}",
+    )
+
+
+def _flashinfer_megamoe_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    env = ENV_CAPS["flashinfer_megamoe_max_tokens_per_rank"]
+    configured = i.flashinfer_megamoe_max_tokens_per_rank
+    bound = _cutedsl_bound(i, s)
+    capacity = configured if configured > 0 else (bound if bound > 0 else 1024)
+    source = f"{env}={configured}" if configured > 0 else f"cutedsl_moe_max_num_tokens() = {bound}"
+    ok = capacity >= s.t
+    return BudgetRow(
+        buffer="flashinfer_megamoe.symm_buffer",
+        unit="tokens/rank",
+        capacity=capacity,
+        demand=s.t,
+        formula=f"capacity {source} (flashinfer_megamoe.py:150-160); demand max(P, D): {_terms(s)}",
+        ok=ok,
+        fix=None if ok else f"{env}={s.t}",
+    )
+
+
+def _deepgemm_megamoe_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    env = ENV_CAPS["deepgemm_megamoe_max_tokens_per_rank"]
+    capacity = i.deepgemm_megamoe_max_tokens_per_rank
+    demand = max(_ceil_to(s.p, s.attn_tp), s.d)
+    ok = capacity >= demand
+    return BudgetRow(
+        buffer="deepgemm_megamoe.buffer",
+        unit="tokens/rank",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity {env}={capacity} (mega_moe_hook.py:161-257); demand max(P aligned to attn_tp {s.attn_tp}, D): "
+            f"{_terms(s)}"
+        ),
+        ok=ok,
+        fix=None if ok else f"{env}={demand}",
+    )
+
+
+def _deepep_ll_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    env = ENV_CAPS["deepep_max_dispatch_tokens_per_rank"]
+    capacity = i.deepep_max_dispatch_tokens_per_rank
+    demand = -(-s.d // s.attn_tp)
+    ok = demand <= capacity <= DEEPEP_LL_HARD_CAP
+    if ok:
+        fix = None
+    elif demand <= DEEPEP_LL_HARD_CAP:
+        fix = f"{env}={demand}"
+    else:
+        reqs = max(1, DEEPEP_LL_HARD_CAP * s.attn_tp // s.w)
+        fix = f"--max-running-requests {reqs * s.attn_dp} and {env}={DEEPEP_LL_HARD_CAP}"
+    return BudgetRow(
+        buffer="deepep.low_latency",
+        unit="tokens/rank",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity {env}={capacity}, at most {DEEPEP_LL_HARD_CAP} (deepep.py:404-409); demand ceil(D / attn_tp "
+            f"{s.attn_tp}) for every decode/verify batch: {_terms(s)}"
+        ),
+        ok=ok,
+        fix=fix,
+    )
+
+
+def _deepep_v2_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    env = ENV_CAPS["deepep_v2_max_dispatch_tokens_per_rank"]
+    capacity = i.deepep_v2_max_dispatch_tokens_per_rank
+    prefill = -(-(s.cps or i.max_prefill_tokens) // s.attn_tp)
+    demand = max(prefill, s.d)
+    ok = capacity >= demand
+    return BudgetRow(
+        buffer="deepep_v2.dispatch",
+        unit="tokens/rank",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity {env}={capacity} (moe_hook.py:679-706, deepep_v2.py:280-286); demand max(ceil(prefill "
+            f"ceiling / attn_tp {s.attn_tp}) = {prefill}, D = {s.d})"
+        ),
+        ok=ok,
+        fix=None if ok else f"{env}={demand}",
+    )
+
+
+def _mori_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    env = ENV_CAPS["mori_max_dispatch_tokens_per_rank"]
+    capacity = i.mori_max_dispatch_tokens_per_rank
+    ok = capacity >= s.t
+    return BudgetRow(
+        buffer="mori.dispatch",
+        unit="tokens/rank",
+        capacity=capacity,
+        demand=s.t,
+        formula=(
+            f"capacity {env}={capacity}; demand max(P, D) (upstream checks prefill only, moe_hook.py:566-572): "
+            f"{_terms(s)}"
+        ),
+        ok=ok,
+        fix=None if ok else f"{env}={s.t}",
+    )
+
+
+def _decode_graph_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
+    capacity = i.decode_graph_max_bs * s.w
+    demand = s.graph_bs * s.w
+    return BudgetRow(
+        buffer="decode_graph.inputs",
+        unit="tokens",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity max_bs {i.decode_graph_max_bs} x w {s.w} (runner_utils/buffers.py:160-174); demand padded "
+            f"bs {s.graph_bs} x w; larger batches run eager (can_run_graph)"
+        ),
+        ok=capacity >= demand,
+    )
+
+
+def _eagle_kv_indices_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
+    algorithm = (i.speculative_algorithm or "").upper()
+    if algorithm not in EAGLE_FAMILY or not i.decode_graph_max_bs or not i.context_length:
+        return None
+    topk = max(1, i.speculative_eagle_topk or 1)
+    steps = max(1, i.speculative_num_steps or 1)
+    ctx = i.context_length
+    capacity = i.decode_graph_max_bs * topk * ctx
+    # A running sequence is shorter than the context by at least the draft steps it is about to append.
+    demand = s.graph_bs * topk * (ctx - steps) + s.graph_bs * topk * steps
+    ok = demand <= capacity < INT32_LIMIT
+    fix = None
+    if capacity >= INT32_LIMIT:
+        fix = f"--cuda-graph-max-bs-decode {(INT32_LIMIT - 1) // (topk * ctx)}"
+    return BudgetRow(
+        buffer="eagle.draft_kv_indices",
+        unit="kv indices/step",
+        capacity=capacity,
+        demand=demand,
+        formula=(
+            f"capacity max_bs {i.decode_graph_max_bs} x topk {topk} x context {ctx}, must stay < 2^31 "
+            f"(spec_utils.py:298-309, #27338); demand seq_lens_sum x topk + bs x topk x num_steps {steps} "
+            f"(spec_utils.py:312-320) with seq_lens <= context - num_steps"
+        ),
+        ok=ok,
+        fix=fix,
+    )
+
+
+def budget_rows(inputs: BudgetInputs, corrected: Iterable[str] | None = None) -> list[BudgetRow]:
+    """One row per buffer that exists in this configuration, in the research table's order."""
+    fixed = frozenset(PLUGIN_CORRECTED if corrected is None else corrected)
+    s = _shape(inputs)
+    rows: list[BudgetRow | None] = []
+    if inputs.enable_return_routed_experts:
+        rows += _device_cache_rows(inputs, s)
+        rows.append(_host_cache_row(inputs))
+    rows.append(_indexer_row(inputs, s))
+    a2a = inputs.moe_a2a_backend
+    if a2a == "flashinfer":
+        rows.append(_flashinfer_a2a_row(inputs, s))
+    if inputs.moe_runner_backend == "flashinfer_cutedsl" and a2a == "none":
+        rows.append(_cutedsl_row(inputs, s))  # A2A path: bounded by the dispatcher, i.e. the row above
+    if a2a == "flashinfer_megamoe" or inputs.moe_runner_backend == "flashinfer_megamoe":
+        rows.append(_flashinfer_megamoe_row(inputs, s))
+    if a2a == "megamoe":
+        rows.append(_deepgemm_megamoe_row(inputs, s))
+    if a2a == "deepep" and inputs.deepep_mode in ("auto", "low_latency"):
+        rows.append(_deepep_ll_row(inputs, s))
+    if a2a == "deepep_v2":
+        rows.append(_deepep_v2_row(inputs, s))
+    if a2a == "mori":
+        rows.append(_mori_row(inputs, s))
+    if inputs.decode_graph_max_bs:
+        rows.append(_decode_graph_row(inputs, s))
+    if s.spec:
+        rows.append(_eagle_kv_indices_row(inputs, s))
+    return [replace(r, corrected=_plugin_covers(r, inputs, s, fixed)) for r in rows if r is not None]
+
+
+def _plugin_covers(row: BudgetRow, i: BudgetInputs, s: _Shape, fixed: frozenset[str]) -> bool:
+    """Whether the plugin resizes this buffer and its size reaches the demand (else the operator must act).
+
+    The capture hooks size the device cache (and so the DeepEP gather buffer) to exactly this demand; the
+    CuteDSL bound they install adds the breakable/full prefill graph but not eager decode or unchunked prompts.
+    """
+    if row.buffer not in fixed:
+        return False
+    if row.buffer == "cutedsl_moe.wrapper":
+        bound = max(i.max_prefill_tokens, s.p_graph, i.decode_graph_max_bs * s.w)
+        return s.num_dp_ranks * bound >= row.demand
+    return True
+
+
+def blocking_rows(rows: Iterable[BudgetRow]) -> list[BudgetRow]:
+    """Rows that fail and that the plugin does not correct: what `R3_BUDGET=enforce` refuses."""
+    return [r for r in rows if r.blocking]
+
+
+def refusal_message(rows: Iterable[BudgetRow]) -> str:
+    """One line per blocking buffer with the setting that fixes it (seed #26696's style)."""
+    lines = [
+        f"{r.buffer}: demand {r.demand} {r.unit} > capacity {r.capacity}. Set {r.fix or 'n/a'}. ({r.formula})"
+        for r in blocking_rows(rows)
+    ]
+    return "r3-sidecar budget (R3_BUDGET=enforce) refuses to start:\n  " + "\n  ".join(lines)
+
+
+def format_table(rows: Iterable[BudgetRow]) -> str:
+    """Plain-text table for logs (the CLI renders the same rows with rich)."""
+    header = f"{'buffer':34} {'unit':16} {'capacity':>12} {'demand':>12}  status     fix"
+    out = [header]
+    for r in rows:
+        status = "ok" if r.ok else ("corrected" if r.corrected else "FAIL")
+        out.append(f"{r.buffer:34} {r.unit:16} {r.capacity:>12} {r.demand:>12}  {status:10} {r.fix or ''}")
+    return "\n".join(out)
+
+
+def _get(source: Any, name: str, default: Any = None) -> Any:
+    if isinstance(source, Mapping):
+        return source.get(name, default)
+    return getattr(source, name, default)
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    return int(raw)
+
+
+def _graph_phase(server_args: Any, phase: str) -> tuple[str, int]:
+    """(backend, max_bs) of one CUDA-graph phase: the resolved config, else the per-phase CLI flags."""
+    config = _get(server_args, "cuda_graph_config")
+    if config is not None:
+        phase_cfg = _get(config, phase)
+        return str(_get(phase_cfg, "backend") or "disabled"), int(_get(phase_cfg, "max_bs") or 0)
+    backend = _get(server_args, f"cuda_graph_backend_{phase}")
+    max_bs = int(_get(server_args, f"cuda_graph_max_bs_{phase}") or 0)
+    if _get(server_args, f"disable_{phase}_cuda_graph") or _get(server_args, "disable_cuda_graph"):
+        backend = "disabled"
+    if backend is None:  # unresolved: the phase runs a graph only when a size was given (CUDA default otherwise)
+        backend = ("full" if phase == "decode" else "breakable") if max_bs else "disabled"
+    return str(backend), max_bs if backend != "disabled" else 0
+
+
+def inputs_from_server_args(
+    server_args: Any, model_config: Any = None, environ: Mapping[str, str] | None = None
+) -> BudgetInputs:
+    """Budget inputs from SGLang's public ServerArgs fields (a resolved record, its `resolved_dict()`, or any
+    object with those attributes) and the env caps from `environ` (default `os.environ`).
+
+    `model_path` dummy/none stops SGLang's resolution before DP handling, so there the per-rank chunk is
+    divided here as `parallel_hook.py:326-331` would.
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    if hasattr(server_args, "resolved_dict") and callable(server_args.resolved_dict):
+        server_args = server_args.resolved_dict()
+    attn_dp = int(_get(server_args, "attn_dp_size", 1) or 1)
+    if _get(server_args, "enable_dp_attention") and attn_dp == 1:
+        attn_dp = int(_get(server_args, "dp_size", 1) or 1)  # legacy spelling, unresolved
+    dp_size = int(_get(server_args, "dp_size", 1) or 1) if attn_dp == 1 else 1
+    cps = _get(server_args, "chunked_prefill_size")
+    dummy = str(_get(server_args, "model_path", "")).lower() in ("dummy", "none")
+    if dummy and cps is not None and cps > 0 and attn_dp > 1:
+        cps = cps // attn_dp
+    _, decode_bs = _graph_phase(server_args, "decode")
+    prefill_backend, prefill_bs = _graph_phase(server_args, "prefill")
+    tp = int(_get(server_args, "tp_size", 1) or 1)
+    hf = getattr(model_config, "hf_text_config", None)
+    context = getattr(model_config, "context_len", None) or _get(server_args, "context_length")
+    values: dict[str, Any] = {
+        "tp_size": tp,
+        "dp_size": dp_size,
+        "attn_dp_size": attn_dp,
+        "ep_size": int(_get(server_args, "ep_size", 1) or 1),
+        "attn_tp_size": max(1, tp // attn_dp // int(_get(server_args, "attn_cp_size", 1) or 1)),
+        "chunked_prefill_size": cps,
+        "max_prefill_tokens": int(_get(server_args, "max_prefill_tokens", 16384) or 16384),
+        "max_running_requests": _get(server_args, "max_running_requests"),
+        "context_length": context,
+        "max_total_tokens": _get(server_args, "max_total_tokens"),
+        "page_size": int(_get(server_args, "page_size", 1) or 1),
+        "decode_graph_max_bs": decode_bs,
+        "prefill_graph_mode": prefill_backend,
+        "prefill_graph_max_tokens": prefill_bs,
+        "speculative_algorithm": _get(server_args, "speculative_algorithm"),
+        "speculative_num_draft_tokens": _get(server_args, "speculative_num_draft_tokens"),
+        "speculative_num_steps": _get(server_args, "speculative_num_steps"),
+        "speculative_eagle_topk": _get(server_args, "speculative_eagle_topk"),
+        "moe_a2a_backend": str(_get(server_args, "moe_a2a_backend", "none") or "none"),
+        "moe_runner_backend": str(_get(server_args, "moe_runner_backend", "auto") or "auto"),
+        "deepep_mode": str(_get(server_args, "deepep_mode", "auto") or "auto"),
+        "enable_return_routed_experts": bool(_get(server_args, "enable_return_routed_experts", False)),
+        "enable_return_indexer_topk": bool(_get(server_args, "enable_return_indexer_topk", False)),
+    }
+    defaults = BudgetInputs()
+    for field, var in ENV_CAPS.items():
+        values[field] = _env_int(env, var, getattr(defaults, field))
+    if hf is not None:
+        values["num_layers"] = getattr(hf, "num_hidden_layers", None)
+        values["topk"] = getattr(hf, "num_experts_per_tok", None)
+        values["hidden_size"] = getattr(hf, "hidden_size", None)
+        values["index_topk"] = int(getattr(hf, "index_topk", 0) or 0)
+        if values["index_topk"]:
+            values["num_indexer_layers"] = values["num_layers"] or 0
+    return BudgetInputs(**values)
+
+
+__all__ = [
+    "ENV_CAPS",
+    "PLUGIN_CORRECTED",
+    "BudgetInputs",
+    "BudgetRow",
+    "blocking_rows",
+    "budget_rows",
+    "format_table",
+    "inputs_from_server_args",
+    "refusal_message",
+]
