@@ -1,0 +1,296 @@
+"""Contract 2 against a real uvicorn on 127.0.0.1: every route and status code, bodies byte-exact."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+import pybase64
+import pytest
+from helpers import engine_report, live_server, random_rows, write_record
+
+from service.settings import Settings
+from service.spool import Spool
+
+
+def url_for(base: str, rid: str) -> str:
+    return f"{base}/routed_experts/{quote(rid, safe='')}"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Spool]]:
+    """One sidecar for the read-only tests of this module (small chunks, to cross chunk boundaries)."""
+    root = tmp_path_factory.mktemp("spool")
+    settings = Settings.model_validate({"spool_dir": root, "chunk_bytes": 4096, "rescan_s": 60})
+    with live_server(settings) as base:
+        yield base, Spool(root)
+
+
+def test_npy_is_default_and_exact_with_headers(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    for dtype, experts in (("uint8", 256), ("uint16", 300), ("int32", 70000)):
+        rows = random_rows(700, layers=4, topk=8, num_experts=experts, seed=3)
+        write_record(spool, f"npy-{dtype}", rows, num_experts=experts, layers=[1, 3, 5, 7], start=12, prompt_len=40)
+        r = httpx.get(url_for(base, f"npy-{dtype}"))
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-npy"
+        got = np.load(io.BytesIO(r.content), allow_pickle=False)
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got, rows)
+        assert r.headers["x-r3-rid"] == f"npy-{dtype}"
+        assert r.headers["x-r3-dtype"] == dtype
+        assert r.headers["x-r3-shape"] == "700,4,8"
+        assert r.headers["x-r3-start"] == "12"
+        assert r.headers["x-r3-prompt-len"] == "40"
+        assert r.headers["x-r3-layers"] == "1,3,5,7"
+        assert r.headers["x-r3-final"] == "true"
+        assert int(r.headers["content-length"]) == len(r.content)
+
+
+def test_sglang_b64_byte_identical(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    for n in (0, 1, 2, 3, 1001):  # lengths around multiples of 3, and many 4 KiB chunks
+        rows = random_rows(n, layers=3, topk=5, seed=n)
+        write_record(spool, f"b64-{n}", rows, layers=[0, 1, 2])
+        r = httpx.get(url_for(base, f"b64-{n}"), params={"format": "sglang_b64"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert r.content == pybase64.b64encode(rows.astype(np.int32).tobytes())
+        assert r.headers["x-r3-dtype"] == "int32"
+
+
+def test_raw_and_json(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    rows = random_rows(300, layers=2, topk=4, seed=9)
+    write_record(spool, "rawjson", rows, layers=[10, 20], num_experts=300)
+    raw = httpx.get(url_for(base, "rawjson"), params={"format": "raw"})
+    assert raw.headers["content-type"] == "application/octet-stream"
+    assert raw.content == rows.astype(np.uint16).tobytes()
+    js = httpx.get(url_for(base, "rawjson"), params={"format": "json"}).json()
+    assert js["data"] == rows.tolist() and js["layers"] == [10, 20] and js["shape"] == [300, 2, 4]
+
+
+def test_ranges_and_layer_subsets_exact(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    rows = random_rows(500, layers=4, topk=2, seed=5)
+    write_record(spool, "rng", rows, layers=[2, 5, 9, 11], start=100)
+    r = httpx.get(url_for(base, "rng"), params={"start": 150, "end": 420, "layers": "11,2", "format": "raw"})
+    assert r.status_code == 200
+    assert r.content == rows[50:320][:, [3, 0], :].astype(np.uint8).tobytes()
+    assert (r.headers["x-r3-shape"], r.headers["x-r3-start"], r.headers["x-r3-layers"]) == ("270,2,2", "150", "11,2")
+    whole_end = httpx.get(url_for(base, "rng"), params={"start": 599, "format": "npy"})
+    np.testing.assert_array_equal(np.load(io.BytesIO(whole_end.content)), rows[499:])
+    empty = httpx.get(url_for(base, "rng"), params={"start": 600, "end": 600, "format": "raw"})
+    assert empty.status_code == 200 and empty.content == b""
+
+
+@pytest.mark.parametrize(
+    "params", [{"start": 99}, {"end": 601}, {"start": 300, "end": 200}, {"start": 601}, {"start": 0, "end": 10}]
+)
+def test_416_outside_rows(shared: tuple[str, Spool], params: dict) -> None:
+    base, spool = shared
+    if spool.read_meta("r416") is None:
+        write_record(spool, "r416", random_rows(500, layers=1, topk=1), layers=[0], start=100)
+    r = httpx.get(url_for(base, "r416"), params=params)
+    assert r.status_code == 416
+    assert r.json()["error"] == "range_not_satisfiable" and "[100, 600)" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ({"start": "abc"}, "start"),
+        ({"end": "1.5"}, "end"),
+        ({"start": -1}, "start"),
+        ({"layers": "1,,2"}, "layers"),
+        ({"layers": "x"}, "layers"),
+        ({"layers": "0,0"}, "repeats"),
+        ({"layers": "0,7"}, "[7]"),
+        ({"wait": 10_000}, "wait"),
+        ({"wait": -1}, "wait"),
+        ({"wait": "soon"}, "wait"),
+        ({"format": "parquet"}, "format"),
+        ({"stream": "maybe"}, "stream"),
+    ],
+)
+def test_422_malformed_parameters(shared: tuple[str, Spool], params: dict, needle: str) -> None:
+    base, spool = shared
+    if spool.read_meta("r422") is None:
+        write_record(spool, "r422", random_rows(5, layers=2, topk=1), layers=[0, 1])
+    r = httpx.get(url_for(base, "r422"), params=params)
+    assert r.status_code == 422
+    body = r.json()
+    assert set(body) == {"error", "detail"} and needle in body["detail"]
+
+
+def test_404_unknown_record_and_route(shared: tuple[str, Spool]) -> None:
+    base, _ = shared
+    r = httpx.get(url_for(base, "never-written"))
+    assert r.status_code == 404 and r.json() == {"error": "not_found", "detail": "no record 'never-written'"}
+    r = httpx.get(f"{base}/no/such/route")
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+    r = httpx.put(f"{base}/healthz")
+    assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
+
+
+def test_202_when_not_final(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    write_record(spool, "open-1", random_rows(7), final=False)
+    r = httpx.get(url_for(base, "open-1"))
+    assert r.status_code == 202 and r.json() == {"rid": "open-1", "rows": 7, "final": False}
+    t0 = time.monotonic()
+    r = httpx.get(url_for(base, "open-1"), params={"wait": 0.3})
+    assert r.status_code == 202 and time.monotonic() - t0 >= 0.3
+
+
+def test_410_aborted_and_error(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    write_record(spool, "ab", random_rows(3), status="aborted")
+    write_record(spool, "er", random_rows(3), status="error")
+    assert httpx.get(url_for(base, "ab")).json()["error"] == "record_aborted"
+    r = httpx.get(url_for(base, "er"))
+    assert r.status_code == 410 and r.json()["error"] == "record_error"
+
+
+def test_odd_rids_roundtrip(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    for i, rid in enumerate(["../../etc/passwd", "a/b/c", "ünï cødé ✓", "%2F..%2F", "q?x=1&y#z", "~tilde"]):
+        rows = random_rows(4, seed=i)
+        write_record(spool, rid, rows)
+        r = httpx.get(url_for(base, rid), params={"format": "raw"})
+        assert r.status_code == 200, rid
+        assert r.content == rows.astype(np.uint8).tobytes()
+        assert r.headers["x-r3-rid"] == quote(rid, safe=":")
+    assert all(p.parent == spool.records_dir for p in spool.records_dir.iterdir())
+
+
+def test_wait_returns_as_soon_as_final(shared: tuple[str, Spool]) -> None:
+    """Woken by the file-system event (rescan_s is 60 here), not by polling: well under the wait."""
+    base, spool = shared
+    rows = random_rows(20)
+    writer = spool.writer("late", num_experts=128, topk=8, layers=[0, 1, 2, 3])
+
+    def finish() -> None:
+        time.sleep(0.4)
+        writer.append(rows)
+        writer.finalize()
+
+    threading.Thread(target=finish).start()
+    t0 = time.monotonic()
+    r = httpx.get(url_for(base, "late"), params={"wait": 30, "format": "raw"}, timeout=40)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
+    assert 0.35 < elapsed < 5, elapsed
+
+
+def test_wait_for_a_record_not_yet_created(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    rows = random_rows(3)
+    timer = threading.Timer(0.3, lambda: write_record(spool, "unborn", rows))
+    timer.start()
+    t0 = time.monotonic()
+    r = httpx.get(url_for(base, "unborn"), params={"wait": 30, "format": "raw"}, timeout=40)
+    assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
+    assert time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    assert httpx.get(url_for(base, "still-unborn"), params={"wait": 0.2}).status_code == 404
+    assert time.monotonic() - t0 >= 0.2
+
+
+def test_delete_frees_files(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    write_record(spool, "del/me", random_rows(50))
+    assert spool.bin_path("del/me").exists()
+    assert httpx.delete(url_for(base, "del/me")).status_code == 204
+    assert not spool.bin_path("del/me").exists() and not spool.meta_path("del/me").exists()
+    assert httpx.get(url_for(base, "del/me")).status_code == 404
+    r = httpx.delete(url_for(base, "del/me"))
+    assert r.status_code == 404 and r.json()["error"] == "not_found"
+
+
+def test_engines_health_ready(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    spool.write_engine(engine_report("pod-a/dp0"))
+    engines = httpx.get(f"{base}/v1/engines").json()["engines"]
+    assert [e["engine"] for e in engines] == ["pod-a/dp0"] and engines[0]["budget"][0]["buffer"] == "device_cache"
+    assert httpx.get(f"{base}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{base}/readyz").json() == {"status": "ready"}
+
+
+def test_bad_spool_files_are_skipped_and_service_keeps_serving(shared: tuple[str, Spool]) -> None:
+    base, spool = shared
+    rdir = spool.records_dir
+    (rdir / "garbage.json").write_bytes(b"{not json")
+    (rdir / "future.json").write_bytes(b'{"v": 2, "rid": "future"}')
+    (rdir / "wrongname.json").write_bytes(write_record(spool, "rightname", random_rows(1)).to_json())
+    meta = write_record(spool, "trunc", random_rows(100))
+    os.truncate(spool.bin_path("trunc"), meta.row_bytes * 10)
+    (spool.engines_dir / "broken.json").write_bytes(b"[]")
+    for rid, code in (("garbage", 404), ("future", 404), ("wrongname", 404), ("trunc", 410), ("rightname", 200)):
+        r = httpx.get(url_for(base, rid))
+        assert r.status_code == code, (rid, r.text)
+    assert httpx.get(url_for(base, "trunc")).json()["error"] == "truncated_bin"
+    assert httpx.get(f"{base}/v1/engines").status_code == 200
+    metrics = httpx.get(f"{base}/metrics").text
+    for reason in ("bad_json", "unknown_version", "name_mismatch", "truncated_bin"):
+        assert f'r3_spool_skipped_total{{reason="{reason}"}}' in metrics, reason
+    assert httpx.get(url_for(base, "rightname"), params={"format": "raw"}).status_code == 200
+
+
+def test_auth(serve, spool: Spool) -> None:
+    base = serve(auth_token="s3cret")
+    write_record(spool, "secured", random_rows(2))
+    good = {"Authorization": "Bearer s3cret"}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic czNjcmV0"}):
+        r = httpx.get(url_for(base, "secured"), headers=headers)
+        assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{base}/v1/engines").status_code == 401
+    assert httpx.delete(url_for(base, "secured")).status_code == 401
+    assert httpx.post(f"{base}/routed_experts/batch", json={"rids": ["secured"]}).status_code == 401
+    assert httpx.get(url_for(base, "secured"), params={"start": "x"}).status_code == 401
+    for open_path in ("/metrics", "/healthz", "/readyz"):
+        assert httpx.get(f"{base}{open_path}").status_code == 200
+    assert httpx.get(url_for(base, "secured"), headers=good).status_code == 200
+    assert httpx.get(f"{base}/v1/engines", headers=good).status_code == 200
+    assert httpx.delete(url_for(base, "secured"), headers=good).status_code == 204
+
+
+def test_startup_rebuilds_index_from_existing_files(spool: Spool, make_settings) -> None:
+    rows = random_rows(9)
+    write_record(spool, "before-start", rows)
+    write_record(spool, "before-start-open", rows, final=False)
+    with live_server(make_settings(rescan_s=60)) as base:
+        assert httpx.get(url_for(base, "before-start"), params={"format": "raw"}).content == rows.astype(
+            np.uint8
+        ).tobytes()
+        text = httpx.get(f"{base}/metrics").text
+        assert 'r3_records{state="ok"} 1.0' in text and 'r3_records{state="open"} 1.0' in text
+
+
+def test_openapi_documents_every_route(shared: tuple[str, Spool]) -> None:
+    base, _ = shared
+    spec = httpx.get(f"{base}/openapi.json").json()
+    get = spec["paths"]["/routed_experts/{rid}"]["get"]
+    assert {"200", "202", "401", "404", "410", "416", "422"} <= set(get["responses"])
+    assert {"application/x-npy", "application/octet-stream", "text/plain", "application/vnd.r3.frames"} <= set(
+        get["responses"]["200"]["content"]
+    )
+    assert {p["name"] for p in get["parameters"]} == {"rid", "format", "start", "end", "layers", "wait", "stream"}
+    assert set(spec["paths"]["/routed_experts/{rid}"]) == {"get", "delete"}
+    assert {"/routed_experts/batch", "/v1/engines", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
+
+
+def test_body_size_bounded(serve) -> None:
+    base = serve(max_batch=2)
+    r = httpx.post(f"{base}/routed_experts/batch", json={"rids": ["a", "b", "c"]})
+    assert r.status_code == 422 and "rids" in r.json()["detail"]
+    r = httpx.post(f"{base}/routed_experts/batch", content=b"x" * 200_000, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "body_too_large"
+    r = httpx.post(f"{base}/routed_experts/batch", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_parameter"
+
