@@ -6,6 +6,8 @@ those stay testable without SGLang. Hooks are registered with `HookRegistry`; SG
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from engine_ext.settings import EngineSettings, Mode
@@ -85,5 +87,229 @@ def _budget_model_config(server_args):
 # ---- delivery: collection, writer, live rows, telemetry, pointer (owner: delivery work) ------------------
 
 
+_BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_DELIVERY_TARGETS = {
+    "collect": f"{_BRP}._maybe_collect_routed_experts",
+    "prefill": f"{_BRP}.process_batch_result_prefill",
+    "decode": f"{_BRP}.process_batch_result_decode",
+    "finalize": "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize",
+    "forward_end": "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer.on_forward_end",
+    "handle_output": "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
+    "meta_info": "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
+}
+
+
 def install_delivery_hooks(settings: EngineSettings) -> None:
-    """Deliver finished (and, when asked, live) rows to the spool without blocking the scheduler."""
+    """Deliver finished (and, when asked, live) rows to the spool without blocking the scheduler.
+
+    Scheduler process: finish-time collection (`collect.Collector`), live rows (`live.LiveRows`), the writer
+    and telemetry threads, started lazily at the first batch result (other processes never start them).
+    Main process: the `routed_experts_url` pointer in `meta_info` when `R3_SIDECAR_URL` is set.
+    """
+    global _delivery_settings
+    _delivery_settings = settings
+    t = _DELIVERY_TARGETS
+    HookRegistry.register(t["collect"], _around_collect, HookType.AROUND)
+    HookRegistry.register(t["prefill"], _around_process_result, HookType.AROUND)
+    HookRegistry.register(t["decode"], _around_process_result, HookType.AROUND)
+    HookRegistry.register(t["finalize"], _around_finalize, HookType.AROUND)
+    HookRegistry.register(t["forward_end"], _around_forward_end, HookType.AROUND)
+    if settings.sidecar_url:
+        HookRegistry.register(t["handle_output"], _around_handle_batch_output, HookType.AROUND)
+        HookRegistry.register(t["meta_info"], _around_build_out_dict, HookType.AROUND)
+
+
+class _Delivery:
+    """One scheduler process's delivery state: writer thread, collector, live rows, telemetry thread."""
+
+    def __init__(self, settings: EngineSettings, capturer, model_config) -> None:
+        import threading
+
+        from engine_ext.collect import Collector, ModelShape, moe_layer_ids
+        from engine_ext.writer import SpoolWriter, spool_dtype
+
+        hf = model_config.hf_text_config
+        num_experts = next(
+            int(v) for n in ("num_experts", "n_routed_experts", "num_local_experts") if (v := getattr(hf, n, None))
+        )
+        num_slots = int(capturer.num_layers)
+        layers = moe_layer_ids(
+            num_slots,
+            first_k_dense=int(getattr(hf, "first_k_dense_replace", 0) or 0),
+            sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+            mlp_only=getattr(hf, "mlp_only_layers", None) or (),
+        )
+        shape = ModelShape(
+            num_experts=num_experts,
+            topk=int(capturer.topk_size),
+            layers=layers,
+            layer_slots=None if layers == tuple(range(num_slots)) else layers,
+        )
+        self.settings = settings
+        self.host_cache = capturer.host_cache
+        self.publisher, dp_rank = _attention_ranks()
+        self.engine = settings.engine_name(dp_rank)
+        self.dp_rank = dp_rank
+        self.writer = SpoolWriter(
+            settings.spool_dir,
+            max_bytes=settings.spool_max_bytes,
+            queue_bytes=settings.writer_queue_bytes,
+            engine=self.engine,
+        ).start()
+        self.collector = Collector(
+            self.writer,
+            shape,
+            mode=settings.mode,
+            capture_all=settings.capture_all,
+            dtype=spool_dtype(settings.dtype, num_experts),
+            engine=self.engine,
+        )
+        self.stop = threading.Event()
+        threading.Thread(
+            target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
+        ).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.collector.drain(wait=True)
+        self.writer.close()
+
+
+_delivery_settings: EngineSettings | None = None
+_delivery: _Delivery | None = None
+
+
+def _attention_ranks() -> tuple[bool, int | None]:
+    """(publishes: attn-tp rank 0 of its DP group, the DP rank naming this engine)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        publisher = int(parallel.attn_tp_rank) == 0
+    except (RuntimeError, ValueError, AttributeError):
+        publisher = True
+    dp_rank: int | None = None
+    for name in ("attn_dp_rank", "dp_rank"):
+        try:
+            value = getattr(parallel, name)
+        except (RuntimeError, ValueError, AttributeError):
+            continue
+        if value is not None:
+            dp_rank = int(value)
+            break
+    return publisher, dp_rank
+
+
+def _delivery_for(processor) -> _Delivery | None:
+    """The process's delivery state, created at the first batch result that has a capturer."""
+    global _delivery
+    if _delivery is None and _delivery_settings is not None:
+        from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+        capturer = get_global_experts_capturer()
+        if capturer is None:
+            return None
+        _delivery = _Delivery(_delivery_settings, capturer, processor.model_config)
+    return _delivery
+
+
+def _finished_of(req):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    from engine_ext.collect import Finished
+
+    prompt_len = len(req.origin_input_ids)
+    return Finished(
+        rid=req.rid,
+        wants_inline=bool(req.return_routed_experts),
+        start_len=int(req.routed_experts_start_len or 0),
+        prompt_len=prompt_len,
+        seqlen=prompt_len + len(req.output_ids_through_stop),
+        pool_idx=int(req.kv.req_pool_idx),
+        aborted=isinstance(req.finished_reason, FINISH_ABORT),
+    )
+
+
+def _around_collect(original, self, req):
+    """Finished request: spool (no inline payload), inline (refused or not captured), or both (mirror)."""
+    from engine_ext.collect import Route
+
+    settings = _delivery_settings
+    if settings is None or not (req.return_routed_experts or settings.capture_all):
+        return original(self, req)
+    delivery = _delivery_for(self)
+    if delivery is None:
+        return original(self, req)
+    route = delivery.collector.finish(_finished_of(req), publisher=delivery.publisher)
+    if route in (Route.INLINE, Route.BOTH):
+        original(self, req)
+    if route == Route.BOTH:
+        delivery.collector.mirror(req.rid, req.routed_experts)
+    return None
+
+
+def end_delivery_step(processor) -> None:
+    """After one batch result: launch the step's batched slot read (also the tests' step boundary)."""
+    delivery = _delivery_for(processor)
+    if delivery is None:
+        return
+    delivery.collector.end_step(processor.req_to_token_pool.req_to_token, delivery.host_cache.buffer)
+
+
+def _around_process_result(original, self, batch, result, *args, **kwargs):
+    out = original(self, batch, result, *args, **kwargs)
+    end_delivery_step(self)
+    return out
+
+
+def _around_finalize(original, self):
+    """Overlap path: gather finished rows before this forward's rows land in the host cache."""
+    delivery = _delivery
+    if delivery is not None and self.host_cache is delivery.host_cache:
+        delivery.collector.drain(wait=True)
+    return original(self)
+
+
+def _around_forward_end(original, self, *args, **kwargs):
+    """Non-overlap path: the host cache is written inline here; gather finished rows first."""
+    no_copy_to_cpu = kwargs.get("no_copy_to_cpu", args[3] if len(args) > 3 else False)
+    delivery = _delivery
+    if delivery is not None and not no_copy_to_cpu:
+        delivery.collector.drain(wait=True)
+    return original(self, *args, **kwargs)
+
+
+# ---- delivery, main process: the pointer ---------------------------------------------------------------
+
+_pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids", default=None)
+
+
+async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
+    """Note which rids of this batch asked for routed experts (the meta_info hook has no `self`)."""
+    settings = _delivery_settings
+    if settings is not None and settings.capture_all:
+        wanted = frozenset(recv_obj.rids)
+    else:
+        states = self.rid_to_state
+        wanted = frozenset(
+            rid
+            for rid in recv_obj.rids
+            if (state := states.get(rid)) is not None and getattr(state.obj, "return_routed_experts", False)
+        )
+    token = _pointer_rids.set(wanted)
+    try:
+        return await original(self, recv_obj, *args, **kwargs)
+    finally:
+        _pointer_rids.reset(token)
+
+
+def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
+    """Runs once per output right after `meta_info` is complete: add `routed_experts_url`."""
+    from engine_ext.collect import routed_experts_url
+
+    settings = _delivery_settings
+    wanted = _pointer_rids.get()
+    rid = meta_info.get("id") if isinstance(meta_info, dict) else None
+    if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
+        meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+    return original(recv_obj, i, meta_info, *args, **kwargs)

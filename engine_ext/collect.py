@@ -1,0 +1,321 @@
+"""Sync-free collection of finished requests' routed experts, and the spool-or-inline decision.
+
+Upstream `get_topk` reads `req_to_token[pool_idx, start:seqlen-1].cpu()` once per finished request: a
+blocking device read on the scheduler thread. Here the finished requests of one step are batched into
+one device-side concatenation of their `req_to_token` rows and one non-blocking copy into pinned host
+memory (`StepGather.launch`); nothing waits. The rows are gathered from the host cache later
+(`StepGather.drain`), before any host-cache write that could land on a freed slot:
+
+- overlap scheduling: a slot freed while processing step N can be handed out at the earliest to step N+2
+  (step N+1 was allocated before N was processed), whose host-cache write is `TopkCaptureOutput.finalize`
+  while processing N+2; draining at every `finalize` (and at `on_forward_end` in the non-overlap path)
+  is therefore early enough, and by then the copy finished a forward ago;
+- idle engine: a ticker drains as soon as the copy's event has completed.
+
+The slot ids are the very `req_to_token` values `get_topk` reads, so rows and positions are identical
+to SGLang's `[start_len, seqlen - 1)` rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+import torch
+
+from engine_ext.settings import Mode
+from engine_ext.writer import Op, RecordSpec, SpoolWriter
+
+
+def row_range(start_len: int, seqlen: int) -> tuple[int, int]:
+    """Token positions `[lo, hi)` whose rows a finished request returns: upstream's `get_topk` clamp."""
+    if start_len < 0:
+        raise ValueError(f"start_len={start_len} must be non-negative")
+    hi = max(seqlen - 1, 0)
+    return min(start_len, hi), hi
+
+
+def moe_layer_ids(
+    num_layers: int,
+    *,
+    first_k_dense: int = 0,
+    sparse_step: int = 1,
+    mlp_only: Iterable[int] = (),
+) -> tuple[int, ...]:
+    """Model layers that route (DESIGN: dense layers are not stored), from the HF config's own fields.
+
+    `first_k_dense` (DeepSeek `first_k_dense_replace`), `sparse_step` and `mlp_only` (Qwen-MoE
+    `decoder_sparse_step`, `mlp_only_layers`): a layer is kept unless one of them makes it dense.
+    """
+    dense = set(mlp_only)
+    step = max(int(sparse_step or 1), 1)
+    return tuple(i for i in range(num_layers) if i >= first_k_dense and i not in dense and (i + 1) % step == 0)
+
+
+# ---- the spool-or-inline decision ------------------------------------------------------------------
+
+
+class Route:
+    """What to do with one finished request."""
+
+    SKIP = "skip"  # neither spool nor inline (not captured, or a rank that does not publish)
+    INLINE = "inline"  # SGLang's own path only
+    SPOOL = "spool"  # spool only: the inline payload stays None
+    BOTH = "both"  # SGLang's inline path, and the spool from its host tensor (mirror)
+
+
+def choose_route(*, mode: Mode, wants_inline: bool, capture_all: bool, publisher: bool, reserved: bool | None) -> str:
+    """Route of a finished request; `reserved` is None until a reservation was tried.
+
+    Call once with `reserved=None`: SKIP/INLINE need no reservation; any other answer means "reserve,
+    then ask again" with the outcome.
+    """
+    if mode is Mode.OFF or not (wants_inline or capture_all):
+        return Route.INLINE if wants_inline else Route.SKIP
+    if not publisher:
+        # Only attn-tp rank 0 publishes; other ranks' payloads never leave the scheduler.
+        return Route.INLINE if (wants_inline and mode is Mode.MIRROR) else Route.SKIP
+    if reserved is None:
+        return Route.SPOOL
+    if not reserved:
+        return Route.INLINE if wants_inline else Route.SKIP
+    if mode is Mode.MIRROR and wants_inline:
+        return Route.BOTH
+    return Route.SPOOL
+
+
+# ---- one batched, non-blocking slot read per step --------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Batch:
+    tickets: list[Any]
+    lengths: list[int]
+    slots: torch.Tensor  # host, pinned when the pool lives on a device
+    event: Any = None  # torch.cuda.Event recorded after the copy; None when already on the host
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+
+@dataclass(slots=True)
+class StepGather:
+    """Finished requests' slot ids: queued during a step, copied to host once per step, gathered later."""
+
+    _queued: list[tuple[Any, int, int, int]] = field(default_factory=list)
+    _inflight: list[_Batch] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    launches: int = 0
+    waits: int = 0
+
+    def add(self, ticket: Any, pool_idx: int, lo: int, hi: int) -> None:
+        """Queue rows `[lo, hi)` of `req_to_token[pool_idx]` for `ticket` (scheduler thread, host ints)."""
+        self._queued.append((ticket, pool_idx, lo, hi))
+
+    def pending(self) -> bool:
+        return bool(self._queued or self._inflight)
+
+    def launch(self, req_to_token: torch.Tensor) -> None:
+        """Read every queued request's slot ids with one concatenation and one non-blocking copy."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        views = [req_to_token[pool_idx, lo:hi] for _, pool_idx, lo, hi in queued]
+        flat = torch.cat(views) if len(views) > 1 else views[0]
+        if flat.device.type == "cpu":
+            host, event = flat.clone(), None
+        else:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        batch = _Batch([t for t, *_ in queued], [hi - lo for *_, lo, hi in queued], host, event)
+        with self._lock:
+            self._inflight.append(batch)
+            self.launches += 1
+
+    def drain(self, host_buffer: torch.Tensor, *, wait: bool) -> list[tuple[Any, torch.Tensor]]:
+        """Rows of every launched batch whose copy is done (all of them with `wait`), in launch order.
+
+        Call before any write to `host_buffer` that could reuse a freed slot. Returns host int32 tensors
+        of shape `(rows, layers, topk)`, one per ticket.
+        """
+        out: list[tuple[Any, torch.Tensor]] = []
+        with self._lock:
+            while self._inflight:
+                batch = self._inflight[0]
+                if not batch.ready():
+                    if not wait:
+                        break
+                    self.waits += 1
+                    batch.event.synchronize()
+                self._inflight.pop(0)
+                rows = host_buffer[batch.slots]
+                offset = 0
+                for ticket, n in zip(batch.tickets, batch.lengths, strict=True):
+                    out.append((ticket, rows[offset : offset + n]))
+                    offset += n
+        return out
+
+
+def select_layers(rows: torch.Tensor, layer_slots: Sequence[int] | None) -> torch.Tensor:
+    """Keep the host-cache layer slots that route (`None`: all of them)."""
+    if layer_slots is None:
+        return rows
+    return rows[:, list(layer_slots)]
+
+
+def to_spool_rows(rows: torch.Tensor, layer_slots: Sequence[int] | None, dtype: str) -> np.ndarray:
+    """Host int32 rows → C-contiguous rows of the spool dtype, routing layers only."""
+    return np.ascontiguousarray(select_layers(rows, layer_slots).numpy(), dtype=dtype)
+
+
+# ---- the finish-time path: reserve, gather without waiting, hand to the writer ---------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What every record of one engine shares: expert count, top-k, and which host-cache slots route."""
+
+    num_experts: int
+    topk: int
+    layers: tuple[int, ...]  # model layer index of each stored layer
+    layer_slots: tuple[int, ...] | None  # host-cache layer slots to keep (None: all, = layers)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One finished request, as plain values read off SGLang's `Req`."""
+
+    rid: str
+    wants_inline: bool
+    start_len: int
+    prompt_len: int
+    seqlen: int
+    pool_idx: int
+    aborted: bool
+
+
+class Collector:
+    """Routes finished requests to the spool (`StepGather` → `SpoolWriter`) or to SGLang's inline path."""
+
+    def __init__(
+        self,
+        writer: SpoolWriter,
+        shape: ModelShape,
+        *,
+        mode: Mode,
+        capture_all: bool,
+        dtype: str,
+        engine: str,
+    ) -> None:
+        self.writer = writer
+        self.shape = shape
+        self.mode = mode
+        self.capture_all = capture_all
+        self.dtype = dtype
+        self.engine = engine
+        self.gather = StepGather()
+        self.dropped = 0  # capture-all requests refused by the spool (no inline payload to keep)
+        self._host_buffer: torch.Tensor | None = None
+        self._ready = threading.Event()
+        self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
+
+    def spec(self, fin: Finished) -> RecordSpec:
+        lo, _ = row_range(fin.start_len, fin.seqlen)
+        return RecordSpec(
+            rid=fin.rid,
+            num_experts=self.shape.num_experts,
+            topk=self.shape.topk,
+            layers=self.shape.layers,
+            start=lo,
+            prompt_len=fin.prompt_len,
+            dtype=self.dtype,
+            engine=self.engine,
+        )
+
+    def finish(self, fin: Finished, *, publisher: bool) -> str:
+        """Decide and, for the spool, reserve and queue the request's slot read. Returns its `Route`."""
+        route = choose_route(
+            mode=self.mode,
+            wants_inline=fin.wants_inline,
+            capture_all=self.capture_all,
+            publisher=publisher,
+            reserved=None,
+        )
+        if route != Route.SPOOL:
+            return route
+        spec = self.spec(fin)
+        lo, hi = row_range(fin.start_len, fin.seqlen)
+        nbytes = (hi - lo) * spec.row_bytes
+        refusal = self.writer.reserve(nbytes)
+        route = choose_route(
+            mode=self.mode,
+            wants_inline=fin.wants_inline,
+            capture_all=self.capture_all,
+            publisher=publisher,
+            reserved=refusal is None,
+        )
+        if refusal is not None:
+            if route == Route.INLINE:
+                self.writer.note_fallback()
+            else:
+                self.dropped += 1
+            return route
+        status = "aborted" if fin.aborted else "ok"
+        if route == Route.BOTH:
+            self._mirror[fin.rid] = (spec, nbytes, status)
+        else:
+            self.gather.add((spec, nbytes, status), fin.pool_idx, lo, hi)
+        return route
+
+    def mirror(self, rid: str, rows: torch.Tensor | None) -> None:
+        """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather)."""
+        spec, nbytes, status = self._mirror.pop(rid)
+        if rows is None or rows.shape[0] * spec.row_bytes != nbytes:
+            self.writer.release(nbytes)
+            self.dropped += 1
+            return
+        data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
+        self.writer.submit(Op(rid, spec=spec, rows=data, status=status), reserved=True)
+
+    def end_step(self, req_to_token: torch.Tensor, host_buffer: torch.Tensor) -> None:
+        """After a step's results: one batched slot read for the step's finished requests."""
+        self._host_buffer = host_buffer
+        if self.gather._queued:
+            self.gather.launch(req_to_token)
+            self._ready.set()
+        self.drain(wait=False)
+
+    def drain(self, *, wait: bool) -> int:
+        """Gather launched requests' rows from the host cache and hand them to the writer."""
+        if self._host_buffer is None or not self.gather._inflight:
+            return 0
+        done = self.gather.drain(self._host_buffer, wait=wait)
+        for (spec, nbytes, status), rows in done:
+            data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
+            if data.nbytes != nbytes:
+                raise AssertionError(f"{spec.rid}: gathered {data.nbytes} bytes, reserved {nbytes}")
+            self.writer.submit(Op(spec.rid, spec=spec, rows=data, status=status), reserved=True)
+        return len(done)
+
+    def run_ticker(self, stop: threading.Event, poll_s: float = 0.002) -> None:
+        """Drain copies that completed while the engine is idle (a daemon thread's body)."""
+        while not stop.is_set():
+            if not self._ready.wait(0.5):
+                continue
+            while self.gather._inflight and not stop.is_set():
+                self.drain(wait=False)
+                stop.wait(poll_s)
+            self._ready.clear()
+            if self.gather._inflight:
+                self._ready.set()
+
+
+def routed_experts_url(base: str, rid: str) -> str:
+    """The pointer a response carries: `<R3_SIDECAR_URL>/routed_experts/<percent-encoded rid>`."""
+    return f"{base.rstrip('/')}/routed_experts/{quote(rid, safe='')}"

@@ -1,0 +1,207 @@
+"""Finish-time collection: pure decisions here; against real SGLang 0.5.23 classes in one subprocess."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_ext.collect import Route, StepGather, choose_route, moe_layer_ids, routed_experts_url, row_range
+from engine_ext.settings import Mode
+from sglang_env import run_sglang
+
+
+def test_row_range_matches_get_topk_clamp():
+    assert row_range(0, 10) == (0, 9)
+    assert row_range(4, 10) == (4, 9)
+    assert row_range(12, 10) == (9, 9)  # start clamps to seqlen - 1: no rows
+    with pytest.raises(ValueError):
+        row_range(-1, 10)
+
+
+def test_moe_layers_follow_the_config():
+    assert moe_layer_ids(4) == (0, 1, 2, 3)
+    assert moe_layer_ids(5, first_k_dense=2) == (2, 3, 4)
+    assert moe_layer_ids(6, sparse_step=2, mlp_only=[5]) == (1, 3)
+
+
+@pytest.mark.parametrize(
+    ("mode", "wants", "capture_all", "publisher", "reserved", "route"),
+    [
+        (Mode.SIDECAR, True, False, True, True, Route.SPOOL),
+        (Mode.SIDECAR, True, False, True, False, Route.INLINE),
+        (Mode.SIDECAR, False, False, True, None, Route.SKIP),
+        (Mode.SIDECAR, False, True, True, True, Route.SPOOL),
+        (Mode.SIDECAR, False, True, True, False, Route.SKIP),  # nobody asked for inline: it is never made
+        (Mode.SIDECAR, True, False, False, None, Route.SKIP),  # only attn-tp rank 0 publishes
+        (Mode.MIRROR, True, False, True, True, Route.BOTH),
+        (Mode.MIRROR, True, False, False, None, Route.INLINE),
+        (Mode.MIRROR, False, True, True, True, Route.SPOOL),
+        (Mode.OFF, True, True, True, None, Route.INLINE),
+    ],
+)
+def test_route(mode, wants, capture_all, publisher, reserved, route):
+    first = choose_route(mode=mode, wants_inline=wants, capture_all=capture_all, publisher=publisher, reserved=None)
+    if first == Route.SPOOL and reserved is not None:
+        first = choose_route(
+            mode=mode, wants_inline=wants, capture_all=capture_all, publisher=publisher, reserved=reserved
+        )
+    assert first == route
+
+
+def test_step_gather_reads_each_step_once_in_order():
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32).reshape(4, 16)
+    host = torch.arange(64 * 2 * 3, dtype=torch.int32).reshape(64, 2, 3)
+    gather = StepGather()
+    gather.add("a", 1, 0, 5)
+    gather.add("b", 3, 2, 9)
+    gather.launch(req_to_token)
+    gather.add("c", 2, 4, 4)
+    gather.launch(req_to_token)
+    assert gather.launches == 2
+    out = gather.drain(host, wait=False)
+    assert [t for t, _ in out] == ["a", "b", "c"]
+    assert torch.equal(out[0][1], host[16:21]) and torch.equal(out[1][1], host[50:57])
+    assert out[2][1].shape == (0, 2, 3)
+    assert not gather.pending()
+
+
+def test_pointer_url_percent_encodes():
+    assert routed_experts_url("http://sc:8000/", "a b/ü?") == "http://sc:8000/routed_experts/a%20b%2F%C3%BC%3F"
+
+
+_FINISH_CHILD = r"""
+import base64, types
+from array import array
+import numpy as np, torch
+from sglang_env import publish_args, tiny_model_config
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang.srt.managers.schedule_batch import Req, FINISH_ABORT, FINISH_LENGTH
+from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
+from engine_ext import hooks
+from engine_ext.settings import EngineSettings
+from service.spool import Spool
+
+import os
+SPOOL = os.environ["R3_TEST_SPOOL"]
+
+publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
+hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))
+HookRegistry.apply_hooks()
+
+mc = tiny_model_config()
+mc.hf_text_config.num_experts = 8
+cap = RoutedExpertsCapturer(mc, num_tokens=512, max_running_requests=8, num_fused_shared_experts=0, device="cpu")
+set_global_experts_capturer(cap)
+pool = ReqToTokenPool(size=8, max_context_len=128, device="cpu", enable_memory_saver=False)
+proc = SchedulerBatchResultProcessor(**{f: None for f in SchedulerBatchResultProcessor.__dataclass_fields__} | dict(
+    req_to_token_pool=pool, model_config=mc, is_generation=True))
+gen = torch.Generator().manual_seed(7)
+free = list(torch.randperm(500, generator=gen)[:400].add(1).tolist())
+
+def forward(slots, overlap):
+    # One forward writing routing for `slots` through the real capturer (overlap: TopkCaptureOutput.finalize).
+    n = len(slots)
+    for layer in range(2):
+        cap.capture(layer, torch.randint(0, 8, (n, 2), dtype=torch.int32, generator=gen))
+    fb = types.SimpleNamespace(out_cache_loc=torch.tensor(slots, dtype=torch.int64), out_cache_loc_virtual=None)
+    out = cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=overlap)
+    if overlap:
+        out.finalize()
+
+def run_request(rid, idx, prompt, output, overlap=True, **kw):
+    req = Req(rid, "", array("l", range(1, prompt + 1)), SamplingParams(max_new_tokens=output), **kw)
+    req.kv.req_pool_idx = idx
+    slots = [free.pop() for _ in range(prompt + output)]
+    pool.req_to_token[idx, : prompt + output] = torch.tensor(slots, dtype=torch.int32)
+    forward(slots[:prompt], overlap)                  # extend
+    for p in range(prompt, prompt + output - 1):      # decodes feed outputs 0..n-2
+        forward([slots[p]], overlap)
+    req.output_ids = array("l", range(100, 100 + output))
+    return req
+
+def upstream_b64(req):
+    seqlen = len(req.origin_input_ids) + len(req.output_ids)
+    rows = cap.get_topk(req.kv.req_pool_idx, seqlen, pool, start_len=req.routed_experts_start_len)
+    return DetokenizerManager._b64_encode_per_request([rows])[0]
+
+def spool_rows(rid):
+    meta = Spool(SPOOL).read_meta(rid)
+    return meta, Spool(SPOOL).read_array(meta).astype(np.int32)
+
+def finish(reqs):
+    for req in reqs:
+        proc._maybe_collect_routed_experts(req)
+    hooks.end_delivery_step(proc)
+    hooks._delivery.writer.flush()
+
+results = {}
+def configure(**env):
+    hooks._delivery = None
+    hooks._delivery_settings = EngineSettings(spool_dir=SPOOL, **env)
+
+# sidecar mode: spool rows == SGLang's base64 rows; the inline payload is dropped
+configure()
+a = run_request("a", 1, 9, 6, return_routed_experts=True)
+b = run_request("b/ü", 2, 5, 3, overlap=False, return_routed_experts=True, routed_experts_start_len=3)
+c = run_request("c", 3, 4, 4)  # did not ask
+b.finished_reason = FINISH_ABORT()
+a.finished_reason = FINISH_LENGTH(6)
+expect = {r.rid: upstream_b64(r) for r in (a, b)}
+finish([a, b, c])
+for r in (a, b):
+    meta, rows = spool_rows(r.rid)
+    up = np.frombuffer(base64.b64decode(expect[r.rid]), dtype=np.int32).reshape(-1, 2, 2)
+    results[r.rid] = dict(equal=bool(np.array_equal(rows, up)), rows=meta.rows, start=meta.start,
+                          status=meta.status, final=meta.final, dtype=meta.dtype, inline=r.routed_experts is not None,
+                          prompt_len=meta.prompt_len, layers=list(meta.layers), nrows_up=int(up.shape[0]))
+results["c_record"] = Spool(SPOOL).read_meta("c") is not None
+results["sidecar_stats"] = hooks._delivery.writer.snapshot()
+results["launches"] = hooks._delivery.collector.gather.launches
+
+# capture-all: a request that did not ask is captured, and gets no inline payload
+configure(capture_all=True)
+d = run_request("d", 4, 6, 2)
+expect_d = upstream_b64(d)
+finish([d])
+meta, rows = spool_rows("d")
+results["d"] = dict(equal=bool(np.array_equal(rows.reshape(-1), np.frombuffer(base64.b64decode(expect_d), np.int32))),
+                    inline=d.routed_experts is not None)
+
+# mirror: inline kept and the same rows in the spool
+configure(mode="mirror")
+e = run_request("e", 5, 7, 3, return_routed_experts=True)
+finish([e])
+meta, rows = spool_rows("e")
+results["e"] = dict(inline=e.routed_experts is not None,
+                    equal=bool(e.routed_experts is not None and np.array_equal(rows, e.routed_experts.numpy())))
+
+# spool full: SGLang's inline path is kept and counted
+configure(spool_max_bytes=64)
+f = run_request("f", 6, 30, 10, return_routed_experts=True)
+finish([f])
+results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).read_meta("f") is not None,
+                    stats=hooks._delivery.writer.snapshot())
+emit(results)
+"""
+
+
+@pytest.mark.sglang
+def test_finish_path_against_sglang(tmp_path):
+    (res,) = run_sglang(_FINISH_CHILD, env={"R3_TEST_SPOOL": str(tmp_path / "spool")})
+    a, b = res["a"], res["b/ü"]
+    assert a == {**a, "equal": True, "rows": 14, "start": 0, "status": "ok", "final": True, "inline": False}
+    assert a["dtype"] == "uint8" and a["prompt_len"] == 9 and a["layers"] == [0, 1] and a["nrows_up"] == 14
+    assert b == {**b, "equal": True, "rows": 4, "start": 3, "status": "aborted", "inline": False}
+    assert res["c_record"] is False
+    assert res["sidecar_stats"] == {"queued_bytes": 0, "records_written": 2, "fallback_inline": 0, "spool_full": 0}
+    assert res["launches"] == 1  # two finished requests, one batched slot read
+    assert res["d"] == {"equal": True, "inline": False}
+    assert res["e"] == {"inline": True, "equal": True}
+    f = res["f"]
+    assert f["inline"] is True and f["record"] is False
+    assert f["stats"]["fallback_inline"] == 1 and f["stats"]["spool_full"] == 1
