@@ -72,6 +72,15 @@ def proc_uid(pid: int) -> int:
     raise RuntimeError(f"no Uid for pid {pid}")
 
 
+def proc_cap_eff(pid: int) -> int:
+    """The process's effective capability mask (0: no privilege beyond its uid's file permissions)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    raise RuntimeError(f"no CapEff for pid {pid}")
+
+
 def loadavg() -> str:
     """The 1/5/15-minute load averages, for reports: the machine is shared."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -88,6 +97,7 @@ class Sidecar:
     cwd: Path | None = None
     user: int | None = None
     group: int | None = None
+    wrap: list[str] = field(default_factory=list)  # e.g. setpriv, to drop capabilities
     proc: subprocess.Popen | None = None
 
     @property
@@ -105,7 +115,7 @@ class Sidecar:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                self.command(), env=env, cwd=self.cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
+                [*self.wrap, *self.command()], env=env, cwd=self.cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
                 user=self.user, group=self.group, extra_groups=[] if self.user is not None else None,
                 start_new_session=True,
             )
