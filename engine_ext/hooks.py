@@ -23,10 +23,224 @@ def install(settings: EngineSettings) -> None:
 
 # ---- capture: capturer sizing, DP slicing, runtime assertions, occupancy (owner: capture work) ----------
 
+_RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
+_MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+_DECODE_EXTENT_ATTR = "r3_decode_graph_extent"  # set on each ForwardBatch by _record_forward_extent
+_SLICE_ATTR = "_r3_last_slice"  # the capturer's LocalSlice of the current forward, for occupancy
+
 
 def install_capture_hooks(settings: EngineSettings) -> None:
-    """Correct capturer sizing and sync-free DP slicing."""
-    _ = (HookRegistry, HookType)
+    """Correct capturer sizing and sync-free DP slicing, check writes against capacities, track occupancy."""
+    from sglang.srt.utils import is_hip
+
+    register = HookRegistry.register
+    register(f"{_RE}.create", _create_sized_capturer, HookType.AROUND)
+    register(f"{_MODEL_RUNNER}._forward_raw", _record_forward_extent, HookType.AROUND)
+    register(f"{_RE}._get_local_slice", _get_local_slice, HookType.REPLACE)
+    register(f"{_RE}.on_forward_end", _on_forward_end_with_occupancy, HookType.AROUND)
+    register("sglang.srt.state_capturer.base.BaseDeviceCache.capture", _checked_device_capture, HookType.AROUND)
+    register("sglang.srt.runtime_context.cutedsl_moe_max_num_tokens", _cutedsl_moe_max_num_tokens, HookType.REPLACE)
+    register(
+        "sglang.srt.layers.attention.triton_backend.TritonMultiStepDraftBackend.common_template",
+        _checked_draft_kv_indices,
+        HookType.AROUND,
+    )
+    if is_hip():  # aiter_backend imports only where aiter is installed
+        register(
+            "sglang.srt.layers.attention.aiter_backend.AiterMultiStepDraftBackend.common_template",
+            _checked_draft_kv_indices,
+            HookType.AROUND,
+        )
+
+
+def capture_limits(model_config, max_running_requests: int):
+    """The published settings that bound one forward's rows on one DP rank (`capturer.CaptureLimits`)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec, get_parallel, get_schedule, get_spec
+
+    from engine_ext.capturer import CaptureLimits
+
+    schedule, spec = get_schedule(), get_spec()
+    graphs = get_exec().graph.cuda_graph_config
+    decode_max_bs = prefill_max_tokens = 0
+    if graphs is not None:
+        if graphs.decode.backend != Backend.DISABLED:
+            decode_max_bs = max([graphs.decode.max_bs or 0, *(graphs.decode.bs or ())])
+        if graphs.prefill.backend != Backend.DISABLED:  # BREAKABLE, FULL (and the legacy TC_PIECEWISE)
+            prefill_max_tokens = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
+    return CaptureLimits(
+        max_running_requests=max_running_requests,
+        chunked_prefill_size=schedule.chunked_prefill_size,
+        context_len=int(getattr(model_config, "context_len", 0) or 0),
+        max_prefill_tokens=schedule.max_prefill_tokens or 0,
+        prefill_graph_max_tokens=prefill_max_tokens,
+        decode_graph_max_bs=decode_max_bs,
+        tokens_per_req=(spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1,
+        attn_tp_size=get_parallel().attn_tp_size,
+    )
+
+
+def _moe_sees_gathered_batch() -> bool:
+    """DP attention without a scattering all-to-all: every MoE layer routes the DP-gathered batch."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.state_capturer.routed_experts import _is_scattered_a2a_backend
+
+    return is_dp_attention_enabled() and not _is_scattered_a2a_backend()
+
+
+def _create_sized_capturer(original, *args, **kwargs):
+    """`RoutedExpertsCapturer.create` with the device cache sized `N · max(P, graph_max_bs · w)`.
+
+    0.5.23 sizes it `num_dp_ranks · max(chunked_prefill_size, max_running_requests)`; raising the
+    `max_running_requests` it is given to the per-rank worst case makes its own constructor allocate the
+    corrected size (nothing else reads that argument), so DeepEP gather buffers and the host cache stay upstream's.
+    """
+    import logging
+
+    from sglang.srt.runtime_context import get_parallel
+
+    from engine_ext import capturer
+
+    model_config, max_running_requests = kwargs["model_config"], kwargs["max_running_requests"]
+    limits = capture_limits(model_config, max_running_requests)
+    num_dp_ranks = get_parallel().num_dp_ranks
+    gathered = num_dp_ranks if _moe_sees_gathered_batch() else 1
+    rows = capturer.device_rows(limits, gathered)
+    kwargs["max_running_requests"] = max(max_running_requests, -(-rows // num_dp_ranks))
+    created = original(*args, **kwargs)
+    if created is None:  # enable_return_routed_experts is off
+        return None
+    capacity = created.device_cache.buffer.shape[0]
+    created._r3_remedy = (
+        f"sized {limits.formula(gathered)} = {rows} rows; lower --chunked-prefill-size, --max-running-requests, "
+        "--cuda-graph-max-bs or --speculative-num-draft-tokens"
+    )
+    capturer.track(capturer.DEVICE_CACHE, capacity)
+    logging.getLogger("r3_sidecar").info(
+        "r3-sidecar: routed-experts device cache %d rows (upstream %d): %s",
+        capacity,
+        capturer.upstream_device_rows(limits.chunked_prefill_size or 0, max_running_requests, num_dp_ranks),
+        limits.formula(gathered),
+    )
+    return created
+
+
+def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
+    """Stamp the ForwardBatch with the decode/verify graph extent when that graph is what ran.
+
+    The decode-graph path of `_forward_raw` returns before `_prepare_eager_forward_batch`, the only writer of
+    `global_num_tokens_padded_cpu`; the prefill-graph path also reports `can_run_graph` but after that padding.
+    """
+    from engine_ext.slicing import DecodeGraphExtent
+
+    setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
+    output = original(runner, forward_batch, *args, **kwargs)
+    graph = runner.decode_cuda_graph_runner
+    if output.can_run_graph and graph is not None and forward_batch.global_num_tokens_padded_cpu is None:
+        ragged = getattr(graph, "_ragged_graph_size", None) if getattr(graph, "ragged_verify_mode", False) else None
+        setattr(
+            forward_batch,
+            _DECODE_EXTENT_ATTR,
+            DecodeGraphExtent(graph_bs=graph.bs, tokens_per_req=graph.captured_req_width, ragged_tokens=ragged),
+        )
+    return output
+
+
+def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
+    """This rank's device-cache rows, offsets from `slicing.local_slice` (host integers only)."""
+    from sglang.srt.layers.dp_attention import dp_gather_slot, dp_slot_in
+
+    from engine_ext import capturer, slicing
+
+    local_tokens = forward_batch.out_cache_loc.shape[0]
+    if _moe_sees_gathered_batch():
+        padded, counts = forward_batch.global_num_tokens_padded_cpu, forward_batch.global_num_tokens_cpu
+        per_rank = padded if padded is not None else counts
+        extent = getattr(forward_batch, _DECODE_EXTENT_ATTR, None) if can_run_graph else None
+        if can_run_graph and extent is None and padded is None:
+            raise ValueError(
+                "r3-sidecar: a CUDA-graph forward under DP attention with neither a recorded decode-graph extent "
+                "(ModelRunner._forward_raw hook) nor ForwardBatch.global_num_tokens_padded_cpu: cannot place rows"
+            )
+        rank = dp_slot_in(per_rank) if per_rank is not None else dp_gather_slot()
+        where = slicing.local_slice(
+            rank=rank, local_tokens=local_tokens, decode_graph=extent, padded_counts=padded, counts=counts
+        )
+    else:
+        where = slicing.LocalSlice(0, local_tokens, local_tokens)
+    capturer.check_fits(
+        max(where.stop, where.gathered_rows),
+        self.device_cache.buffer.shape[0],
+        what="routed-experts device cache",
+        remedy=getattr(self, "_r3_remedy", "r3-sidecar did not size this capturer"),
+    )
+    setattr(self, _SLICE_ATTR, where)
+    return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
+
+
+def _on_forward_end_with_occupancy(original, self, forward_batch, *args, **kwargs):
+    """Record the rows this forward used in the device cache (host-side shape integers only)."""
+    from engine_ext import capturer
+
+    setattr(self, _SLICE_ATTR, None)
+    result = original(self, forward_batch, *args, **kwargs)
+    where = getattr(self, _SLICE_ATTR, None)
+    occupancy = capturer.tracked(capturer.DEVICE_CACHE)
+    if occupancy is not None:
+        occupancy.record(where.gathered_rows if where is not None else forward_batch.out_cache_loc.shape[0])
+    return result
+
+
+def _checked_device_capture(original, self, layer_id, topk_indices):
+    """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
+    from engine_ext import capturer
+
+    capturer.check_fits(
+        topk_indices.shape[0],
+        self.buffer.shape[0],
+        what=f"{self.name} device cache (layer {layer_id})",
+        remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
+        "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
+    )
+    return original(self, layer_id, topk_indices)
+
+
+def _cutedsl_moe_max_num_tokens() -> int:
+    """`runtime_context.cutedsl_moe_max_num_tokens` counting BREAKABLE and FULL prefill graphs too."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec, get_schedule, get_spec
+
+    from engine_ext.capturer import cutedsl_moe_tokens
+
+    spec = get_spec()
+    graphs = get_exec().graph.cuda_graph_config
+    prefill_graph = decode_max_bs = 0
+    if graphs is not None:
+        if graphs.prefill.backend != Backend.DISABLED:
+            prefill_graph = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
+        decode_max_bs = graphs.decode.max_bs or 0
+    return cutedsl_moe_tokens(
+        max_prefill_tokens=get_schedule().max_prefill_tokens,
+        prefill_graph_max_tokens=prefill_graph,
+        decode_graph_max_bs=decode_max_bs,
+        tokens_per_req=(spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1,
+    )
+
+
+def _checked_draft_kv_indices(original, self, forward_batch, kv_indices_buffer, call_fn, *args, **kwargs):
+    """The EAGLE draft kv_indices bound FlashInfer asserts, for the Triton and AITER multi-step backends."""
+    from engine_ext.capturer import draft_kv_indices_fits
+
+    buffer = kv_indices_buffer if kv_indices_buffer is not None else getattr(self, "cuda_graph_kv_indices", None)
+    if buffer is not None:
+        draft_kv_indices_fits(
+            seq_lens_sum=forward_batch.seq_lens_sum,
+            topk=self.topk,
+            num_seqs=forward_batch.batch_size,
+            num_steps=self.speculative_num_steps,
+            width=buffer.shape[1],
+        )
+    return original(self, forward_batch, kv_indices_buffer, call_fn, *args, **kwargs)
 
 
 # ---- budget: pre-launch check (owner: budget work) -------------------------------------------------------

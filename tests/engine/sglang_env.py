@@ -1,0 +1,88 @@
+"""Run SGLang 0.5.23 internals on a CPU-only machine, each group of checks in a fresh Python process.
+
+SGLang sets process environment variables and global state (published config, applied hooks) on import and
+publish, so engine tests run their code through `run_sglang(code)`: a new interpreter with the CPU
+workarounds applied, `emit(obj)` to hand JSON back, and a clear failure carrying the child's stderr.
+
+Inside the child, `from sglang_env import publish_args, tiny_model_config` give a published `ServerArgs`
+and a real `ModelConfig` of the tiny Qwen3-MoE in `tests/sglang_cpu/tiny_qwen3moe`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe"
+_RESULT = "R3-RESULT "
+
+_PRELUDE = """\
+import json as _json, sys as _sys
+import sglang_env as _env
+_env.cpu_workarounds()
+def emit(obj):
+    print(_env._RESULT + _json.dumps(obj), flush=True)
+"""
+
+
+def cpu_workarounds() -> None:
+    """Host caches without `cudaHostRegister` (pinned memory needs CUDA); also for the `meta` device."""
+    from sglang.srt.mem_cache.pool_host import common as host_common
+
+    def unpinned(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+        return allocator.allocate(dims, dtype=dtype, device=device)
+
+    host_common.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
+    host_common.ALLOC_MEMORY_FUNCS["meta"] = unpinned  # a capturer on "meta" keeps its host cache on the CPU
+
+
+def publish_args(*, world_rank: int = 0, **fields: Any):
+    """Publish a resolved `ServerArgs(model_path="dummy", device="cpu", **fields)` as this process's config.
+
+    `model_path="dummy"` skips model-dependent resolution, so pass chunked_prefill_size / max_running_requests.
+    DP attention is `tp_size=N, attn_dp_size=N`; `world_rank` then picks the DP rank.
+    """
+    from sglang.srt.layers.dp_attention import initialize_dp_attention_flags
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    reset_context()
+    server_args = ServerArgs(model_path="dummy", device="cpu", **fields)
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=world_rank, dp_rank=None))
+    initialize_dp_attention_flags(server_args)
+    return server_args
+
+
+def tiny_model_config(context_length: int | None = None):
+    """A real `ModelConfig` of the tiny Qwen3-MoE in `tests/sglang_cpu/tiny_qwen3moe` (2 layers, 8 experts, top-2)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(str(TINY_MODEL), context_length=context_length)
+
+
+def run_sglang(code: str, *, timeout: float = 240, env: dict[str, str] | None = None) -> list[Any]:
+    """Run `code` (dedented) in a fresh interpreter with the CPU workarounds; return what it `emit`ted."""
+    child_env = {**os.environ, **(env or {})}
+    paths = [str(REPO), str(Path(__file__).resolve().parent)]
+    child_env["PYTHONPATH"] = os.pathsep.join([*paths, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    child_env.setdefault("PYTHONWARNINGS", "ignore")
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=child_env,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"SGLang child exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+            f"--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return [json.loads(line[len(_RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
