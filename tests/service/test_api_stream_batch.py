@@ -1,0 +1,133 @@
+"""`stream=true` and `POST /routed_experts/batch`: frames delivered as rows arrive, in request order."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+import orjson
+from helpers import random_rows, write_record
+
+from service import formats
+from service.spool import Spool
+
+
+def read_frames(response: httpx.Response) -> list[tuple[dict, bytes, float]]:
+    """Parse frames incrementally from a streaming response; note when each one was complete."""
+    buf = b""
+    frames = []
+    for chunk in response.iter_bytes():
+        buf += chunk
+        while len(buf) >= 4:
+            (hlen,) = struct.unpack_from("<I", buf)
+            if len(buf) < 4 + hlen:
+                break
+            header = orjson.loads(buf[4 : 4 + hlen])
+            size = int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize
+            if len(buf) < 4 + hlen + size:
+                break
+            frames.append((header, buf[4 + hlen : 4 + hlen + size], time.monotonic()))
+            buf = buf[4 + hlen + size :]
+    assert buf == b"", "stray bytes after the last frame"
+    return frames
+
+
+def test_stream_delivers_rows_as_written_then_ends_at_final(serve, spool: Spool) -> None:
+    base = serve(rescan_s=60, chunk_bytes=4096)
+    pieces = [random_rows(n, seed=n) for n in (5, 600, 1, 30)]  # 600 rows of 32 B cross several 4 KiB frames
+    writer = spool.writer("live/1", num_experts=128, topk=8, layers=[0, 1, 2, 3], start=10, prompt_len=8)
+    writer.append(pieces[0])
+    times: dict[str, float] = {}
+
+    def produce() -> None:
+        for piece in pieces[1:]:
+            time.sleep(0.25)
+            writer.append(piece)
+        time.sleep(0.25)
+        times["final"] = time.monotonic()
+        writer.finalize()
+
+    with httpx.stream("GET", f"{base}/routed_experts/{quote('live/1', safe='')}", params={"stream": "true"},
+                      timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == formats.FRAMES_MEDIA_TYPE
+        assert r.headers["x-r3-final"] == "false"
+        threading.Thread(target=produce).start()
+        frames = read_frames(r)
+    data = b"".join(payload for _, payload, _ in frames)
+    assert data == np.concatenate(pieces).astype(np.uint8).tobytes()
+    assert frames[-1][0]["final"] is True and all(not h["final"] for h, _, _ in frames[:-1])
+    starts = [h["start"] for h, _, _ in frames if h["shape"][0]]
+    assert starts[0] == 10 and starts == sorted(starts)
+    assert frames[0][2] < times["final"], "first rows must arrive while the record is still open"
+    assert sum(1 for _, _, t in frames if t < times["final"]) >= 3
+
+
+def test_stream_of_final_record_and_layers(serve, spool: Spool) -> None:
+    base = serve()
+    rows = random_rows(40, layers=4, topk=2)
+    write_record(spool, "done", rows, layers=[4, 8, 12, 16])
+    with httpx.stream("GET", f"{base}/routed_experts/done", params={"stream": 1, "layers": "16,4", "start": 5}) as r:
+        frames = read_frames(r)
+    assert b"".join(p for _, p, _ in frames) == rows[5:, [3, 0]].astype(np.uint8).tobytes()
+    assert frames[0][0]["layers"] == [16, 4] and frames[-1][0]["final"]
+
+
+def test_stream_ends_with_410_frame_when_aborted(serve, spool: Spool) -> None:
+    base = serve(rescan_s=60)
+    writer = spool.writer("dies", num_experts=8, topk=1, layers=[0])
+    writer.append(np.zeros((3, 1, 1)))
+    threading.Timer(0.3, writer.abort).start()
+    with httpx.stream("GET", f"{base}/routed_experts/dies", params={"stream": "true"}, timeout=30) as r:
+        frames = read_frames(r)
+    assert frames[0][0]["status"] == 200 and frames[0][1] == b"\0\0\0"
+    last = frames[-1][0]
+    assert last["status"] == 410 and last["final"] and last["record_status"] == "aborted"
+
+
+def test_stream_errors_before_it_starts(serve, spool: Spool) -> None:
+    base = serve()
+    write_record(spool, "gone", random_rows(2), status="aborted")
+    assert httpx.get(f"{base}/routed_experts/nobody", params={"stream": "true"}).status_code == 404
+    assert httpx.get(f"{base}/routed_experts/gone", params={"stream": "true"}).status_code == 410
+    write_record(spool, "s416", random_rows(2), start=4)
+    assert httpx.get(f"{base}/routed_experts/s416", params={"stream": "true", "start": 1}).status_code == 416
+
+
+def test_batch_keeps_request_order_with_per_rid_status(serve, spool: Spool) -> None:
+    base = serve()
+    a, b = random_rows(30, seed=1), random_rows(7, seed=2)
+    write_record(spool, "a", a, layers=[0, 1, 2, 3], start=3)
+    write_record(spool, "b/é", b, layers=[0, 1, 2, 3])
+    write_record(spool, "open", b, final=False)
+    write_record(spool, "aborted", b, status="aborted")
+    rids = ["b/é", "missing", "a", "open", "aborted", "a"]
+    r = httpx.post(f"{base}/routed_experts/batch", json={"rids": rids, "layers": [2, 0]})
+    assert r.status_code == 200 and r.headers["content-type"] == formats.FRAMES_MEDIA_TYPE
+    frames = formats.parse_frames(r.content)
+    assert [h["rid"] for h, _ in frames] == rids
+    assert [h["status"] for h, _ in frames] == [200, 404, 200, 202, 410, 200]
+    assert frames[0][1] == b[:, [2, 0]].astype(np.uint8).tobytes()
+    assert frames[2][1] == frames[5][1] == a[:, [2, 0]].astype(np.uint8).tobytes()
+    assert frames[2][0]["start"] == 3 and frames[2][0]["shape"] == [30, 2, 8] and frames[2][0]["layers"] == [2, 0]
+    assert frames[3][0]["rows"] == 7 and frames[3][1] == b""
+    write_record(spool, "other-layers", b, layers=[5, 6, 7, 8])
+    r = httpx.post(f"{base}/routed_experts/batch", json={"rids": ["other-layers"], "layers": [2]})
+    assert formats.parse_frames(r.content)[0][0]["status"] == 422
+
+
+def test_batch_wait_shares_one_deadline(serve, spool: Spool) -> None:
+    base = serve(rescan_s=60)
+    rows = random_rows(4)
+    threading.Timer(0.3, lambda: write_record(spool, "soon", rows)).start()
+    t0 = time.monotonic()
+    r = httpx.post(f"{base}/routed_experts/batch", json={"rids": ["soon", "never-1", "never-2"], "wait": 1.0},
+                   timeout=30)
+    elapsed = time.monotonic() - t0
+    frames = formats.parse_frames(r.content)
+    assert [h["status"] for h, _ in frames] == [200, 404, 404]
+    assert frames[0][1] == rows.astype(np.uint8).tobytes()
+    assert 1.0 <= elapsed < 3.0, elapsed
