@@ -1,0 +1,125 @@
+"""The chart as Kubernetes would receive it: rendered by Helm's own Go engine (helm-python-sdk embeds the Helm
+v4 SDK), parsed into objects, and the objects validated against pinned published schemas.
+
+Kubernetes kinds use `kubernetes-validate`'s strict OpenAPI schemas for `K8S_VERSION`; the Prometheus
+Operator kinds use the CRD schemas vendored in `schemas/` (no PyPI package carries them).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "r3-sidecar"
+VALUES_DIR = Path(__file__).resolve().parent / "values"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+RULES_FILE = REPO / "deploy" / "prometheus" / "r3-sidecar-rules.yaml"
+DASHBOARD_FILE = REPO / "deploy" / "grafana" / "r3-sidecar.json"
+
+# The oldest Kubernetes the chart declares (`kubeVersion: >=1.27.0-0`) and a recent one.
+K8S_VERSIONS = ("1.27.0", "1.33.0")
+RELEASE = "r3"
+NAMESPACE = "inference"
+
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor_v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule_v1.json",
+}
+
+Obj = dict[str, Any]
+
+
+@functools.cache
+def chart() -> helm.Chart:
+    return helm.Chart.load(CHART)
+
+
+def scenario_values(name: str) -> dict[str, Any]:
+    """Values of `values/<name>.yaml`, parsed by Helm itself (`-f` semantics); `defaults` is no file."""
+    if name == "defaults":
+        return {}
+    return helm.values_from_yaml((VALUES_DIR / f"{name}.yaml").read_text())
+
+
+def scenarios() -> list[str]:
+    return ["defaults", *sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))]
+
+
+def render_manifests(values: dict[str, Any] | None = None) -> dict[str, str]:
+    """Template path → rendered text, as `helm template r3 … -n inference` produces it."""
+    return chart().render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+
+
+def render(values: dict[str, Any] | None = None) -> list[Obj]:
+    """Every Kubernetes object the chart renders (NOTES.txt excluded), in template order."""
+    objects: list[Obj] = []
+    for path, text in sorted(render_manifests(values).items()):
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def of_kind(objects: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[Obj], kind: str, *, hook: bool | None = None) -> Obj:
+    found = [o for o in of_kind(objects, kind) if hook is None or is_hook(o) == hook]
+    assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def is_hook(obj: Obj) -> bool:
+    return "helm.sh/hook" in (obj["metadata"].get("annotations") or {})
+
+
+def validate(obj: Obj, k8s_version: str) -> None:
+    """Raise when `obj` does not match its kind's published schema (unknown kinds raise too)."""
+    crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+    if crd is not None:
+        schema = json.loads((SCHEMAS / crd).read_text())
+        jsonschema.Draft7Validator(schema).validate(obj)
+        return
+    kubernetes_validate.validate(obj, k8s_version, strict=True)
+
+
+def container(objects: list[Obj], name: str) -> Obj:
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    return next(c for c in [*pod.get("initContainers", []), *pod["containers"]] if c["name"] == name)
+
+
+def resolved_env(objects: list[Obj], ctr: Obj) -> dict[str, Any]:
+    """The container's environment as the kubelet assembles it: `envFrom` ConfigMaps, then `env` (which wins).
+
+    Plain values are strings; `valueFrom` entries are kept as their source dict.
+    """
+    env: dict[str, Any] = {}
+    configmaps = {c["metadata"]["name"]: c for c in of_kind(objects, "ConfigMap")}
+    for source in ctr.get("envFrom", []):
+        env.update(configmaps[source["configMapRef"]["name"]]["data"])
+    for var in ctr.get("env", []):
+        env[var["name"]] = var["value"] if "value" in var else var["valueFrom"]
+    return env
+
+
+def secret_value(secret: Obj, key: str) -> str:
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def quantity_bytes(quantity: str) -> int:
+    """Bytes of a Kubernetes memory quantity with a binary suffix (the chart writes `<n>Mi`)."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity)
