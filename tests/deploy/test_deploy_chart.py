@@ -387,10 +387,8 @@ def test_monitoring_objects_follow_their_switches(rendered: tuple[dict, list]) -
     assert len(dashboards) == int(v["grafanaDashboard"]["enabled"])
     for monitor in monitors:
         (endpoint,) = monitor["spec"]["endpoints"]
-        selected = [
-            s for s in of_kind(objects, "Service")
-            if all(s["metadata"]["labels"].get(k) == val for k, val in monitor["spec"]["selector"]["matchLabels"].items())
-        ]
+        wanted = monitor["spec"]["selector"]["matchLabels"].items()
+        selected = [s for s in of_kind(objects, "Service") if wanted <= s["metadata"]["labels"].items()]
         assert len(selected) == 1 and selected[0]["spec"]["clusterIP"] == "None"
         assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
         assert endpoint["path"] == "/metrics" and ("GET", "/metrics") in _app_routes()
@@ -420,7 +418,8 @@ def test_network_policy_limits_the_sidecar_port_to_trainers(rendered: tuple[dict
         for expr in peer.get("namespaceSelector", {}).get("matchExpressions", []):
             assert expr["key"] == "kubernetes.io/metadata.name" and expr["operator"] == "In"
             allowed_names |= set(expr["values"])
-    assert allowed_names == set(v["networkPolicy"]["trainerNamespaces"]) | set(v["networkPolicy"]["monitoringNamespaces"])
+    netpol = v["networkPolicy"]
+    assert allowed_names == set(netpol["trainerNamespaces"]) | set(netpol["monitoringNamespaces"])
     if v["networkPolicy"]["trainerNamespaceSelector"]:
         assert {"namespaceSelector": v["networkPolicy"]["trainerNamespaceSelector"]} in peers
     # No peer without a namespace or pod selector: nothing opens the port to every namespace.
