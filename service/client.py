@@ -46,6 +46,8 @@ _MAX_FRAME_HEADER = 1 << 20
 # Transport failures worth another try: the request never reached a server, or the connection dropped.
 # Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+# A stream also resumes after sitting idle past its read timeout (a half-open connection looks the same).
+_STREAM_RETRYABLE = (*_RETRYABLE, httpx.ReadTimeout)
 
 T = TypeVar("T")
 
@@ -344,8 +346,10 @@ class _Base:
         retries: int = 5,
         backoff_s: float = 0.1,
         backoff_max_s: float = 2.0,
+        stream_idle_s: float = 120.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.stream_idle_s = stream_idle_s
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
@@ -356,6 +360,10 @@ class _Base:
     def _timeout(self, wait: float = 0) -> httpx.Timeout:
         """Reads may legitimately block for `wait` seconds while the server waits for the record."""
         return httpx.Timeout(self.timeout + wait, connect=self.connect_timeout)
+
+    def _stream_timeout(self, wait: float = 0) -> httpx.Timeout:
+        """A stream may sit idle while the engine prefills or pauses; past `stream_idle_s` it reconnects."""
+        return httpx.Timeout(self.timeout, read=self.stream_idle_s + wait, connect=self.connect_timeout)
 
     @staticmethod
     def _path(rid: str) -> str:
@@ -461,7 +469,9 @@ class RoutedExpertsClient(_Base):
             params = _params(start=next_start, layers=layer_list, wait=wait, stream="true")
             decoder = FrameDecoder()
             try:
-                with self._http.stream("GET", self._path(rid), params=params, timeout=self._timeout(wait)) as resp:
+                with self._http.stream(
+                    "GET", self._path(rid), params=params, timeout=self._stream_timeout(wait)
+                ) as resp:
                     if resp.status_code != 200:
                         resp.read()
                         raise error_for(resp.status_code, _json_or_text(resp.content), rid)
@@ -475,7 +485,7 @@ class RoutedExpertsClient(_Base):
                             if block.final:
                                 return
                 raise httpx.RemoteProtocolError("stream ended before the record was final")
-            except _RETRYABLE:
+            except _STREAM_RETRYABLE:
                 if failures >= self.retries:
                     raise
                 time.sleep(_backoff(failures, self.backoff_s, self.backoff_max_s))
@@ -579,7 +589,7 @@ class AsyncRoutedExpertsClient(_Base):
             decoder = FrameDecoder()
             try:
                 async with self._http.stream(
-                    "GET", self._path(rid), params=params, timeout=self._timeout(wait)
+                    "GET", self._path(rid), params=params, timeout=self._stream_timeout(wait)
                 ) as resp:
                     if resp.status_code != 200:
                         await resp.aread()
@@ -594,7 +604,7 @@ class AsyncRoutedExpertsClient(_Base):
                             if block.final:
                                 return
                 raise httpx.RemoteProtocolError("stream ended before the record was final")
-            except _RETRYABLE:
+            except _STREAM_RETRYABLE:
                 if failures >= self.retries:
                     raise
                 await asyncio.sleep(_backoff(failures, self.backoff_s, self.backoff_max_s))

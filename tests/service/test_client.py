@@ -299,6 +299,21 @@ def test_stream_resumes_after_a_dropped_connection(spool: Spool, url: str) -> No
     np.testing.assert_array_equal(got, np.concatenate([prompt, *blocks]))
 
 
+def test_stream_reconnects_after_sitting_idle(spool: Spool, url: str) -> None:
+    prompt, writer = put(spool, "idle", rows=5, final=False)
+    proxy = Proxy(int(url.rsplit(":", 1)[1]))
+    late = np.full((2, len(LAYERS), TOPK), 3, dtype=np.uint8)
+    thread = _append_later(writer, [late], pause=0.9)
+    try:
+        with RoutedExpertsClient(f"http://127.0.0.1:{proxy.port}", stream_idle_s=0.3, backoff_s=0.01) as client:
+            seen = list(client.stream("idle"))
+    finally:
+        thread.join()
+        proxy.close()
+    assert proxy.connections >= 2 and "start=5" in proxy.requests[-1], proxy.requests
+    np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), np.concatenate([prompt, late]))
+
+
 # ---- retries, torch, async ---------------------------------------------------------------------------------
 
 
