@@ -218,9 +218,17 @@ def _check_bin(store: Store, meta: RecordMeta, row_hi: int) -> None:
         raise ApiError(410, reason, f"record {meta.rid!r}: .bin holds fewer than {meta.rows} rows (corrupt)")
 
 
-def _row_chunks(store: Store, meta: RecordMeta, row_lo: int, row_hi: int, slots: list[int] | None) -> Iterator[bytes]:
-    """Rows `[row_lo, row_hi)` narrowed to `slots`, chunk by chunk (one `pread` each)."""
-    chunks = store.spool.iter_rows(meta, row_lo, row_hi, chunk_bytes=store.settings.chunk_bytes)
+def _row_chunks(
+    store: Store, meta: RecordMeta, row_lo: int, row_hi: int, slots: list[int] | None, *, rows_of_3: bool = False
+) -> Iterator[bytes]:
+    """Rows `[row_lo, row_hi)` narrowed to `slots`, chunk by chunk (one `pread` each).
+
+    `rows_of_3` makes every chunk but the last hold a multiple of 3 rows (carry-free base64).
+    """
+    rows = max(1, store.settings.chunk_bytes // meta.row_bytes)
+    if rows_of_3:
+        rows = formats.b64_chunk_rows(rows)
+    chunks = store.spool.iter_rows(meta, row_lo, row_hi, chunk_bytes=rows * meta.row_bytes)
     return formats.select_layers(chunks, np.dtype(meta.dtype), len(meta.layers), meta.topk, slots)
 
 
@@ -435,7 +443,11 @@ def create_app(settings: Settings) -> FastAPI:
             headers["Content-Length"] = str(length)
         head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
         body = formats.encode(
-            fmt, _row_chunks(store, meta, row_lo, row_hi, slots), dtype=np.dtype(meta.dtype), shape=shape, head=head
+            fmt,
+            _row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64"),
+            dtype=np.dtype(meta.dtype),
+            shape=shape,
+            head=head,
         )
         return StreamingResponse(counted(body, fmt, t0), media_type=formats.MEDIA_TYPES[fmt], headers=headers)
 

@@ -16,6 +16,13 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
+try:  # SIMD base64 (SGLang's own choice) when installed; the stdlib gives the same bytes, slower
+    from pybase64 import b64encode as _b64encode
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _b64encode(data: bytes | memoryview) -> bytes:
+        return binascii.b2a_base64(data, newline=False)
+
 Format = Literal["npy", "raw", "json", "sglang_b64"]
 FORMATS: tuple[str, ...] = ("npy", "raw", "json", "sglang_b64")
 MEDIA_TYPES: dict[str, str] = {
@@ -84,17 +91,22 @@ def encode_npy(chunks: Iterable[bytes], dtype: np.dtype, shape: tuple[int, ...])
     yield from chunks
 
 
-def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes]:
-    """Widen to little-endian int32, SGLang's dtype for `meta_info["routed_experts"]`."""
+def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes | memoryview]:
+    """Widen to little-endian int32, SGLang's dtype for `meta_info["routed_experts"]` (one copy per chunk)."""
     dtype = np.dtype(dtype)
     if dtype == SGLANG_DTYPE:
         yield from chunks
         return
     for chunk in chunks:
-        yield np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE).tobytes()
+        yield np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE).data.cast("B")
 
 
-def encode_b64(chunks: Iterable[bytes]) -> Iterator[bytes]:
+def b64_chunk_rows(rows: int) -> int:
+    """Round a chunk's row count down to a multiple of 3, so int32 chunks encode without a carry."""
+    return max(3, rows - rows % 3)
+
+
+def encode_b64(chunks: Iterable[bytes | memoryview]) -> Iterator[bytes]:
     """Standard base64 of the concatenated chunks, emitted per chunk.
 
     Each piece encodes a multiple of 3 bytes (the remainder is carried), so the concatenated output is
@@ -102,13 +114,13 @@ def encode_b64(chunks: Iterable[bytes]) -> Iterator[bytes]:
     """
     carry = b""
     for chunk in chunks:
-        data = carry + chunk if carry else chunk
+        data = memoryview(carry + chunk if carry else chunk).cast("B")
         cut = len(data) - len(data) % 3
-        carry = data[cut:]
+        carry = bytes(data[cut:])
         if cut:
-            yield binascii.b2a_base64(memoryview(data)[:cut], newline=False)
+            yield _b64encode(data[:cut] if cut < len(data) else data)
     if carry:
-        yield binascii.b2a_base64(carry, newline=False)
+        yield _b64encode(carry)
 
 
 def b64_length(nbytes: int) -> int:
