@@ -180,6 +180,14 @@ def _terms(s: _Shape) -> str:
     return f"{prefill}; decode/verify D=reqs {mrr} x w {s.w} = {s.d}"
 
 
+def _chunk_need(i: BudgetInputs, s: _Shape) -> int:
+    """Per-rank chunk that makes `max(chunk, mrr)` cover every forward: decode/verify, prefill graph, the chunk.
+
+    With chunking off, the operator's own prefill batch budget (`--max-prefill-tokens`) is the chunk offered.
+    """
+    return max(s.d, s.p_graph, s.cps or i.max_prefill_tokens)
+
+
 def _chunk_fix(i: BudgetInputs, s: _Shape, need_rank: int) -> str:
     """`--chunked-prefill-size` (global flag value) that gives each rank `need_rank` tokens, plus the other knob."""
     fix = f"--chunked-prefill-size {need_rank * s.attn_dp}"
@@ -198,7 +206,7 @@ def _device_cache_rows(i: BudgetInputs, s: _Shape) -> list[BudgetRow]:
     demand = s.gathered * local
     width = (i.topk or 0) + i.num_fused_shared_experts
     nbytes = f"; {capacity * i.num_layers * width * 4} B int32" if i.num_layers and i.topk else ""
-    need = max(s.d, s.p_graph, s.cps)
+    need = _chunk_need(i, s)
     ok = capacity >= demand
     rows = [
         BudgetRow(
@@ -269,7 +277,7 @@ def _indexer_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
             f"per rank (indexer_topk.py:37); demand max(P, D): {_terms(s)}"
         ),
         ok=ok,
-        fix=None if ok else _chunk_fix(i, s, max(s.d, s.p_graph, s.cps)),
+        fix=None if ok else _chunk_fix(i, s, _chunk_need(i, s)),
     )
 
 
@@ -590,7 +598,9 @@ def _graph_phase(server_args: Any, phase: str) -> tuple[str, int]:
     config = _get(server_args, "cuda_graph_config")
     if config is not None:
         phase_cfg = _get(config, phase)
-        return str(_get(phase_cfg, "backend") or "disabled"), int(_get(phase_cfg, "max_bs") or 0)
+        backend = str(_get(phase_cfg, "backend") or "disabled")
+        largest = max([int(_get(phase_cfg, "max_bs") or 0), *(_get(phase_cfg, "bs") or ())])
+        return backend, largest if backend != "disabled" else 0
     backend = _get(server_args, f"cuda_graph_backend_{phase}")
     max_bs = int(_get(server_args, f"cuda_graph_max_bs_{phase}") or 0)
     if _get(server_args, f"disable_{phase}_cuda_graph") or _get(server_args, "disable_cuda_graph"):
