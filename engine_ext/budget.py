@@ -317,7 +317,7 @@ def _flashinfer_a2a_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
             capacity=capacity,
             demand=s.p,
             formula=f"capacity {source} (overrides.py:1886-1894){byte_note}; chunked prefill is off, "
-            "so one eager prefill sends a whole prompt (moe_hook.py:740-746 refuses it)",
+            "so one eager prefill sends a whole prompt (moe_hook.py:749-760 refuses it)",
             ok=False,
             fix=f"--chunked-prefill-size {max(capacity, 1) * s.attn_dp}",
         )
@@ -358,7 +358,7 @@ def _cutedsl_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
         formula=(
             f"capacity num_dp_ranks {s.num_dp_ranks} x max(max_prefill_tokens {i.max_prefill_tokens}, "
             f"decode graph bs {i.decode_graph_max_bs} x w {s.w}) (flashinfer_cutedsl.py:335-345; breakable/full "
-            f"prefill graphs not counted, runtime_context.py:2063); demand N {s.gathered} x max(P, D): {_terms(s)}"
+            f"prefill graphs not counted, runtime_context.py:2066); demand N {s.gathered} x max(P, D): {_terms(s)}"
         ),
         ok=ok,
         fix=None if ok else f"--max-prefill-tokens {s.t}",
@@ -377,7 +377,7 @@ def _flashinfer_megamoe_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
         unit="tokens/rank",
         capacity=capacity,
         demand=s.t,
-        formula=f"capacity {source} (flashinfer_megamoe.py:150-160); demand max(P, D): {_terms(s)}",
+        formula=f"capacity {source} (flashinfer_megamoe.py:146-160); demand max(P, D): {_terms(s)}",
         ok=ok,
         fix=None if ok else f"{env}={s.t}",
     )
