@@ -46,12 +46,16 @@ def publish_args(*, world_rank: int = 0, **fields: Any):
     """Publish a resolved `ServerArgs(model_path="dummy", device="cpu", **fields)` as this process's config.
 
     `model_path="dummy"` skips model-dependent resolution, so pass chunked_prefill_size / max_running_requests.
-    DP attention is `tp_size=N, attn_dp_size=N`; `world_rank` then picks the DP rank.
+    DP attention is `tp_size=N, attn_dp_size=N`; `world_rank` then picks the DP rank. A `cuda_graph_config`
+    dict (the `--cuda-graph-config` JSON) is parsed as resolution would.
     """
     from sglang.srt.layers.dp_attention import initialize_dp_attention_flags
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
+    if isinstance(fields.get("cuda_graph_config"), dict):
+        fields["cuda_graph_config"] = CudaGraphConfig.from_dict(fields["cuda_graph_config"])
     reset_context()
     server_args = ServerArgs(model_path="dummy", device="cpu", **fields)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=world_rank, dp_rank=None))

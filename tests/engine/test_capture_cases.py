@@ -66,6 +66,11 @@ CASES = [
     # Prefill (breakable) CUDA graph under DP attention: MAX_LEN padding to the 64-token bucket.
     Case("prefill_graph_dp", {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 8},
          rank=1, raw=[60, 50], graph="prefill", padded=[64, 64]),
+    # #31116: a prefill-graph bucket (128) above the per-rank chunk (64) under DP attention.
+    Case("prefill_graph_bucket_gt_cps",
+         {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 8,
+          "cuda_graph_config": {"prefill": {"backend": "breakable", "bs": [32, 64, 128]}}},
+         rank=1, raw=[100, 120], graph="prefill", padded=[128, 128]),
     # chunked_prefill_size = -1 and one 300-token prompt, no DP.
     Case("chunked_prefill_off_long_prompt",
          {"tp_size": 1, "enable_return_routed_experts": True, "chunked_prefill_size": -1, "max_running_requests": 8},
@@ -81,7 +86,7 @@ def expected_value(rank: int, row: int, layer: int, k: int) -> int:
 # ---------------------------------------------------------------- child side (runs inside run_sglang) ----
 
 
-def _gathered_topk(case: Case, layer: int):
+def _gathered_topk(case: Case, layer: int, device):
     import torch
 
     blocks = []
@@ -90,7 +95,7 @@ def _gathered_topk(case: Case, layer: int):
         for i in range(min(case.raw[rank], rows)):
             block[i] = torch.tensor([expected_value(rank, i, layer, k) for k in range(TOPK)], dtype=torch.int32)
         blocks.append(block)
-    return torch.cat(blocks)
+    return torch.cat(blocks).to(device)
 
 
 _CURRENT: dict = {}
@@ -100,29 +105,28 @@ def _synthetic_forward_raw(runner, forward_batch, pp_proxy_tensors=None, *args, 
     """Stand-in for the model body of `ModelRunner._forward_raw`: what each path leaves behind for the capturer."""
     from sglang.srt.layers.moe.topk import TopKConfig, capture_routed_experts_if_allowed
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
     case: Case = _CURRENT["case"]
+    device = get_global_experts_capturer().device_cache.buffer.device
     if case.graph != "decode":  # _prepare_eager_forward_batch → prepare_mlp_sync_batch
         forward_batch.global_num_tokens_padded_cpu = case.padded if len(case.raw) > 1 else None
         forward_batch.global_num_tokens_cpu = case.padded if len(case.raw) > 1 else None
     for layer in range(LAYERS):
-        capture_routed_experts_if_allowed(TopKConfig(top_k=TOPK), layer, _gathered_topk(case, layer))
+        capture_routed_experts_if_allowed(TopKConfig(top_k=TOPK), layer, _gathered_topk(case, layer, device))
     if case.graph == "decode":
         runner.decode_cuda_graph_runner.bs = case.graph_bs  # set by the replay (`load_batch`)
     return ModelRunnerOutput(logits_output=None, can_run_graph=case.graph != "eager")
 
 
-def _run_case(case: Case, patched: bool) -> dict:
+def setup_case(case: Case, device: str = "cpu"):
+    """Publish the case's config, build the capturer (through `create`, hooked or not) and this rank's batch."""
     import torch
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
-    from sglang.srt.state_capturer.routed_experts import (
-        RoutedExpertsCapturer,
-        destroy_global_experts_capturer,
-        set_global_experts_capturer,
-    )
+    from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
     from sglang_env import publish_args, tiny_model_config
 
     server = dict(case.server)
@@ -134,7 +138,7 @@ def _run_case(case: Case, patched: bool) -> dict:
         model_config=tiny_model_config(case.context_length),
         num_tokens=4096,
         max_running_requests=server["max_running_requests"],
-        device="cpu",
+        device=device,
     )
     set_global_experts_capturer(cap)
     runner = ModelRunner.__new__(ModelRunner)
@@ -151,30 +155,42 @@ def _run_case(case: Case, patched: bool) -> dict:
     fb = ForwardBatch(
         forward_mode=mode,
         batch_size=max(1, real // case.w),
-        input_ids=torch.zeros(local, dtype=torch.int64),
-        req_pool_indices=torch.zeros(1, dtype=torch.int64),
-        seq_lens=torch.ones(1, dtype=torch.int64),
-        out_cache_loc=out_cache_loc,
+        input_ids=torch.zeros(local, dtype=torch.int64, device=device),
+        req_pool_indices=torch.zeros(1, dtype=torch.int64, device=device),
+        seq_lens=torch.ones(1, dtype=torch.int64, device=device),
+        out_cache_loc=out_cache_loc.to(device),
         seq_lens_sum=real,
     )
     fb.global_num_tokens_cpu = list(case.raw) if len(case.raw) > 1 else None
-    outcome: dict = {"capacity": int(cap.device_cache.buffer.shape[0])}
+    return cap, runner, fb, slots
+
+
+def forward(case: Case, cap, runner, fb, *, patched: bool, no_copy_to_cpu: bool):
+    """One forward and its `on_forward_end`, called as `ModelRunner.forward` calls it."""
     _CURRENT["case"] = case
+    out = runner._forward_raw(fb, None) if patched else _synthetic_forward_raw(runner, fb, None)
+    return cap.on_forward_end(
+        forward_batch=fb,
+        can_run_graph=out.can_run_graph,
+        cuda_graph_batch=getattr(runner.decode_cuda_graph_runner, "bs", None),
+        no_copy_to_cpu=no_copy_to_cpu,
+    )
+
+
+def _run_case(case: Case, patched: bool) -> dict:
+    from sglang.srt.state_capturer.routed_experts import destroy_global_experts_capturer
+
+    cap, runner, fb, slots = setup_case(case)
+    outcome: dict = {"capacity": int(cap.device_cache.buffer.shape[0])}
     try:
-        out = runner._forward_raw(fb, None) if patched else _synthetic_forward_raw(runner, fb, None)
-        cap.on_forward_end(  # as ModelRunner.forward calls it
-            forward_batch=fb,
-            can_run_graph=out.can_run_graph,
-            cuda_graph_batch=getattr(runner.decode_cuda_graph_runner, "bs", None),
-            no_copy_to_cpu=False,
-        )
+        forward(case, cap, runner, fb, patched=patched, no_copy_to_cpu=False)
     except Exception as exc:
         outcome["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     else:
         got = cap.host_cache.buffer[slots].tolist()
         want = [
             [[expected_value(case.rank, i, layer, k) for k in range(TOPK)] for layer in range(LAYERS)]
-            for i in range(real)
+            for i in range(case.raw[case.rank])
         ]
         outcome["rows_ok"] = got == want
         outcome["first_row"] = got[0]
@@ -202,22 +218,47 @@ def _overflow_message() -> str:
     return "no error"
 
 
-def child_main() -> dict:
+def apply_capture_hooks() -> None:
+    """The plugin's capture hooks through the real `HookRegistry`, over the synthetic model body."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from engine_ext import hooks
     from engine_ext.settings import EngineSettings
 
-    results = {case.name: {"upstream": _run_case(case, patched=False)} for case in CASES}
     HookRegistry.reset()
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", _synthetic_forward_raw, HookType.REPLACE
     )
     hooks.install_capture_hooks(EngineSettings())
     HookRegistry.apply_hooks()
+
+
+def _cutedsl_tokens() -> int:
+    """`cutedsl_moe_max_num_tokens()` with a breakable prefill graph bucket above max_prefill_tokens."""
+    from sglang.srt import runtime_context
+    from sglang_env import publish_args
+
+    publish_args(
+        tp_size=1,
+        chunked_prefill_size=2048,
+        max_prefill_tokens=4096,
+        max_running_requests=64,
+        cuda_graph_config={"prefill": {"backend": "breakable", "bs": [1024, 4096, 8192]}, "decode": {"max_bs": 64}},
+    )
+    return runtime_context.cutedsl_moe_max_num_tokens()
+
+
+def child_main() -> dict:
+    from engine_ext.capturer import occupancy_snapshot
+
+    results = {case.name: {"upstream": _run_case(case, patched=False)} for case in CASES}
+    cutedsl_upstream = _cutedsl_tokens()
+    apply_capture_hooks()
     for case in CASES:
         results[case.name]["r3"] = _run_case(case, patched=True)
+        results[case.name]["r3"]["occupancy"] = occupancy_snapshot()
     results["overflow_message"] = _overflow_message()
+    results["cutedsl"] = {"upstream": cutedsl_upstream, "r3": _cutedsl_tokens()}
     return results
 
 
@@ -252,6 +293,7 @@ def test_upstream_still_right_where_0523_has_the_fix(outcomes: dict) -> None:
         ("verify_mrr_w_gt_cps", "RuntimeError"),  # 256 rows > 128
         ("verify_graph_rank1_offset", "wrong rows"),  # silent: rank 0's rows
         ("prefill_graph_dp", "TypeError"),  # dp_rank * None
+        ("prefill_graph_bucket_gt_cps", "RuntimeError"),  # 256 rows > 128
         ("chunked_prefill_off_long_prompt", "RuntimeError"),  # 300 rows > max(-1, 8)
     ],
 )
@@ -261,6 +303,19 @@ def test_upstream_fails_or_is_wrong(outcomes: dict, name: str, failure: str) -> 
         assert upstream.get("rows_ok") is False, upstream
     else:
         assert upstream.get("error", "").startswith(failure), upstream
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_occupancy_is_the_gathered_rows_of_the_forward(outcomes: dict, case: Case) -> None:
+    r3 = outcomes[case.name]["r3"]
+    (device_cache,) = r3["occupancy"]
+    assert device_cache["buffer"] == "routed_experts.device_cache"
+    assert device_cache["capacity"] == r3["capacity"]
+    assert device_cache["peak"] == sum(case.blocks)
+
+
+def test_cutedsl_tokens_count_the_breakable_prefill_graph(outcomes: dict) -> None:
+    assert outcomes["cutedsl"] == {"upstream": 4096, "r3": 8192}
 
 
 def test_overflowing_write_names_the_setting(outcomes: dict) -> None:
