@@ -18,10 +18,11 @@ from r3_harness import check_record, expected_rows, read_ledger
 from service.client import R3Error, RoutedExpertsClient
 
 ROWS, CHUNK, COUNT = 48, 4, 40
+RETRIES = 20  # ~5 s of jittered backoff (cap 0.5 s): covers a restart on a loaded 2-core machine
 
 
 def _trainer(url: str, rids: list[str], out: dict[str, str]) -> None:
-    with RoutedExpertsClient(url, retries=10, backoff_s=0.05, backoff_max_s=0.5, timeout=10) as client:
+    with RoutedExpertsClient(url, retries=RETRIES, backoff_s=0.05, backoff_max_s=0.5, timeout=10) as client:
         for rid in rids:
             try:
                 got = client.get(rid, wait=30)
@@ -31,7 +32,7 @@ def _trainer(url: str, rids: list[str], out: dict[str, str]) -> None:
 
 
 def _streamer(url: str, rid: str, out: dict[str, str]) -> None:
-    with RoutedExpertsClient(url, retries=10, backoff_s=0.05, backoff_max_s=0.5, timeout=10) as client:
+    with RoutedExpertsClient(url, retries=RETRIES, backoff_s=0.05, backoff_max_s=0.5, timeout=10) as client:
         try:
             blocks = [b.array for b in client.stream(rid, wait=30)]
             got = np.concatenate(blocks) if blocks else np.empty((0,))
@@ -57,9 +58,11 @@ def test_sigkill_mid_stream_loses_nothing(make_sidecar, make_writer, spool_dir, 
     while sum(e.get("final", False) for e in read_ledger(ledger)) < 8 and time.monotonic() < deadline:
         time.sleep(0.02)
     written_before = sum(e.get("final", False) for e in read_ledger(ledger))
+    t_kill = time.monotonic()
     side.kill()
     time.sleep(0.5)  # the writer keeps writing while no sidecar runs
     side.start()
+    downtime = time.monotonic() - t_kill
 
     writer.wait(timeout=60)
     for t in threads:
@@ -75,7 +78,7 @@ def test_sigkill_mid_stream_loses_nothing(make_sidecar, make_writer, spool_dir, 
     lost = len(failures)
     summary = collections.Counter(outcomes.values())
     print(f"restart: {written_before} final before the kill, {len(final)} in all, lost={lost}, "
-          f"client outcomes={dict(summary)}")
+          f"downtime {downtime:.2f}s, client outcomes={dict(summary)}")
     assert lost == 0, failures[:5]
     assert "WRONG" not in summary, {k: v for k, v in outcomes.items() if v == "WRONG"}
     assert len(outcomes) == COUNT + 6
