@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from benchmarks.shapes import ModelShape, inline_layout
-from benchmarks.stats import samples, summary
+from benchmarks.stats import samples, summary, timed
 
 
 def _cpu_host_allocation() -> None:
@@ -78,7 +78,7 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
 
     gather = samples(lambda: collection.get_topk(seqlen), reps)
     encode = samples(lambda: _ipc_encode(expected), reps)
-    upstream = samples(lambda: _ipc_encode(collection.get_topk(seqlen)), reps)
+    upstream = [timed(lambda: _ipc_encode(collection.get_topk(seqlen))) for _ in range(reps + 1)][1:]
 
     with tempfile.TemporaryDirectory(prefix="r3-bench-writer-", dir="/dev/shm") as tmp:
         writer = SpoolWriter(Path(tmp), queue_bytes=1 << 30).start()
@@ -99,12 +99,12 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
                 raise RuntimeError("spool refused the reservation: the measurement would be of the fallback")
             writer.submit(Op(spec.rid, spec=spec, rows=data, status="ok"), reserved=True)
 
-        handoff_times, ours_times = [], []
+        handoff, ours = [], []
         for _ in range(reps + 1):
             rows = collection.get_topk(seqlen)
-            handoff_times.append(samples(lambda rows=rows: ours_handoff(rows), 1, warmup=0)[0])
+            handoff.append(timed(lambda rows=rows: ours_handoff(rows)))
             writer.flush(60)  # the writer thread's I/O is not the scheduler's: wait for it outside the clock
-            ours_times.append(samples(lambda: ours_handoff(collection.get_topk(seqlen)), 1, warmup=0)[0])
+            ours.append(timed(lambda: ours_handoff(collection.get_topk(seqlen))))
             writer.flush(60)
         writer.close()
         assert writer.stats.write_errors == 0, writer.stats
@@ -113,9 +113,11 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
         "tokens": seqlen,
         "upstream_gather": summary(gather),
         "upstream_ipc_encode": summary(encode),
-        "upstream_total": summary(upstream),
-        "ours_compact_handoff": summary(handoff_times[1:]),
-        "ours_total": summary(ours_times[1:]),
+        "upstream_total": summary([w for w, _ in upstream]),
+        "upstream_total_cpu": summary([c for _, c in upstream]),
+        "ours_compact_handoff": summary([w for w, _ in handoff[1:]]),
+        "ours_total": summary([w for w, _ in ours[1:]]),
+        "ours_total_cpu": summary([c for _, c in ours[1:]]),
     }
 
 

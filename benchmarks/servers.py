@@ -36,8 +36,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(kind: str, directory: Path, *, ready_path: str = "/healthz", timeout_s: float = 120.0) -> Iterator[Server]:
+def serve(kind: str, directory: Path, *, timeout_s: float = 120.0) -> Iterator[Server]:
     """Run one server process until the block exits; raises if it does not answer within `timeout_s`."""
+    ready_path = "/readyz" if kind == "sidecar" else "/healthz"
     port = free_port()
     env = {**os.environ, "R3_SPOOL_DIR": str(directory)}
     cmd = [sys.executable, "-m", "benchmarks.servers", kind, "--port", str(port), "--dir", str(directory)]

@@ -20,6 +20,13 @@ def samples(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]
     return out
 
 
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of one call: CPU time is what a busy machine cannot inflate."""
+    c0, t0 = time.thread_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
 def summary(values: Sequence[float]) -> dict[str, float]:
     """Median, p99, min and count: the median is what the tables quote (robust to a shared machine)."""
     arr = np.asarray(values, dtype=float)

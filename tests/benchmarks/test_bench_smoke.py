@@ -1,0 +1,95 @@
+"""A tiny run of the benchmark harness, so it cannot rot: every section runs end to end on real servers.
+
+It asserts the results are well formed and that the inline path's bytes decoded to the engine's rows
+(the harness compares them and records `decoded_equal`); it never asserts a timing.
+The harness imports SGLang and starts servers, so it runs in a subprocess (SGLang sets process env vars).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--no-report", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return orjson.loads(out.read_bytes())
+
+
+def _finite_positive(x: float) -> bool:
+    return isinstance(x, float | int) and math.isfinite(x) and x > 0
+
+
+def test_delivery_inline_bytes_decode_to_the_engine_rows(results: dict) -> None:
+    cases = results["delivery"]
+    assert {c["model"] for c in cases} == {"Qwen3-30B-A3B", "DeepSeek-V3", "Kimi-K2"}
+    for c in cases:
+        assert c["decoded_equal"] is True
+        assert c["rows"] == c["tokens"] - 1
+        # base64 of int32 over every hidden layer is far larger than the compact npy body
+        assert c["ours_bytes"] < c["inline_bytes"]
+        assert _finite_positive(c["inline_s"]["p50"]) and _finite_positive(c["ours_s"]["p50"])
+        assert c["inline_s"]["n"] == c["ours_s"]["n"] >= 1
+
+
+def test_concurrency_fetches_every_record_without_errors(results: dict) -> None:
+    cfg = results["config"]
+    modes = {(c["mode"], c["concurrency"]) for c in results["concurrency"]}
+    assert modes == {(m, n) for m in ("get", "get_many") for n in cfg["concurrency"]}
+    record_bytes = results["limits"]["record_bytes"]
+    for c in results["concurrency"]:
+        assert c["errors"] == 0, c["error_samples"]
+        assert c["bytes"] == record_bytes * cfg["batch_records"]
+        assert c["latency"]["n"] == math.ceil(cfg["batch_records"] / c["rids_per_request"])
+        assert c["latency"]["p99"] >= c["latency"]["p50"] > 0
+
+
+def test_limits_engine_and_memory_are_measured(results: dict) -> None:
+    lim = results["limits"]
+    assert lim["batch_bytes"] == lim["record_bytes"] * results["config"]["batch_records"]
+    for key in ("memcpy_record", "memcpy_batch", "loopback"):
+        assert _finite_positive(lim[key]["gbps"])
+    finish = results["engine"]["finish"]
+    assert len(finish) == len(results["config"]["models"]) * len(results["config"]["tokens"])
+    for e in finish:
+        for key in ("upstream_gather", "upstream_ipc_encode", "upstream_total", "ours_compact_handoff", "ours_total"):
+            assert _finite_positive(e[key]["p50"])
+    for m in results["memory"]:
+        assert m["spool_bytes"] >= m["records"] * results["limits"]["record_bytes"]
+        assert m["drain_errors"] == 0
+        assert m["served"]["VmRSS"] > 0 and m["baseline"]["VmRSS"] > 0
+
+
+def test_report_renders_every_section(results: dict, tmp_path: Path) -> None:
+    from benchmarks.report import write_report
+
+    md = tmp_path / "BENCHMARKS.md"
+    write_report(results, md, tmp_path / "plots")
+    text = md.read_text()
+    for heading in ("## Targets", "## 1. Delivery", "## 2. Throughput", "## 3.", "## 4.", "## 5. Sidecar memory"):
+        assert heading in text
+    assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == [
+        "concurrency.png",
+        "delivery_bytes.png",
+        "delivery_seconds.png",
+        "engine_cost.png",
+        "memory.png",
+    ]
