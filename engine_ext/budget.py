@@ -40,6 +40,8 @@ class BudgetInputs:
     # attn_dp_size (parallel_hook.py:326-331). <= 0 or None: chunked prefill disabled.
     chunked_prefill_size: int | None = 8192
     max_prefill_tokens: int = 16384
+    pp_size: int = 1
+    enable_dynamic_chunking: bool = False  # with pp_size > 1 a chunk may grow (overrides.py:1865-1883)
     max_running_requests: int | None = None  # global, as on the command line
     context_length: int | None = None
     max_total_tokens: int | None = None  # KV pool tokens per rank; known after memory profiling
@@ -136,6 +138,14 @@ class _Shape:
         return max(self.p, self.d)
 
 
+def _prefill_buffer_tokens(i: BudgetInputs) -> int:
+    """`max_prefill_buffer_tokens()` (overrides.py:1865-1883): the chunk, or PP dynamic chunking's ceiling; 0 if off."""
+    chunk = i.chunked_prefill_size if i.chunked_prefill_size and i.chunked_prefill_size > 0 else 0
+    if chunk and i.enable_dynamic_chunking and i.pp_size > 1:
+        return max(chunk, i.max_prefill_tokens, -(-chunk * 5 // 4))
+    return chunk
+
+
 def _shape(i: BudgetInputs) -> _Shape:
     attn_dp = max(1, i.attn_dp_size)
     attn_tp = i.attn_tp_size or max(1, i.tp_size // attn_dp)
@@ -143,7 +153,7 @@ def _shape(i: BudgetInputs) -> _Shape:
     w = max(1, i.speculative_num_draft_tokens or 1) if spec else 1
     mrr_known = i.max_running_requests is not None
     mrr_worker = max(1, i.max_running_requests // attn_dp) if mrr_known else MRR_ESTIMATE
-    cps = i.chunked_prefill_size if i.chunked_prefill_size and i.chunked_prefill_size > 0 else 0
+    cps = _prefill_buffer_tokens(i)
     # Without chunking one prefill forward takes a whole prompt: up to max(max_prefill_tokens, context).
     p_eager = cps if cps else max(i.max_prefill_tokens, i.context_length or 0)
     p_graph = i.prefill_graph_max_tokens if i.prefill_graph_mode != "disabled" else 0
@@ -189,7 +199,12 @@ def _chunk_need(i: BudgetInputs, s: _Shape) -> int:
 
 
 def _chunk_fix(i: BudgetInputs, s: _Shape, need_rank: int) -> str:
-    """`--chunked-prefill-size` (global flag value) that gives each rank `need_rank` tokens, plus the other knob."""
+    """`--chunked-prefill-size` (global flag value) that gives each rank `need_rank` tokens, plus the other knob.
+
+    Under PP dynamic chunking a chunk outgrows any `--chunked-prefill-size` (x1.25), so the flag to drop is that.
+    """
+    if i.enable_dynamic_chunking and i.pp_size > 1 and s.cps > (i.chunked_prefill_size or 0):
+        return "drop --enable-dynamic-chunking (PP chunks grow past --chunked-prefill-size)"
     fix = f"--chunked-prefill-size {need_rank * s.attn_dp}"
     if s.attn_dp > 1:
         fix += f" ({need_rank} per DP rank)"
@@ -545,15 +560,42 @@ def budget_rows(inputs: BudgetInputs, corrected: Iterable[str] | None = None) ->
 def _plugin_covers(row: BudgetRow, i: BudgetInputs, s: _Shape, fixed: frozenset[str]) -> bool:
     """Whether the plugin resizes this buffer and its size reaches the demand (else the operator must act).
 
-    The capture hooks size the device cache (and so the DeepEP gather buffer) to exactly this demand; the
-    CuteDSL bound they install adds the breakable/full prefill graph but not eager decode or unchunked prompts.
+    The capture hooks size the device cache (and so the DeepEP gather buffer, device rows x attn_tp) with
+    `capturer.device_rows`; the CuteDSL bound they install adds the breakable/full prefill graph but not
+    eager decode or unchunked prompts.
     """
     if row.buffer not in fixed:
         return False
     if row.buffer == "cutedsl_moe.wrapper":
         bound = max(i.max_prefill_tokens, s.p_graph, i.decode_graph_max_bs * s.w)
         return s.num_dp_ranks * bound >= row.demand
+    if row.buffer in ("routed_experts.device_cache", "routed_experts.gather_buffer"):
+        rows = _plugin_device_rows(i, s)
+        if rows is None:
+            return True
+        scale = s.attn_tp if row.buffer == "routed_experts.gather_buffer" else 1
+        return scale * rows >= row.demand
     return True
+
+
+def _plugin_device_rows(i: BudgetInputs, s: _Shape) -> int | None:
+    """Device-cache rows the capture hooks allocate (`num_dp_ranks x max(chunk, mrr, rows / num_dp_ranks)`)."""
+    try:
+        from engine_ext.capturer import CaptureLimits, device_rows
+    except ImportError:
+        return None
+    limits = CaptureLimits(
+        max_running_requests=s.mrr_worker,
+        chunked_prefill_size=i.chunked_prefill_size,
+        context_len=i.context_length or 0,
+        max_prefill_tokens=i.max_prefill_tokens,
+        prefill_graph_max_tokens=s.p_graph,
+        decode_graph_max_bs=i.decode_graph_max_bs,
+        tokens_per_req=s.w,
+        attn_tp_size=s.attn_tp,
+    )
+    rows = device_rows(limits, s.num_dp_ranks if s.gathered > 1 else 1)
+    return s.num_dp_ranks * max(i.chunked_prefill_size or 0, s.mrr_worker, -(-rows // s.num_dp_ranks))
 
 
 def blocking_rows(rows: Iterable[BudgetRow]) -> list[BudgetRow]:
@@ -645,6 +687,8 @@ def inputs_from_server_args(
         "attn_tp_size": max(1, tp // attn_dp // int(_get(server_args, "attn_cp_size", 1) or 1)),
         "chunked_prefill_size": cps,
         "max_prefill_tokens": int(_get(server_args, "max_prefill_tokens", 16384) or 16384),
+        "pp_size": int(_get(server_args, "pp_size", 1) or 1),
+        "enable_dynamic_chunking": bool(_get(server_args, "enable_dynamic_chunking", False)),
         "max_running_requests": _get(server_args, "max_running_requests"),
         "context_length": context,
         "max_total_tokens": _get(server_args, "max_total_tokens"),

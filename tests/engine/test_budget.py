@@ -365,3 +365,21 @@ def test_inputs_from_resolved_graph_config():
     inputs = inputs_from_server_args(args, environ={})
     assert (inputs.chunked_prefill_size, inputs.decode_graph_max_bs) == (4096, 64)
     assert (inputs.prefill_graph_mode, inputs.prefill_graph_max_tokens) == ("disabled", 0)
+
+
+def test_pp_dynamic_chunking_grows_the_prefill_ceiling():
+    inputs = BudgetInputs(
+        pp_size=2,
+        enable_dynamic_chunking=True,
+        chunked_prefill_size=4096,
+        max_running_requests=64,
+        moe_a2a_backend="flashinfer",
+    )
+    rows = rows_by_name(inputs)
+    ceiling = max(4096, 16384, -(-4096 * 5 // 4))  # overrides.py: chunks grow toward max_prefill_tokens, probe 1.25x
+    assert rows["flashinfer_a2a.workspace"].capacity == max(ceiling, 4096) == 16384
+    dc = rows["routed_experts.device_cache"]
+    assert (dc.capacity, dc.demand) == (max(4096, 64), ceiling)  # the capturer is still sized from the chunk
+    # the plugin's sizing (capturer.device_rows) counts the chunk too, so this one is the operator's to fix
+    assert dc.blocking
+    assert dc.fix == "drop --enable-dynamic-chunking (PP chunks grow past --chunked-prefill-size)"
