@@ -208,7 +208,7 @@ def _chunk_fix(i: BudgetInputs, s: _Shape, need_rank: int) -> str:
     fix = f"--chunked-prefill-size {need_rank * s.attn_dp}"
     if s.attn_dp > 1:
         fix += f" ({need_rank} per DP rank)"
-    if s.w > 1 and s.cps and s.d > max(s.cps, s.p_graph):
+    if s.w > 1 and s.cps and s.p_graph <= s.cps < s.d:  # verify alone overflows: fewer requests also fit
         fix += f", or --max-running-requests {max(1, s.cps // s.w) * s.attn_dp}"
     return fix
 
@@ -566,9 +566,11 @@ def _plugin_covers(row: BudgetRow, i: BudgetInputs, s: _Shape, fixed: frozenset[
     """
     if row.buffer not in fixed:
         return False
+    bound = max(i.max_prefill_tokens, s.p_graph, i.decode_graph_max_bs * s.w)  # the hooks' CuteDSL bound
     if row.buffer == "cutedsl_moe.wrapper":
-        bound = max(i.max_prefill_tokens, s.p_graph, i.decode_graph_max_bs * s.w)
         return s.num_dp_ranks * bound >= row.demand
+    if row.buffer == "flashinfer_megamoe.symm_buffer":  # derived from the same bound unless the env var pins it
+        return i.flashinfer_megamoe_max_tokens_per_rank <= 0 and bound >= row.demand
     if row.buffer in ("routed_experts.device_cache", "routed_experts.gather_buffer"):
         rows = _plugin_device_rows(i, s)
         if rows is None:
