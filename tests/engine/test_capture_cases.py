@@ -105,15 +105,13 @@ def _synthetic_forward_raw(runner, forward_batch, pp_proxy_tensors=None, *args, 
     """Stand-in for the model body of `ModelRunner._forward_raw`: what each path leaves behind for the capturer."""
     from sglang.srt.layers.moe.topk import TopKConfig, capture_routed_experts_if_allowed
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
-    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
     case: Case = _CURRENT["case"]
-    device = get_global_experts_capturer().device_cache.buffer.device
     if case.graph != "decode":  # _prepare_eager_forward_batch → prepare_mlp_sync_batch
         forward_batch.global_num_tokens_padded_cpu = case.padded if len(case.raw) > 1 else None
         forward_batch.global_num_tokens_cpu = case.padded if len(case.raw) > 1 else None
     for layer in range(LAYERS):
-        capture_routed_experts_if_allowed(TopKConfig(top_k=TOPK), layer, _gathered_topk(case, layer, device))
+        capture_routed_experts_if_allowed(TopKConfig(top_k=TOPK), layer, _CURRENT["topk"][layer])
     if case.graph == "decode":
         runner.decode_cuda_graph_runner.bs = case.graph_bs  # set by the replay (`load_batch`)
     return ModelRunnerOutput(logits_output=None, can_run_graph=case.graph != "eager")
@@ -162,6 +160,7 @@ def setup_case(case: Case, device: str = "cpu"):
         seq_lens_sum=real,
     )
     fb.global_num_tokens_cpu = list(case.raw) if len(case.raw) > 1 else None
+    _CURRENT["topk"] = [_gathered_topk(case, layer, device) for layer in range(LAYERS)]  # the router's output
     return cap, runner, fb, slots
 
 
