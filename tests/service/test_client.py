@@ -236,15 +236,16 @@ def test_stream_yields_rows_as_they_are_appended(spool: Spool, client: RoutedExp
 
 
 class Proxy:
-    """TCP proxy to the sidecar: counts connections, records request lines, and can cut the first
-    `drops` connections `drop_after_s` seconds after they open (a dropped trainer connection)."""
+    """TCP proxy to the sidecar: counts connections, records request lines, and cuts every open connection
+    on demand (a trainer's connection dropped mid-response)."""
 
-    def __init__(self, upstream_port: int, drop_after_s: float | None = None, drops: int = 1) -> None:
-        self.upstream_port, self.drop_after_s, self.drops = upstream_port, drop_after_s, drops
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.connections = 0
         self.requests: list[str] = []
+        self._open: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -255,10 +256,9 @@ class Proxy:
                 return
             self.connections += 1
             up = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._open += [conn, up]
             threading.Thread(target=self._pipe, args=(conn, up, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(up, conn, False), daemon=True).start()
-            if self.drop_after_s is not None and self.connections <= self.drops:
-                threading.Timer(self.drop_after_s, self._cut, args=(conn, up)).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, is_request: bool) -> None:
         try:
@@ -278,23 +278,31 @@ class Proxy:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
+    def cut_all(self) -> None:
+        self._cut(*self._open)
+        self._open.clear()
+
     def close(self) -> None:
         self.sock.close()
 
 
 def test_stream_resumes_after_a_dropped_connection(spool: Spool, url: str) -> None:
     prompt, writer = put(spool, "resumed", rows=40, final=False)
-    proxy = Proxy(int(url.rsplit(":", 1)[1]), drop_after_s=0.25)
+    proxy = Proxy(int(url.rsplit(":", 1)[1]))
     blocks = [np.full((2, len(LAYERS), TOPK), 50 + i, dtype=np.uint8) for i in range(4)]
-    thread = _append_later(writer, blocks)
     try:
         with RoutedExpertsClient(f"http://127.0.0.1:{proxy.port}", retries=3, backoff_s=0.05) as client:
-            seen = list(client.stream("resumed"))
+            stream = client.stream("resumed")
+            seen = [next(stream)]
+            assert seen[0].rows == 40
+            proxy.cut_all()
+            thread = _append_later(writer, blocks)
+            seen += list(stream)
+            thread.join()
     finally:
-        thread.join()
         proxy.close()
     assert proxy.connections >= 2, "the first connection was cut, so the client must have reconnected"
-    assert "start=" not in proxy.requests[0] and "start=" in proxy.requests[1], proxy.requests
+    assert "start=" not in proxy.requests[0] and "start=40" in proxy.requests[1], proxy.requests
     got = np.concatenate([b.array for b in seen])
     np.testing.assert_array_equal(got, np.concatenate([prompt, *blocks]))
 
