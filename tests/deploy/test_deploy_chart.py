@@ -440,3 +440,52 @@ def test_notes_tell_how_to_fetch_a_rid() -> None:
     assert "/routed_experts/<rid>" in notes and "Authorization: Bearer" in notes and "helm test" in notes
     notes_off = render_manifests({"auth": {"enabled": False}})["r3-sidecar/templates/NOTES.txt"]
     assert "Authorization" not in notes_off and "/routed_experts/<rid>" in notes_off
+
+
+# ---- command lines against the real parsers ------------------------------------------------------
+
+_SGLANG_PARSE = """
+import argparse, json, sys
+from importlib.metadata import version
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+out = {"sglang": version("sglang")}
+for scenario, argv in json.loads(sys.argv[1]).items():
+    ns = parser.parse_args(argv)
+    out[scenario] = {k: getattr(ns, k) for k in ("model_path", "port", "tp_size", "enable_return_routed_experts")}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+def test_engine_command_line_parses_with_sglang_0_5_23() -> None:
+    """SGLang 0.5.23's own argument parser accepts every rendered engine command line, with no deprecated flag."""
+    argv = {s: container(render(scenario_values(s)), "engine")["args"] for s in SCENARIOS}
+    engine = container(render(), "engine")
+    assert engine["command"] == ["python3", "-m", "sglang.launch_server"]
+    out = subprocess.run(
+        [sys.executable, "-c", _SGLANG_PARSE, json.dumps(argv)], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "deprecated" not in out.stderr.lower(), out.stderr[-3000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed.pop("sglang") == "0.5.23"
+    for scenario, args in parsed.items():
+        v = _values(scenario_values(scenario))
+        assert args == {
+            "model_path": v["engine"]["model"],
+            "port": v["engine"]["port"],
+            "tp_size": v["engine"]["tensorParallelSize"],
+            "enable_return_routed_experts": True,
+        }, scenario
+
+
+def test_sidecar_command_line_parses_with_the_real_cli(rendered: tuple[dict, list]) -> None:
+    from service.cli import build_parser
+
+    values, objects = rendered
+    v = _values(values)
+    args = build_parser().parse_args(container(objects, "sidecar")["args"])
+    assert args.command == "serve"
+    assert int(args.setting_port) == v["sidecar"]["port"] and args.setting_host == "0.0.0.0"
