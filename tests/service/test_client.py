@@ -174,6 +174,17 @@ def test_unauthorized(tmp_path: Path) -> None:
             np.testing.assert_array_equal(ok.get("secret").array, array)
 
 
+@pytest.mark.parametrize("rid", ["a/b", "req 1 ü?#&=%", "../etc", "x" * 300])
+def test_rids_that_need_escaping(spool: Spool, client: RoutedExpertsClient, rid: str) -> None:
+    array, _ = put(spool, rid, rows=3)
+    r = client.get(rid)
+    assert r.rid == rid
+    np.testing.assert_array_equal(r.array, array)
+    assert [x.rid for x in client.get_many([rid])] == [rid]
+    assert sum(b.rows for b in client.stream(rid)) == 3
+    assert client.ack(rid)
+
+
 # ---- batch, ack, engines ---------------------------------------------------------------------------------
 
 
