@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -349,12 +350,12 @@ class _Base:
         stream_idle_s: float = 120.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.stream_idle_s = stream_idle_s
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
+        self.stream_idle_s = stream_idle_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _timeout(self, wait: float = 0) -> httpx.Timeout:
@@ -367,8 +368,6 @@ class _Base:
 
     @staticmethod
     def _path(rid: str) -> str:
-        from urllib.parse import quote
-
         return f"/routed_experts/{quote(rid, safe='')}"
 
 
