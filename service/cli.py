@@ -82,21 +82,32 @@ def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
     auth = f" -H 'Authorization: Bearer {token}'" if token else ""
     tok = f", token={token!r}" if token else ""
     rid = "demo-000000"
+    python = _shown_path(sys.executable)
+    script = Path(sys.executable).with_name("r3-sidecar")
+    cli = _shown_path(str(script)) if script.exists() else f"{python} -m service.cli"
     return "\n".join(
         [
             f"r3-sidecar demo: {url}  (spool {spool_dir}; the demo engine writes {rid}, demo-000001, …)",
             "Try:",
             f"  curl -s{auth} '{url}/routed_experts/{rid}?wait=30&format=json&end=2'",
             f"  curl -s{auth} -o {rid}.npy '{url}/routed_experts/{rid}?wait=30'"
-            f" && python -c 'import numpy; a = numpy.load(\"{rid}.npy\"); print(a.shape, a.dtype)'",
-            "  python -c 'from service.client import RoutedExpertsClient as C;"
+            f" && {python} -c 'import numpy; a = numpy.load(\"{rid}.npy\"); print(a.shape, a.dtype)'",
+            f"  {python} -c 'from service.client import RoutedExpertsClient as C;"
             f" r = C(\"{url}\"{tok}).get(\"{rid}\", wait=30); print(r.array.shape, r.dtype, r.layers[:4])'",
-            f"  r3-sidecar fetch {rid} --url {url} --out {rid}.npy",
+            f"  {cli} fetch {rid} --url {url} --out {rid}.npy",
             f"  curl -s {url}/metrics | grep ^r3_",
             f"  curl -s{auth} {url}/v1/engines",
             "Ctrl-C stops.",
         ]
     )
+
+
+def _shown_path(path: str) -> str:
+    """`path` relative to the working directory when it is inside it (`.venv/bin/python`), else as is."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
