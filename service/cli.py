@@ -80,7 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
     """The commands to try against a demo sidecar, ready to paste."""
     auth = f" -H 'Authorization: Bearer {token}'" if token else ""
-    tok = f", token={token!r}" if token else ""
+    tok = f', token="{token}"' if token else ""
+    fetch_tok = f" --token {token}" if token else ""
     rid = "demo-000000"
     python = _shown_path(sys.executable)
     script = Path(sys.executable).with_name("r3-sidecar")
@@ -94,7 +95,7 @@ def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
             f" && {python} -c 'import numpy; a = numpy.load(\"{rid}.npy\"); print(a.shape, a.dtype)'",
             f"  {python} -c 'from service.client import RoutedExpertsClient as C;"
             f" r = C(\"{url}\"{tok}).get(\"{rid}\", wait=30); print(r.array.shape, r.dtype, r.layers[:4])'",
-            f"  {cli} fetch {rid} --url {url} --out {rid}.npy",
+            f"  {cli} fetch {rid} --url {url}{fetch_tok} --out {rid}.npy",
             f"  curl -s {url}/metrics | grep ^r3_",
             f"  curl -s{auth} {url}/v1/engines",
             "Ctrl-C stops.",
