@@ -1,0 +1,84 @@
+"""SGLang's own plugin discovery finds r3-sidecar and applies its capture hooks; another sglang gets none."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import distributions, entry_points
+from pathlib import Path
+
+import pytest
+from sglang_env import REPO, run_sglang
+
+CAPTURE_TARGETS = [
+    "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer.create",
+    "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer._get_local_slice",
+    "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer.on_forward_end",
+    "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
+    "sglang.srt.state_capturer.base.BaseDeviceCache.capture",
+    "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
+    "sglang.srt.layers.attention.triton_backend.TritonMultiStepDraftBackend.common_template",
+]
+
+
+def test_editable_install_declares_the_entry_point() -> None:
+    (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "r3_sidecar"]
+    assert ep.value == "engine_ext:register"
+    assert ep.dist is not None and ep.dist.name == "r3-sidecar"
+    installed = [d.read_text("direct_url.json") for d in distributions(name="r3-sidecar")]  # pip's record
+    (direct_url,) = [json.loads(text) for text in installed if text]
+    assert direct_url.get("dir_info", {}).get("editable") is True
+    assert Path(direct_url["url"].removeprefix("file://")).resolve() == REPO
+
+
+def _load_plugins_child(targets: list[str]) -> str:
+    return f"""
+import logging
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("r3_sidecar").addHandler(handler)
+load_plugins()
+targets = {targets!r}
+ours = {{t: [s.plugin_name for _, _, s in HookRegistry._hooks.get(t, []) if s is not None] for t in targets}}
+
+def resolve(target):
+    import pkgutil
+    owner, name = target.rsplit(".", 1)
+    obj = pkgutil.resolve_name(owner)
+    raw = obj.__dict__.get(name, getattr(obj, name)) if isinstance(obj, type) else getattr(obj, name)
+    return getattr(raw, "__func__", raw)
+
+emit({{
+    "patched": sorted(t for t in targets if t in HookRegistry._patched),
+    "sources": ours,
+    "wrapped": sorted(t for t in targets if hasattr(resolve(t), "__wrapped__")),
+    "r3_hooks": sum(1 for hooks in HookRegistry._hooks.values() for _, _, s in hooks
+                    if s is not None and s.plugin_name == "r3_sidecar"),
+    "log": [(r.levelname, r.getMessage()) for r in records],
+}})
+"""
+
+
+@pytest.mark.sglang
+def test_load_plugins_discovers_and_applies_capture_hooks(tmp_path) -> None:
+    (result,) = run_sglang(_load_plugins_child(CAPTURE_TARGETS), env={"R3_SPOOL_DIR": str(tmp_path / "spool")})
+    assert result["patched"] == sorted(CAPTURE_TARGETS)
+    assert result["wrapped"] == sorted(CAPTURE_TARGETS)
+    assert all("r3_sidecar" in sources for sources in result["sources"].values()), result["sources"]
+
+
+@pytest.mark.sglang
+def test_another_sglang_version_registers_nothing_and_says_so_once(tmp_path) -> None:
+    pretend = """
+import importlib.metadata as md
+_real = md.version
+md.version = lambda name: "0.5.22" if name == "sglang" else _real(name)
+"""
+    (result,) = run_sglang(pretend + _load_plugins_child(CAPTURE_TARGETS), env={"R3_SPOOL_DIR": str(tmp_path)})
+    assert result["r3_hooks"] == 0
+    assert result["patched"] == [] and result["wrapped"] == []
+    (line,) = result["log"]
+    assert line[0] == "ERROR" and "0.5.23" in line[1] and "0.5.22" in line[1] and "no hooks" in line[1]
