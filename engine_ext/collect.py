@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import numpy as np
@@ -200,6 +200,28 @@ class Finished:
     aborted: bool
 
 
+class Ticket(Protocol):
+    """Whoever asked for a request's rows: called with them once the batched read has landed."""
+
+    def deliver(self, rows: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _WholeRecord:
+    """A finished request's whole record: compacted and handed to the writer in one op."""
+
+    collector: Collector
+    spec: RecordSpec
+    nbytes: int
+    status: str
+
+    def deliver(self, rows: torch.Tensor) -> None:
+        data = to_spool_rows(rows, self.collector.shape.layer_slots, self.spec.dtype)
+        if data.nbytes != self.nbytes:
+            raise AssertionError(f"{self.spec.rid}: gathered {data.nbytes} bytes, reserved {self.nbytes}")
+        self.collector.writer.submit(Op(self.spec.rid, spec=self.spec, rows=data, status=self.status), reserved=True)
+
+
 class Collector:
     """Routes finished requests to the spool (`StepGather` → `SpoolWriter`) or to SGLang's inline path."""
 
@@ -270,8 +292,23 @@ class Collector:
         if route == Route.BOTH:
             self._mirror[fin.rid] = (spec, nbytes, status)
         else:
-            self.gather.add((spec, nbytes, status), fin.pool_idx, lo, hi)
+            self.gather.add(_WholeRecord(self, spec, nbytes, status), fin.pool_idx, lo, hi)
         return route
+
+    def spool_whole(self, fin: Finished) -> bool:
+        """Write the whole record of a finished request from the host cache (live rows' fallback)."""
+        spec = self.spec(fin)
+        lo, hi = row_range(fin.start_len, fin.seqlen)
+        nbytes = (hi - lo) * spec.row_bytes
+        if self.writer.reserve(nbytes) is not None:
+            self.dropped += 1
+            return False
+        self.gather.add(_WholeRecord(self, spec, nbytes, "aborted" if fin.aborted else "ok"), fin.pool_idx, lo, hi)
+        return True
+
+    def read_rows(self, ticket: Ticket, pool_idx: int, lo: int, hi: int) -> None:
+        """Queue rows `[lo, hi)` of a running request for this step's batched slot read (live prefixes)."""
+        self.gather.add(ticket, pool_idx, lo, hi)
 
     def mirror(self, rid: str, rows: torch.Tensor | None) -> None:
         """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather)."""
@@ -296,11 +333,8 @@ class Collector:
         if self._host_buffer is None or not self.gather._inflight:
             return 0
         done = self.gather.drain(self._host_buffer, wait=wait)
-        for (spec, nbytes, status), rows in done:
-            data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
-            if data.nbytes != nbytes:
-                raise AssertionError(f"{spec.rid}: gathered {data.nbytes} bytes, reserved {nbytes}")
-            self.writer.submit(Op(spec.rid, spec=spec, rows=data, status=status), reserved=True)
+        for ticket, rows in done:
+            ticket.deliver(rows)
         return len(done)
 
     def run_ticker(self, stop: threading.Event, poll_s: float = 0.002) -> None:

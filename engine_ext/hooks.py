@@ -340,6 +340,7 @@ class _Delivery:
         import threading
 
         from engine_ext.collect import Collector, ModelShape, moe_layer_ids
+        from engine_ext.live import LiveRows
         from engine_ext.writer import SpoolWriter, spool_dtype
 
         hf = model_config.hf_text_config
@@ -378,10 +379,21 @@ class _Delivery:
             dtype=spool_dtype(settings.dtype, num_experts),
             engine=self.engine,
         )
+        self.live = LiveRows(self.collector)
         self.stop = threading.Event()
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
         ).start()
+
+    def wants_live(self, req) -> bool:
+        from engine_ext.live import wants_live
+
+        settings = self.settings
+        return (
+            self.publisher
+            and bool(req.return_routed_experts or settings.capture_all)
+            and wants_live(settings.live_rows, getattr(req.sampling_params, "custom_params", None))
+        )
 
     def close(self) -> None:
         self.stop.set()
@@ -454,7 +466,13 @@ def _around_collect(original, self, req):
     delivery = _delivery_for(self)
     if delivery is None:
         return original(self, req)
-    route = delivery.collector.finish(_finished_of(req), publisher=delivery.publisher)
+    fin = _finished_of(req)
+    if delivery.live.note_finish(req.rid, fin):
+        # The live record ends this request after the step's rows; mirror mode still builds the inline payload.
+        if req.return_routed_experts and settings.mode is Mode.MIRROR:
+            original(self, req)
+        return None
+    route = delivery.collector.finish(fin, publisher=delivery.publisher)
     if route in (Route.INLINE, Route.BOTH):
         original(self, req)
     if route == Route.BOTH:
@@ -471,9 +489,67 @@ def end_delivery_step(processor) -> None:
 
 
 def _around_process_result(original, self, batch, result, *args, **kwargs):
+    captured = getattr(result, "routed_experts_output", None)  # finalize() clears the field, not the object
     out = original(self, batch, result, *args, **kwargs)
-    end_delivery_step(self)
+    after_batch_result(self, batch, result, captured)
     return out
+
+
+def after_batch_result(processor, batch, result, captured) -> None:
+    """Once a batch result is processed: its rows to live records, then the step's batched slot read."""
+    delivery = _delivery_for(processor)
+    if delivery is not None and captured is not None:
+        live_step(delivery, batch, result, captured.topk)
+    end_delivery_step(processor)
+
+
+def live_step(delivery: _Delivery, batch, result, topk) -> None:
+    """Append this step's rows (host `topk`, in the batch's token order) to the live records of its requests."""
+    from engine_ext.live import decode_layout, extend_layout, verify_layout
+
+    live = delivery.live
+    reqs = batch.reqs
+    if not live.records and not any(delivery.wants_live(r) for r in reqs):
+        return
+    mode = batch.forward_mode
+    first_extend = mode.is_extend() and not mode.is_target_verify()  # where a live record may begin
+    if mode.is_target_verify():
+        stride = result.speculative_output_stride or result.speculative_num_draft_tokens
+        if result.accept_lens is None or not stride:
+            layout, total = [], -1
+        else:
+            layout, total = verify_layout(batch.seq_lens_cpu.tolist(), int(stride), result.accept_lens.tolist())
+    elif mode.is_extend():
+        layout, total = extend_layout(batch.prefix_lens, batch.extend_lens)
+    elif mode.is_decode():
+        layout, total = decode_layout(batch.seq_lens_cpu.tolist())
+    else:
+        return
+    if total != topk.shape[0] or len(layout) != len(reqs):
+        for req in reqs:
+            live.break_record(req.rid, f"{mode.name}: {topk.shape[0]} rows for a layout of {total}")
+            if req.finished():
+                live.end(req.rid)
+        return
+    for req, (pos, offset, n) in zip(reqs, layout, strict=True):
+        record = live.get(req.rid)
+        if record is None:
+            if not first_extend or req.finished() or req.is_retracted or not delivery.wants_live(req):
+                continue
+            record = live.begin(
+                req.rid,
+                start=int(req.routed_experts_start_len or 0),
+                prompt_len=len(req.origin_input_ids),
+                retractions=int(req.retraction_count),
+                first_pos=pos,
+                pool_idx=int(req.kv.req_pool_idx),
+            )
+        elif int(req.retraction_count) != record.retractions:
+            live.break_record(req.rid, "retracted")
+        limit = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
+        live.feed(req.rid, pos, topk[offset : offset + n], limit=limit)
+        if req.finished():
+            live.end(req.rid)
 
 
 def _around_finalize(original, self):

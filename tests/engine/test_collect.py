@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from sglang_env import run_sglang
 
 from engine_ext.collect import Route, StepGather, choose_route, moe_layer_ids, routed_experts_url, row_range
 from engine_ext.settings import Mode
-from sglang_env import run_sglang
 
 
 def test_row_range_matches_get_topk_clamp():

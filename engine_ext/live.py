@@ -1,0 +1,233 @@
+"""Live rows: a request's rows reach the spool as its steps finish, not in one gather at its end.
+
+Why: a `stream=true` trainer sees rows during generation, and the O(sequence) gather at finish disappears
+for these requests. Each step's rows come from the host copy SGLang already made for the host cache
+(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `hooks.py` maps them to the batch's
+requests with the layouts below (host integers only).
+
+Opt-in: `R3_LIVE_ROWS=1` for every captured request, or per request `sampling_params.custom_params =
+{"r3_live_rows": true}` (false opts out); SGLang itself carries private keys in `custom_params`, and it
+reaches the scheduler on every path (HTTP, engine API, sessions, disaggregation).
+
+Rows are never rewritten (Contract 1), so anything that would need it ends the live record as `error`
+and the request is written again, whole, by the finish-time path under the same rid:
+- retraction (the request is recomputed from scratch; SGLang's own rows then come from the recompute),
+- a gap (a step whose rows do not start where the record ends: unknown layout, a refused reservation).
+A stream reader that sees `error` refetches the record. An aborted request ends its live record
+`aborted` with the rows so far.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+
+from engine_ext.collect import Finished, row_range, to_spool_rows
+from engine_ext.writer import Op, RecordSpec
+
+if TYPE_CHECKING:
+    from engine_ext.collect import Collector
+
+LIVE_PARAM = "r3_live_rows"
+T = TypeVar("T")
+
+Layout = list[tuple[int, int, int]]
+"""Per request of a batch, in batch order: (position of its first row, offset into the step's rows, rows)."""
+
+
+def wants_live(all_requests: bool, custom_params: Any) -> bool:
+    """Per-request `custom_params["r3_live_rows"]` wins over the `R3_LIVE_ROWS` default."""
+    if isinstance(custom_params, dict) and LIVE_PARAM in custom_params:
+        return bool(custom_params[LIVE_PARAM])
+    return all_requests
+
+
+def extend_layout(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> tuple[Layout, int]:
+    """Extend (and mixed) forwards: request i routes positions `[prefix_i, prefix_i + extend_i)`."""
+    layout: Layout = []
+    offset = 0
+    for prefix, n in zip(prefix_lens, extend_lens, strict=True):
+        layout.append((int(prefix), offset, int(n)))
+        offset += int(n)
+    return layout, offset
+
+
+def decode_layout(seq_lens: Sequence[int]) -> tuple[Layout, int]:
+    """Decode forwards: one row per request, its input token at `seq_len - 1` (seq_len counts it)."""
+    return [(int(s) - 1, i, 1) for i, s in enumerate(seq_lens)], len(seq_lens)
+
+
+def verify_layout(seq_lens: Sequence[int], stride: int, accept_lens: Sequence[int]) -> tuple[Layout, int]:
+    """Verify forwards: `stride` rows per request from `seq_len`; the first `accept_len` are kept (top-k 1)."""
+    layout = [(int(s), i * stride, int(a)) for i, (s, a) in enumerate(zip(seq_lens, accept_lens, strict=True))]
+    return layout, stride * len(seq_lens)
+
+
+@dataclass(slots=True)
+class LiveRecord:
+    spec: RecordSpec
+    next_pos: int  # rows cover [spec.start, next_pos) (including rows still held in `buffer`)
+    retractions: int
+    opened: bool = False  # the writer has been told to start the record
+    waiting: bool = False  # prefix rows (a prefix-cache hit) are being read; later rows wait in `buffer`
+    buffer: list[np.ndarray] = field(default_factory=list)
+    broken: str | None = None
+    finished: Finished | None = None
+
+
+@dataclass(slots=True)
+class LiveStats:
+    records: int = 0
+    rows: int = 0
+    completed: int = 0
+    restarted: int = 0  # live records ended as `error` and rewritten whole at finish
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefix:
+    live: LiveRows
+    rid: str
+    record: LiveRecord
+
+    def deliver(self, rows: torch.Tensor) -> None:
+        self.live.prefix_landed(self.rid, self.record, rows)
+
+
+def _locked(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def wrapper(self: LiveRows, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class LiveRows:
+    """The live records of one scheduler process (scheduler thread, plus prefix rows from the drain)."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+        self.writer = collector.writer
+        self.records: dict[str, LiveRecord] = {}
+        self.stats = LiveStats()
+        self._lock = threading.RLock()  # prefix rows may land from the collector's idle ticker
+
+    def get(self, rid: str) -> LiveRecord | None:
+        return self.records.get(rid)
+
+    @_locked
+    def begin(
+        self, rid: str, *, start: int, prompt_len: int, retractions: int, first_pos: int, pool_idx: int
+    ) -> LiveRecord:
+        """Track a request from its first extend; a cached prefix `[start, first_pos)` is read from the host cache."""
+        collector = self.collector
+        spec = RecordSpec(
+            rid=rid,
+            num_experts=collector.shape.num_experts,
+            topk=collector.shape.topk,
+            layers=collector.shape.layers,
+            start=start,
+            prompt_len=prompt_len,
+            dtype=collector.dtype,
+            engine=collector.engine,
+        )
+        record = LiveRecord(spec=spec, next_pos=start, retractions=retractions)
+        if first_pos > start:
+            record.waiting = True
+            record.next_pos = first_pos
+            collector.read_rows(_Prefix(self, rid, record), pool_idx, start, first_pos)
+        self.records[rid] = record
+        self.stats.records += 1
+        return record
+
+    @_locked
+    def feed(self, rid: str, pos: int, rows: torch.Tensor, *, limit: int) -> None:
+        """Rows for positions `[pos, pos + n)`; those below the record start or at/after `limit` are dropped."""
+        record = self.records.get(rid)
+        if record is None or record.broken:
+            return
+        start = record.spec.start
+        if pos < start:
+            cut = min(rows.shape[0], start - pos)
+            rows, pos = rows[cut:], pos + cut
+        rows = rows[: max(0, limit - pos)]
+        if rows.shape[0] == 0:
+            return
+        if pos != record.next_pos:
+            self._break(rid, record, f"rows at {pos}, record ends at {record.next_pos}")
+            return
+        record.next_pos += rows.shape[0]
+        self._emit(rid, record, to_spool_rows(rows, self.collector.shape.layer_slots, record.spec.dtype))
+
+    @_locked
+    def prefix_landed(self, rid: str, record: LiveRecord, rows: torch.Tensor) -> None:
+        if self.records.get(rid) is not record or record.broken:
+            return
+        first = to_spool_rows(rows, self.collector.shape.layer_slots, record.spec.dtype)
+        data = np.concatenate([first, *record.buffer]) if record.buffer else first
+        record.waiting, record.buffer = False, []
+        self._emit(rid, record, data)
+
+    def _emit(self, rid: str, record: LiveRecord, data: np.ndarray) -> None:
+        if record.waiting:
+            record.buffer.append(data)
+            return
+        if not self.writer.submit(Op(rid, spec=None if record.opened else record.spec, rows=data)):
+            self._break(rid, record, "spool refused the rows")
+            return
+        record.opened = True
+        self.stats.rows += data.shape[0]
+
+    def break_record(self, rid: str, reason: str) -> None:
+        """End a live record as `error`; the finish-time path will write the request whole."""
+        with self._lock:
+            record = self.records.get(rid)
+            if record is not None:
+                self._break(rid, record, reason)
+
+    def _break(self, rid: str, record: LiveRecord, reason: str) -> None:
+        if record.broken:
+            return
+        record.broken = reason
+        record.buffer = []
+        self.stats.restarted += 1
+        if record.opened:
+            self.writer.submit(Op(rid, status="error"))
+
+    @_locked
+    def note_finish(self, rid: str, fin: Finished) -> bool:
+        """From the finish hook: True when the live record will end this request (no finish-time gather)."""
+        record = self.records.get(rid)
+        if record is None:
+            return False
+        if record.broken:
+            del self.records[rid]
+            return False
+        record.finished = fin
+        return True
+
+    @_locked
+    def end(self, rid: str) -> None:
+        """After the request's last step: final when complete, else rewritten whole by the finish-time path."""
+        record = self.records.pop(rid, None)
+        if record is None:
+            return
+        fin = record.finished
+        if fin is None:  # finished without the finish hook (e.g. a discarded prefill): keep what we have
+            if record.opened and not record.broken:
+                self.writer.submit(Op(rid, status="aborted"))
+            return
+        status = "aborted" if fin.aborted else "ok"
+        lo, hi = row_range(fin.start_len, fin.seqlen)
+        if record.broken is None and not record.waiting and record.spec.start == lo and record.next_pos == hi:
+            self.writer.submit(Op(rid, spec=None if record.opened else record.spec, status=status))
+            self.stats.completed += 1
+            return
+        self._break(rid, record, f"incomplete at finish: rows end at {record.next_pos}, want {hi}")
+        self.collector.spool_whole(fin)
