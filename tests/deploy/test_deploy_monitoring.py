@@ -8,7 +8,10 @@ prints in an annotation is a label that series carries or one Prometheus adds to
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,3 +271,32 @@ def test_dashboard_is_importable_by_grafana() -> None:
         area = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
         assert not cells & area, panel["title"]
         cells |= area
+
+
+PROMTOOL_TESTS = RULES_FILE.parents[2] / "tests" / "deploy" / "promtool" / "r3-sidecar-rules.test.yaml"
+
+
+def _promtool() -> str | None:
+    return os.environ.get("PROMTOOL") or shutil.which("promtool")
+
+
+@pytest.mark.skipif(_promtool() is None, reason="promtool not installed (Debian package `prometheus`; or set PROMTOOL)")
+def test_alerts_fire_as_specified_under_promtool() -> None:
+    """Prometheus' own rule engine: each alert fires on its failing series only, after its `for`, with the
+    labels and rendered annotations written in tests/deploy/promtool/r3-sidecar-rules.test.yaml."""
+    check = subprocess.run([_promtool(), "check", "rules", RULES_FILE], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and f"SUCCESS: {len(ALERTS)} rules found" in check.stdout, check.stdout + check.stderr
+    unit = subprocess.run([_promtool(), "test", "rules", PROMTOOL_TESTS], capture_output=True, text=True, timeout=60)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+def test_promtool_unit_tests_cover_every_alert() -> None:
+    spec = yaml.safe_load(PROMTOOL_TESTS.read_text())
+    firing = {
+        case["alertname"]
+        for test in spec["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
+    assert firing == set(ALERTS)
+    assert (PROMTOOL_TESTS.parent / spec["rule_files"][0]).resolve() == RULES_FILE.resolve()
