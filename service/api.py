@@ -18,13 +18,14 @@ from urllib.parse import quote
 
 import numpy as np
 import orjson
-from fastapi import FastAPI, Query, Request, Security
+from fastapi import Depends, FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import formats
@@ -96,11 +97,28 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = str(exc.detail)
+        if exc.status_code == 400:  # FastAPI's "error parsing the body" (e.g. not UTF-8): malformed input, 422
+            return error_response(422, "invalid_body", detail)
+        headers = dict(exc.headers or {})
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}"
-        return error_response(
-            exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), detail, dict(exc.headers or {})
-        )
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            headers["Allow"] = ", ".join(sorted(_allowed_methods(app, request.scope)))
+            detail = f"{request.method} not allowed here; allowed: {headers['Allow']}"
+        return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "http_error"), detail, headers)
+
+
+def _allowed_methods(app: FastAPI, scope: Scope) -> set[str]:
+    """Methods of every route sharing the path template of the first route that matches this path."""
+    template = None
+    methods: set[str] = set()
+    for route in app.router.routes:
+        path = getattr(route, "path_format", None)
+        if template is None and path is not None and route.matches(scope)[0] != Match.NONE:
+            template = path
+        if template is not None and path == template:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
 
 
 class BodyLimit:
@@ -166,7 +184,19 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody, "description": _ERRORS[code]} for code in codes}
 
 
-RECORD_RESPONSES: dict[int | str, dict[str, Any]] = {
+SERVER_400: dict[int | str, dict[str, Any]] = {
+    400: {
+        "description": "Malformed or oversized HTTP request, refused by the HTTP server before the app sees it.",
+        "content": {"text/plain": {"schema": _TEXT}},
+    }
+}
+
+
+def record_responses(auth_errors: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    return {**_RECORD_OK, **SERVER_400, **_errors(*auth_errors, 404, 410, 416, 422)}
+
+
+_RECORD_OK: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The rows, in the requested format (or frames with `stream=true`).",
         "headers": {name: {"description": text, "schema": {"type": "string"}} for name, text in _X_HEADERS.items()},
@@ -179,7 +209,6 @@ RECORD_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     202: {"model": Pending, "description": "The record exists but is not final after `wait`."},
-    **_errors(401, 404, 410, 416, 422),
 }
 
 
@@ -283,7 +312,11 @@ def create_app(settings: Settings) -> FastAPI:
                 401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    Auth = Annotated[None, Security(authorized)]
+    async def open_access() -> None:
+        """Without a token the API is open, and the schema says so (no security, no 401)."""
+
+    Auth = Annotated[None, Security(authorized)] if token is not None else Annotated[None, Depends(open_access)]
+    auth_errors = (401,) if token is not None else ()
     Wait = Annotated[
         float,
         Query(ge=0, le=settings.max_wait_s, description="Seconds to wait until the record exists and is final."),
@@ -291,7 +324,7 @@ def create_app(settings: Settings) -> FastAPI:
     Rid = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RID_CHARS)]
 
     class BatchRequest(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+        model_config = ConfigDict(extra="forbid", strict=True)
         rids: list[Rid] = Field(max_length=settings.max_batch, description="Rids, answered in this order.")
         wait: float = Field(0.0, ge=0, le=settings.max_wait_s, description="Seconds to wait for all of them.")
         layers: list[NonNegativeInt] | None = Field(None, description="Model layer indices to return.")
@@ -324,7 +357,8 @@ def create_app(settings: Settings) -> FastAPI:
                 "content": {formats.FRAMES_MEDIA_TYPE: _BINARY},
             },
             413: {"model": ErrorBody, "description": "Request body too large."},
-            **_errors(401, 422),
+            **SERVER_400,
+            **_errors(*auth_errors, 422),
         },
         summary="Several records at once, as frames",
     )
@@ -376,7 +410,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get(
         "/routed_experts/{rid:path}",
         response_class=Response,
-        responses=RECORD_RESPONSES,
+        responses=record_responses(auth_errors),
         summary="One record's routed experts",
     )
     async def get_record(
@@ -529,7 +563,11 @@ def create_app(settings: Settings) -> FastAPI:
         "/routed_experts/{rid:path}",
         status_code=204,
         response_class=Response,
-        responses={204: {"description": "Deleted; the spool space is freed."}, **_errors(401, 404, 422)},
+        responses={
+            204: {"description": "Deleted; the spool space is freed."},
+            **SERVER_400,
+            **_errors(*auth_errors, 404, 422),
+        },
         summary="Acknowledge a record: delete its files",
     )
     async def delete_record(rid: str, _auth: Auth) -> Response:
@@ -540,7 +578,9 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(status_code=204)
 
     # ---- engines, health, metrics -----------------------------------------------------------
-    @app.get("/v1/engines", response_model=Engines, responses=_errors(401), summary="Engine budget and occupancy")
+    @app.get(
+        "/v1/engines", response_model=Engines, responses=_errors(*auth_errors), summary="Engine budget and occupancy"
+    )
     async def engines(_auth: Auth) -> Response:
         return Response(orjson.dumps({"engines": store.engines()}), media_type="application/json")
 

@@ -258,6 +258,9 @@ def test_auth(serve, spool: Spool) -> None:
     assert httpx.get(url_for(base, "secured"), headers=good).status_code == 200
     assert httpx.get(f"{base}/v1/engines", headers=good).status_code == 200
     assert httpx.delete(url_for(base, "secured"), headers=good).status_code == 204
+    spec = httpx.get(f"{base}/openapi.json").json()
+    assert "401" in spec["paths"]["/routed_experts/{rid}"]["get"]["responses"]
+    assert spec["paths"]["/routed_experts/{rid}"]["get"]["security"] == [{"HTTPBearer": []}]
 
 
 def test_startup_rebuilds_index_from_existing_files(spool: Spool, make_settings) -> None:
@@ -276,7 +279,8 @@ def test_openapi_documents_every_route(shared: tuple[str, Spool]) -> None:
     base, _ = shared
     spec = httpx.get(f"{base}/openapi.json").json()
     get = spec["paths"]["/routed_experts/{rid}"]["get"]
-    assert {"200", "202", "401", "404", "410", "416", "422"} <= set(get["responses"])
+    assert {"200", "202", "404", "410", "416", "422"} <= set(get["responses"])
+    assert "401" not in get["responses"] and "security" not in get, "no token configured: the API is open"
     assert {"application/x-npy", "application/octet-stream", "text/plain", "application/vnd.r3.frames"} <= set(
         get["responses"]["200"]["content"]
     )
@@ -293,4 +297,16 @@ def test_body_size_bounded(serve) -> None:
     assert r.status_code == 413 and r.json()["error"] == "body_too_large"
     r = httpx.post(f"{base}/routed_experts/batch", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"] == "invalid_parameter"
+    r = httpx.post(f"{base}/routed_experts/batch", content=b"\xff\xfe[", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and set(r.json()) == {"error", "detail"}
+    r = httpx.post(f"{base}/routed_experts/batch", json={"rids": ["a"], "layers": [False]})
+    assert r.status_code == 422 and "layers" in r.json()["detail"]
+
+
+def test_405_allow_lists_every_method_of_the_path(shared: tuple[str, Spool]) -> None:
+    base, _ = shared
+    r = httpx.request("OPTIONS", f"{base}/routed_experts/some-rid")
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
+    r = httpx.put(f"{base}/routed_experts/batch")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
 
