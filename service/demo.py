@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -208,7 +209,7 @@ class DemoEngine:
         return self._rng.standard_normal((tokens, self.cfg.hidden), dtype=np.float32)
 
     # ---- telemetry ------------------------------------------------------------------------------
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         """An engine file (Contract 1) with the budget a Qwen3-30B-A3B server on one GPU would report."""
         cfg = self.cfg
         chunked_prefill, max_running, graph_max_bs, kv_tokens, page = 8192, 256, 256, 400_000, 1
