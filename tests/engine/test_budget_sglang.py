@@ -41,7 +41,6 @@ eagle = dict(tp_size=8, attn_dp_size=8, chunked_prefill_size=8192, max_running_r
              speculative_algorithm="EAGLE", speculative_draft_model_path=T, speculative_num_steps=3,
              speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 deepep = dict(tp_size=2, ep_size=2, moe_a2a_backend="deepep", max_running_requests=1024, chunked_prefill_size=4096)
-emit({{"eagle": resolve(**eagle), "deepep": resolve(**deepep)}})
 """
 
 
@@ -52,7 +51,8 @@ def _row(log: str, buffer: str) -> list[str]:
 
 
 def test_resolution_hook_enforce_refuses_what_the_plugin_cannot_correct():
-    (result,) = run_sglang(_RESOLVE, env={"R3_BUDGET": "enforce"})
+    code = _RESOLVE + 'emit({"eagle": resolve(**eagle), "deepep": resolve(**deepep)})'
+    (result,) = run_sglang(code, env={"R3_BUDGET": "enforce"})
     eagle, deepep = result["eagle"], result["deepep"]
 
     # DP8 EAGLE w=4: --chunked-prefill-size 8192 -> 1024 per rank; 4096 requests -> 512 per rank.
@@ -70,19 +70,9 @@ def test_resolution_hook_enforce_refuses_what_the_plugin_cannot_correct():
     assert "Set SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=512." in deepep["refused"]
 
 
-def test_resolution_hook_warn_logs_and_starts():
-    (result,) = run_sglang(_RESOLVE, env={"R3_BUDGET": "warn"})
-    deepep = result["deepep"]
-    assert deepep["refused"] is None
-    assert _row(deepep["log"], "deepep.low_latency")[2:6] == [
-        "128",
-        "512",
-        "FAIL",
-        "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=512",
-    ]
-
-
-_CLI = f"""
+_CLI = (
+    _RESOLVE
+    + f"""
 import contextlib, io, json
 from engine_ext.budget_cli import main
 
@@ -94,6 +84,7 @@ def run(*argv):
 
 dummy = ["--model-path", "dummy", "--enable-return-routed-experts"]
 emit({{
+    "warn": resolve(**deepep),
     "fits": run(*dummy, "--chunked-prefill-size", "8192", "--max-running-requests", "256"),
     "deepep": run(*dummy, "--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "deepep",
                   "--max-running-requests", "1024", "--chunked-prefill-size", "4096"),
@@ -104,10 +95,21 @@ emit({{
                     "mori", "--chunked-prefill-size", "8192", "--max-running-requests", "64"),
 }})
 """
+)
 
 
-def test_cli_exit_codes_table_and_json():
-    (result,) = run_sglang(_CLI)
+def test_warn_logs_and_starts_and_cli_exit_codes_table_and_json():
+    (result,) = run_sglang(_CLI, env={"R3_BUDGET": "warn"})
+
+    # warn: the same DeepEP launch resolves; the log shows the failing row and its fix
+    warn = result["warn"]
+    assert warn["refused"] is None
+    assert _row(warn["log"], "deepep.low_latency")[2:6] == [
+        "128",
+        "512",
+        "FAIL",
+        "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=512",
+    ]
 
     fits = result["fits"]
     assert fits["code"] == 0, fits
