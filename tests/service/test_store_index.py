@@ -1,0 +1,100 @@
+"""The spool index on its own: rebuild by rescan, skipped files counted once, waiters woken by changes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from helpers import random_rows, write_record
+
+from service.settings import Settings
+from service.spool import Spool
+from service.store import Store
+
+
+def make_store(spool: Spool, **overrides: object) -> Store:
+    return Store(spool, Settings.model_validate({"spool_dir": spool.root, **overrides}))
+
+
+def test_rescan_indexes_updates_and_forgets(spool: Spool) -> None:
+    store = make_store(spool)
+    write_record(spool, "a", random_rows(3))
+    writer = spool.writer("b/ü", num_experts=8, topk=1, layers=[0])
+    asyncio.run(store.rescan())
+    assert {m.rid for m in store.records()} == {"a", "b/ü"}
+    assert store.state_counts() == {"ok": 1, "open": 1}
+    writer.append(np.zeros((4, 1, 1)))
+    spool.delete("a")
+    asyncio.run(store.rescan())
+    assert [(m.rid, m.rows) for m in store.records()] == [("b/ü", 4)]
+
+
+def test_bad_files_counted_once_per_version(spool: Spool) -> None:
+    store = make_store(spool)
+    bad = spool.records_dir / "bad.json"
+    bad.write_bytes(b"{")
+    (spool.records_dir / ".tmp-ignored.json").write_bytes(b"{")
+    for _ in range(3):
+        asyncio.run(store.rescan())
+        assert store.lookup("bad") is None
+    assert store.skipped == {"bad_json": 1}
+    bad.write_bytes(b'{"v": 9}')
+    asyncio.run(store.rescan())
+    assert store.skipped == {"bad_json": 1, "unknown_version": 1}
+    bad.unlink()
+    write_record(spool, "bad", random_rows(1))
+    assert store.lookup("bad").rows == 1, "a good file under a once-bad name is served"
+
+
+def test_lookup_sees_changes_without_events(spool: Spool) -> None:
+    """The serving path re-checks the metadata file, so a coalesced or late event never serves stale rows."""
+    store = make_store(spool)
+    writer = spool.writer("w", num_experts=8, topk=1, layers=[0])
+    assert store.lookup("w").rows == 0
+    writer.append(np.zeros((5, 1, 1)))
+    assert store.lookup("w").rows == 5
+    writer.finalize()
+    assert store.lookup("w").final
+
+
+def test_hash_named_rid_collision_is_not_served(spool: Spool) -> None:
+    store = make_store(spool)
+    write_record(spool, "x/1", random_rows(1))
+    os.replace(spool.meta_path("x/1"), spool.meta_path("x/2"))  # a file whose content names another rid
+    assert store.lookup("x/2") is None and store.lookup("x/1") is None
+    assert store.skipped == {"name_mismatch": 1}
+
+
+def test_waiters_wake_on_events_and_time_out(spool: Spool) -> None:
+    async def scenario() -> tuple[float, float, bool]:
+        store = make_store(spool, rescan_s=60)
+        await store.start()
+        try:
+            writer = spool.writer("ev", num_experts=8, topk=1, layers=[0])
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, lambda: writer.append(np.zeros((2, 1, 1))))
+            t0 = time.monotonic()
+            meta = await store.wait_until("ev", lambda m: m is not None and m.rows >= 2, 20)
+            woke = time.monotonic() - t0
+            t0 = time.monotonic()
+            none = await store.wait_final("ev", 0.3)
+            timed_out = time.monotonic() - t0
+            return woke, timed_out, meta.rows == 2 and not none.final
+        finally:
+            await store.stop()
+
+    woke, timed_out, ok = asyncio.run(scenario())
+    assert ok and 0.25 < woke < 3, woke
+    assert timed_out >= 0.3
+
+
+def test_capacity_from_setting_or_filesystem(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s")
+    assert make_store(spool, spool_max_bytes=1234).capacity_bytes() == 1234
+    st = os.statvfs(tmp_path)
+    assert make_store(spool).capacity_bytes() == st.f_blocks * st.f_frsize
+    write_record(spool, "bytes", random_rows(10))
+    assert make_store(spool).usage_bytes() >= 10 * 32
