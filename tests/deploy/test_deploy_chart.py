@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import helm_python as helm
 import pytest
@@ -489,3 +491,44 @@ def test_sidecar_command_line_parses_with_the_real_cli(rendered: tuple[dict, lis
     args = build_parser().parse_args(container(objects, "sidecar")["args"])
     assert args.command == "serve"
     assert int(args.setting_port) == v["sidecar"]["port"] and args.setting_host == "0.0.0.0"
+
+
+def _kubelet_expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion of an env value from variables defined before it."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "pod-ip-custom-spool"])
+def test_advertised_url_fetches_the_record_from_the_sidecar(scenario: str, spool: Spool, serve: Any) -> None:
+    """The engine's own settings and URL builder, fed the rendered environment of pod 3, yield a URL whose
+    host is that pod and whose path a live sidecar answers with the record."""
+    import httpx
+    from helpers import random_rows, write_record
+
+    from engine_ext.collect import routed_experts_url
+    from engine_ext.settings import EngineSettings
+
+    v = _values(scenario_values(scenario))
+    objects = render(scenario_values(scenario))
+    pod_name, pod_ip = f"{one(objects, 'StatefulSet')['metadata']['name']}-3", "10.1.2.3"
+    downward = {"POD_NAME": pod_name, "POD_IP": pod_ip}
+    env = {
+        k: _kubelet_expand(val, downward)
+        for k, val in resolved_env(objects, container(objects, "engine")).items()
+        if isinstance(val, str)
+    }
+    assert "$(" not in env["R3_SIDECAR_URL"] and env["R3_ENGINE_ID"] == pod_name
+    settings = EngineSettings.model_validate({k.removeprefix("R3_").lower(): val for k, val in env.items()
+                                             if k.startswith("R3_")})
+    rid = "chatcmpl-7f/x y"
+    url = httpx.URL(routed_experts_url(settings.sidecar_url, rid))
+    expected_host = pod_ip if v["sidecar"]["advertise"] == "podIP" else (
+        f"{pod_name}.{one(objects, 'StatefulSet')['spec']['serviceName']}.{NAMESPACE}.svc.{v['clusterDomain']}"
+    )
+    assert (url.host, url.port) == (expected_host, v["sidecar"]["port"])
+
+    write_record(spool, rid, random_rows(6))
+    base = serve()
+    r = httpx.get(base + url.raw_path.decode(), params={"format": "raw"}, timeout=10)
+    assert r.status_code == 200 and unquote(r.headers["X-R3-Rid"]) == rid  # the header is percent-encoded
+    assert len(r.content) == 6 * 4 * 8
