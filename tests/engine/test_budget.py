@@ -383,3 +383,34 @@ def test_pp_dynamic_chunking_grows_the_prefill_ceiling():
     # the plugin's sizing (capturer.device_rows) counts the chunk too, so this one is the operator's to fix
     assert dc.blocking
     assert dc.fix == "drop --enable-dynamic-chunking (PP chunks grow past --chunked-prefill-size)"
+
+
+# DP n x EAGLE w x --chunked-prefill-size, with --max-running-requests 4096, context 32768, max_prefill_tokens 16384.
+# Per rank: chunk 8192/n, requests 4096/n. capacity = n * max(chunk, requests); demand = n * max(P, requests * w),
+# P = chunk, or max(16384, 32768) = 32768 with chunking off (capacity then n * requests = 4096).
+MATRIX = [
+    # n, w, flag, capacity, demand
+    (1, 1, 8192, 8192, 8192),  # max(8192, 4096) | max(8192, 4096*1)
+    (1, 4, 8192, 8192, 16384),  # max(8192, 4096*4)
+    (1, 8, 8192, 8192, 32768),  # 4096*8
+    (2, 1, 8192, 8192, 8192),  # 2*max(4096, 2048) | 2*max(4096, 2048*1)
+    (2, 4, 8192, 8192, 16384),  # 2*(2048*4)
+    (2, 8, 8192, 8192, 32768),  # 2*(2048*8)
+    (8, 1, 8192, 8192, 8192),  # 8*max(1024, 512) | 8*max(1024, 512*1)
+    (8, 4, 8192, 8192, 16384),  # 8*(512*4)
+    (8, 8, 8192, 8192, 32768),  # 8*(512*8)
+    (1, 1, -1, 4096, 32768),  # 1*4096 | max(32768, 4096)
+    (1, 8, -1, 4096, 32768),  # max(32768, 4096*8 = 32768)
+    (2, 4, -1, 4096, 65536),  # 2*2048 | 2*max(32768, 8192)
+    (8, 8, -1, 4096, 262144),  # 8*512 | 8*max(32768, 4096)
+]
+
+
+@pytest.mark.parametrize(("n", "w", "flag", "capacity", "demand"), MATRIX)
+def test_device_cache_matrix(n, w, flag, capacity, demand):
+    spec = eagle(w) if w > 1 else {"speculative_algorithm": "EAGLE", "speculative_num_draft_tokens": 1}
+    per_rank_chunk = flag // n if flag > 0 else flag
+    inputs = dp(n, chunked_prefill_size=per_rank_chunk, max_running_requests=4096, context_length=32768, **spec)
+    dc = rows_by_name(inputs)["routed_experts.device_cache"]
+    assert (dc.capacity, dc.demand, dc.ok) == (capacity, demand, capacity >= demand)
+    assert not dc.blocking  # the capture hooks size N * max(P, max(requests, graph bs) * w) themselves
