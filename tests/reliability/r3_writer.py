@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pace", type=float, default=0.0)
     ap.add_argument("--open", type=int, default=0, help="leave this many extra records open, then sleep")
     ap.add_argument("--duration", type=float, default=0.0, help="keep writing new records for this long")
+    ap.add_argument("--max-records", type=int, default=0, help="backpressure: wait while the spool holds this many")
     args = ap.parse_args(argv)
 
     spool = Spool(args.spool)
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     i = args.first
     deadline = time.monotonic() + args.duration
     while i < args.first + args.count or time.monotonic() < deadline:
+        while args.max_records and len(spool.record_names()) >= args.max_records and time.monotonic() < deadline:
+            time.sleep(0.005)
         write_one(f"{args.prefix}-{i:06d}", final=True)
         i += 1
     for j in range(args.open):
