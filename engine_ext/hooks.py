@@ -272,8 +272,12 @@ def _check_budget_at_resolution(settings: EngineSettings, server_args, previous)
     from engine_ext.settings import BudgetPolicy
 
     previous(server_args)
-    rows = budget_table(server_args)
     log = logging.getLogger("r3_sidecar")
+    try:
+        rows = budget_table(server_args)
+    except Exception:  # a defect in the check itself must not stop a launch SGLang accepted
+        log.exception("r3-sidecar: the buffer budget check failed; starting without it")
+        return
     blocking = blocking_rows(rows)
     log.log(logging.WARNING if blocking else logging.INFO, "r3-sidecar buffer budget:\n%s", format_table(rows))
     if blocking and settings.budget is BudgetPolicy.ENFORCE:
