@@ -92,10 +92,12 @@ def cutedsl_moe_tokens(
     return max(max_prefill_tokens, prefill_graph_max_tokens, decode_graph_max_bs * tokens_per_req)
 
 
-def check_fits(used: int, capacity: int, *, what: str, remedy: str) -> None:
+def check_fits(used: int, capacity: int, *, what: str, remedy: str, unit: str = "rows") -> None:
     """Raise `CaptureOverflowError` unless `used <= capacity`; both are host-side integers."""
     if used > capacity:
-        raise CaptureOverflowError(f"{what}: this forward needs {used} rows but the buffer holds {capacity}; {remedy}")
+        raise CaptureOverflowError(
+            f"{what}: this forward needs {used} {unit} but the buffer holds {capacity}; {remedy}"
+        )
 
 
 def draft_kv_indices_fits(*, seq_lens_sum: int | None, topk: int, num_seqs: int, num_steps: int, width: int) -> None:
@@ -112,7 +114,9 @@ def draft_kv_indices_fits(*, seq_lens_sum: int | None, topk: int, num_seqs: int,
         seq_lens_sum * topk + bs * num_steps,
         width,
         what=f"EAGLE draft kv_indices row (num_seqs={num_seqs}, topk={topk}, seq_lens_sum={seq_lens_sum})",
-        remedy="raise --context-length headroom or lower --speculative-eagle-topk / --cuda-graph-max-bs",
+        remedy="sequences within --speculative-num-steps of the context length overflow it: lower "
+        "--speculative-num-steps or --speculative-eagle-topk, or cap max_new_tokens below the context length",
+        unit="entries",
     )
 
 

@@ -247,17 +247,49 @@ def _cutedsl_tokens() -> int:
     return runtime_context.cutedsl_moe_max_num_tokens()
 
 
+def _draft_kv_indices(seq_lens_sum: int) -> str:
+    """Triton EAGLE draft backend, 4 sequences × topk 2 × 3 steps, row width 4 · 2 · 64 = 512 (max context 64)."""
+    import torch
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    backend = TritonMultiStepDraftBackend.__new__(TritonMultiStepDraftBackend)  # the fields the bound reads
+    backend.topk, backend.speculative_num_steps = 2, 3
+    backend.cuda_graph_kv_indices = torch.zeros(3, 4 * 2 * 64, dtype=torch.int32)
+    zeros = torch.zeros(4, dtype=torch.int64)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=4,
+        input_ids=zeros,
+        req_pool_indices=zeros,
+        seq_lens=zeros + seq_lens_sum // 4,
+        out_cache_loc=zeros,
+        seq_lens_sum=seq_lens_sum,
+    )
+    try:
+        backend.common_template(fb, None, None)
+    except Exception as exc:  # past the bound, this partial backend fails inside the kernel launch on CPU
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return "ran"
+
+
 def child_main() -> dict:
     from engine_ext.capturer import occupancy_snapshot
 
     results = {case.name: {"upstream": _run_case(case, patched=False)} for case in CASES}
     cutedsl_upstream = _cutedsl_tokens()
+    kv_upstream = _draft_kv_indices(256)
     apply_capture_hooks()
     for case in CASES:
         results[case.name]["r3"] = _run_case(case, patched=True)
         results[case.name]["r3"]["occupancy"] = occupancy_snapshot()
     results["overflow_message"] = _overflow_message()
     results["cutedsl"] = {"upstream": cutedsl_upstream, "r3": _cutedsl_tokens()}
+    results["draft_kv_indices"] = {
+        "upstream": kv_upstream,
+        "r3": _draft_kv_indices(256),
+        "r3_fits": _draft_kv_indices(200),
+    }
     return results
 
 
@@ -315,6 +347,15 @@ def test_occupancy_is_the_gathered_rows_of_the_forward(outcomes: dict, case: Cas
 
 def test_cutedsl_tokens_count_the_breakable_prefill_graph(outcomes: dict) -> None:
     assert outcomes["cutedsl"] == {"upstream": 4096, "r3": 8192}
+
+
+def test_triton_draft_kv_indices_overflow_is_caught_before_the_kernel(outcomes: dict) -> None:
+    kv = outcomes["draft_kv_indices"]
+    # every sequence at the 64-token context: 256 · 2 + 8 · 3 = 536 entries > 512
+    assert kv["r3"].startswith("CaptureOverflowError: EAGLE draft kv_indices row"), kv
+    assert "536 entries but the buffer holds 512" in kv["r3"]
+    assert not kv["upstream"].startswith("CaptureOverflowError"), kv  # 0.5.23 has no bound: on to the kernel
+    assert not kv["r3_fits"].startswith("CaptureOverflowError"), kv  # 424 ≤ 512: passes the check
 
 
 def test_overflowing_write_names_the_setting(outcomes: dict) -> None:
