@@ -440,6 +440,12 @@ def test_hooks_are_only_the_test_pod(rendered: tuple[dict, list]) -> None:
 def test_notes_tell_how_to_fetch_a_rid() -> None:
     notes = render_manifests()["r3-sidecar/templates/NOTES.txt"]
     assert "/routed_experts/<rid>" in notes and "Authorization: Bearer" in notes and "helm test" in notes
+    from service.cli import build_parser
+
+    (exec_line,) = [line for line in notes.splitlines() if "kubectl exec" in line]
+    args = build_parser().parse_args(exec_line.split(" -- ", 1)[1].split()[1:])
+    assert args.command == "fetch" and args.url == f"http://127.0.0.1:{_values({})['sidecar']['port']}"
+    assert ("GET", "/routed_experts/{rid:path}") in _app_routes()
     notes_off = render_manifests({"auth": {"enabled": False}})["r3-sidecar/templates/NOTES.txt"]
     assert "Authorization" not in notes_off and "/routed_experts/<rid>" in notes_off
 
