@@ -538,3 +538,19 @@ def test_advertised_url_fetches_the_record_from_the_sidecar(scenario: str, spool
     r = httpx.get(base + url.raw_path.decode(), params={"format": "raw"}, timeout=10)
     assert r.status_code == 200 and unquote(r.headers["X-R3-Rid"]) == rid  # the header is percent-encoded
     assert len(r.content) == 6 * 4 * 8
+
+
+def test_sidecar_outlives_the_engine_on_termination(rendered: tuple[dict, list]) -> None:
+    """The sidecar's preStop holds it up for drainSeconds (inside the grace period) while the engine drains."""
+    values, objects = rendered
+    v = _values(values)
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    command = container(objects, "sidecar")["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python", "-c"]
+    assert re.fullmatch(r"import time; time\.sleep\((\d+)\)", command[2]).group(1) == str(v["sidecar"]["drainSeconds"])
+    assert v["sidecar"]["drainSeconds"] < pod["terminationGracePeriodSeconds"]
+    assert "lifecycle" not in container(objects, "engine")
+    with pytest.raises(helm.HelmRenderError, match="drainSeconds must be below"):
+        render_manifests({"sidecar": {"drainSeconds": 90}, "terminationGracePeriodSeconds": 60})
+    no_drain = render({"sidecar": {"drainSeconds": 0}})
+    assert "lifecycle" not in container(no_drain, "sidecar")
