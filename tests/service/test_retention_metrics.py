@@ -43,8 +43,8 @@ def test_final_record_expires_after_ttl(serve, spool: Spool) -> None:
     base = serve(ttl_s=0.6, rescan_s=60)
     write_record(spool, "short-lived", random_rows(10))
     assert httpx.get(f"{base}/routed_experts/short-lived").status_code == 200
-    assert until(lambda: not spool.meta_path("short-lived").exists()), "housekeeping did not delete the record"
-    assert not spool.bin_path("short-lived").exists()
+    gone = until(lambda: not spool.meta_path("short-lived").exists() and not spool.bin_path("short-lived").exists())
+    assert gone, "housekeeping did not delete both files"
     r = httpx.get(f"{base}/routed_experts/short-lived")
     assert r.status_code == 410 and r.json()["error"] == "expired"
     assert scrape(base)[("r3_records_expired_total", ())] == 1
