@@ -173,3 +173,22 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
     assert re.search(r"\[console_scripts\]\s*r3-sidecar = service\.cli:main", entry_points)
     assert re.search(r"\[sglang\.srt\.plugins\]\s*r3_sidecar = engine_ext:register", entry_points)
     assert f'Requires-Dist: sglang=={SUPPORTED_SGLANG}; extra == "engine"' in metadata
+
+
+def test_healthcheck_command_passes_on_a_live_sidecar_and_fails_without_one(serve) -> None:
+    """Run the image's HEALTHCHECK command here, against a real sidecar on the port R3_PORT names."""
+    import os
+    import socket
+
+    (health,) = STAGES["sidecar"].all("HEALTHCHECK")
+    argv = json.loads(health[health.index("CMD") + 3 :].strip())
+    assert argv[0] == "python"
+    port = serve().rsplit(":", 1)[1]
+    env = {**os.environ, "R3_PORT": port}
+    ok = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        env["R3_PORT"] = str(unused.getsockname()[1])
+        down = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, timeout=30)
+    assert down.returncode != 0
