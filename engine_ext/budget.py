@@ -505,12 +505,20 @@ def _eagle_kv_indices_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
     steps = max(1, i.speculative_num_steps or 1)
     ctx = i.context_length
     capacity = i.decode_graph_max_bs * topk * ctx
-    # A running sequence is shorter than the context by at least the draft steps it is about to append.
-    demand = s.graph_bs * topk * (ctx - steps) + s.graph_bs * topk * steps
+    # A running sequence holds at most context - 1 tokens, and all of them live in the KV pool when it is known.
+    seq_lens_sum = s.graph_bs * (ctx - 1)
+    if i.max_total_tokens is not None:
+        seq_lens_sum = min(seq_lens_sum, i.max_total_tokens)
+    demand = seq_lens_sum * topk + s.graph_bs * topk * steps
     ok = demand <= capacity < INT32_LIMIT
     fix = None
     if capacity >= INT32_LIMIT:
         fix = f"--cuda-graph-max-bs-decode {(INT32_LIMIT - 1) // (topk * ctx)}"
+    elif demand > capacity:  # fits iff seq_lens_sum <= bs * (context - num_steps)
+        fix = f"--max-total-tokens {s.graph_bs * (ctx - steps)}"
+    pool = "bs x (context - 1)"
+    if i.max_total_tokens is not None:
+        pool = f"min({pool}, max_total_tokens {i.max_total_tokens})"
     return BudgetRow(
         buffer="eagle.draft_kv_indices",
         unit="kv indices/step",
@@ -518,8 +526,9 @@ def _eagle_kv_indices_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
         demand=demand,
         formula=(
             f"capacity max_bs {i.decode_graph_max_bs} x topk {topk} x context {ctx}, must stay < 2^31 "
-            f"(spec_utils.py:298-309, #27338); demand seq_lens_sum x topk + bs x topk x num_steps {steps} "
-            f"(spec_utils.py:312-320) with seq_lens <= context - num_steps"
+            f"(spec_utils.py:298-309, #27338); demand seq_lens_sum x topk + bs {s.graph_bs} x topk x num_steps "
+            f"{steps} (spec_utils.py:312-320), seq_lens_sum <= {pool}: sequences within num_steps of the "
+            "context overflow the row unless the KV pool is smaller"
         ),
         ok=ok,
         fix=fix,

@@ -7,6 +7,7 @@ attn_dp_size), `max_running_requests` is the global flag (per rank: // attn_dp_s
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -88,9 +89,14 @@ def test_dp2_eagle_w8_topk4_tree_and_kv_indices():
     assert dc.ok
     kv = rows["eagle.draft_kv_indices"]
     assert kv.capacity == 256 * 4 * 4096 == 4_194_304
-    # graph bs min(256, 512) = 256; seq_lens_sum <= 256 * (4096 - 3); + bs*topk*num_steps
-    assert kv.demand == 256 * (4096 - 3) * 4 + 256 * 4 * 3 == 4_194_304
-    assert kv.ok
+    # graph bs min(256, 512) = 256; a running sequence holds <= 4096 - 1 tokens; + bs*topk*num_steps
+    assert kv.demand == 256 * (4096 - 1) * 4 + 256 * 4 * 3 == 4_196_352
+    assert kv.blocking  # sequences within 3 steps of the context overflow the row (FlashInfer asserts)
+    assert kv.fix == f"--max-total-tokens {256 * (4096 - 3)}"
+    # with the KV pool pinned below that, the pool bounds seq_lens_sum
+    pinned = rows_by_name(replace(inputs, max_total_tokens=1_000_000))["eagle.draft_kv_indices"]
+    assert pinned.demand == 1_000_000 * 4 + 256 * 4 * 3 == 4_003_072
+    assert pinned.ok
     graph = rows["decode_graph.inputs"]
     assert (graph.capacity, graph.demand) == (256 * 8, 256 * 8)
 

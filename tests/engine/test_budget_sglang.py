@@ -39,7 +39,7 @@ def resolve(**kw):
 
 eagle = dict(tp_size=8, attn_dp_size=8, chunked_prefill_size=8192, max_running_requests=4096,
              speculative_algorithm="EAGLE", speculative_draft_model_path=T, speculative_num_steps=3,
-             speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+             speculative_eagle_topk=1, speculative_num_draft_tokens=4, max_total_tokens=8192)
 deepep = dict(tp_size=2, ep_size=2, moe_a2a_backend="deepep", max_running_requests=1024, chunked_prefill_size=4096)
 """
 
@@ -61,7 +61,10 @@ def test_resolution_hook_enforce_refuses_what_the_plugin_cannot_correct():
     device = _row(eagle["log"], "routed_experts.device_cache")
     assert device[2:5] == [str(8 * max(1024, 512)), str(8 * max(1024, 512 * 4)), "corrected"]
     kv = _row(eagle["log"], "eagle.draft_kv_indices")  # decode graph max_bs 32, topk 1, context 512
-    assert kv[3:6] == [str(32 * 1 * 512), str(32 * 1 * (512 - 3) + 32 * 1 * 3), "ok"]
+    # seq_lens_sum <= min(32 * (512 - 1), --max-total-tokens 8192), plus bs 32 x topk 1 x 3 steps
+    assert kv[3:6] == [str(32 * 1 * 512), str(min(32 * 511, 8192) * 1 + 32 * 1 * 3), "ok"]
+    host = _row(eagle["log"], "routed_experts.host_cache")  # pool + page_size 1
+    assert host[2:5] == [str(8192 + 1), str(8192 + 1), "ok"]
 
     # TP2 DeepEP, no DP attention: attn_tp 2, 1024 decode requests -> ceil(1024 / 2) = 512 tokens per rank > 128.
     assert deepep["refused"] is not None
