@@ -184,7 +184,7 @@ def test_wait_returns_as_soon_as_final(shared: tuple[str, Spool]) -> None:
     r = httpx.get(url_for(base, "late"), params={"wait": 30, "format": "raw"}, timeout=40)
     elapsed = time.monotonic() - t0
     assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
-    assert 0.35 < elapsed < 5, elapsed
+    assert 0.35 < elapsed < 10, elapsed
 
 
 def test_wait_for_a_record_not_yet_created(shared: tuple[str, Spool]) -> None:
@@ -195,7 +195,7 @@ def test_wait_for_a_record_not_yet_created(shared: tuple[str, Spool]) -> None:
     t0 = time.monotonic()
     r = httpx.get(url_for(base, "unborn"), params={"wait": 30, "format": "raw"}, timeout=40)
     assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10
     t0 = time.monotonic()
     assert httpx.get(url_for(base, "still-unborn"), params={"wait": 0.2}).status_code == 404
     assert time.monotonic() - t0 >= 0.2
