@@ -128,15 +128,19 @@ def _create_sized_capturer(original, *args, **kwargs):
 def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     """Stamp the ForwardBatch with the decode/verify graph extent when that graph is what ran.
 
-    The decode-graph path of `_forward_raw` returns before `_prepare_eager_forward_batch`, the only writer of
-    `global_num_tokens_padded_cpu`; the prefill-graph path also reports `can_run_graph` but after that padding.
+    The decode-graph path of `_forward_raw` returns before `_prepare_eager_forward_batch`, whose
+    `prepare_mlp_sync_batch` is the only writer of `global_num_tokens_padded_cpu` (always a new list); the
+    prefill-graph path also reports `can_run_graph`, but after that padding. Identity, not None-ness, so a
+    re-run on the same batch (`_maybe_rebalance_after_rank_fault`) is told apart too.
     """
     from engine_ext.slicing import DecodeGraphExtent
 
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
+    padded_before = forward_batch.global_num_tokens_padded_cpu
     output = original(runner, forward_batch, *args, **kwargs)
-    graph = runner.decode_cuda_graph_runner
-    if output.can_run_graph and graph is not None and forward_batch.global_num_tokens_padded_cpu is None:
+    graph = getattr(runner, "decode_cuda_graph_runner", None)
+    padded_now = forward_batch.global_num_tokens_padded_cpu
+    if output.can_run_graph and graph is not None and padded_now is padded_before:
         ragged = getattr(graph, "_ragged_graph_size", None) if getattr(graph, "ragged_verify_mode", False) else None
         setattr(
             forward_batch,
@@ -340,14 +344,14 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
 class _Delivery:
     """One scheduler process's delivery state: writer thread, collector, live rows, telemetry thread."""
 
-    def __init__(self, settings: EngineSettings, capturer, model_config) -> None:
+    def __init__(self, settings: EngineSettings, capturer, processor) -> None:
         import threading
 
         from engine_ext.collect import Collector, ModelShape, moe_layer_ids
         from engine_ext.live import LiveRows
         from engine_ext.writer import SpoolWriter, spool_dtype
 
-        hf = model_config.hf_text_config
+        hf = processor.model_config.hf_text_config
         num_experts = next(
             int(v) for n in ("num_experts", "n_routed_experts", "num_local_experts") if (v := getattr(hf, n, None))
         )
@@ -388,6 +392,7 @@ class _Delivery:
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
         ).start()
+        self.telemetry = _telemetry(settings, self, processor.token_to_kv_pool_allocator).start()
 
     def wants_live(self, req) -> bool:
         from engine_ext.live import wants_live
@@ -401,8 +406,41 @@ class _Delivery:
 
     def close(self) -> None:
         self.stop.set()
+        self.telemetry.close()
         self.collector.drain(wait=True)
         self.writer.close()
+
+
+def _telemetry(settings: EngineSettings, delivery: _Delivery, allocator):
+    """The engine file's sources: budget table, capture occupancy, host-cache tokens, writer counters."""
+    from importlib.metadata import version
+
+    from engine_ext.telemetry import Sources, Telemetry
+
+    def budget() -> list[dict]:
+        from sglang.srt.runtime_context import get_server_args
+
+        return [row.as_contract() for row in budget_table(get_server_args())]
+
+    def occupancy() -> list[dict]:
+        from engine_ext.capturer import occupancy_snapshot
+
+        return occupancy_snapshot()
+
+    host_cache = delivery.host_cache
+
+    def host_tokens() -> tuple[int, int]:
+        used = 0 if allocator is None else int(allocator.size) - int(allocator.available_size())
+        return int(host_cache.num_tokens), max(used, 0)
+
+    return Telemetry(
+        spool_dir=settings.spool_dir,
+        engine=delivery.engine,
+        dp_rank=delivery.dp_rank,
+        sources=Sources(budget=budget, occupancy=occupancy, host_cache=host_tokens, writer=delivery.writer.snapshot),
+        interval_s=settings.telemetry_interval_s,
+        sglang=version("sglang"),
+    )
 
 
 _delivery_settings: EngineSettings | None = None
@@ -439,7 +477,7 @@ def _delivery_for(processor) -> _Delivery | None:
         capturer = get_global_experts_capturer()
         if capturer is None:
             return None
-        _delivery = _Delivery(_delivery_settings, capturer, processor.model_config)
+        _delivery = _Delivery(_delivery_settings, capturer, processor)
     return _delivery
 
 
