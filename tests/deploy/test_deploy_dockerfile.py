@@ -4,6 +4,7 @@ read and the wheel stage is replayed on a copy of exactly the build context `.do
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -159,8 +160,10 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
         (context / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, context / rel)
     out = tmp_path / "wheels"
+    # Offline when this venv has setuptools (the pyproject's build backend); else pip fetches it, as Docker does.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "--wheel-dir", out, context],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "--wheel-dir", out, context],
         check=True, timeout=200, capture_output=True,
     )
     (wheel,) = out.glob("r3_sidecar-*.whl")
