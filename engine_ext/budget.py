@@ -505,8 +505,9 @@ def _eagle_kv_indices_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
     steps = max(1, i.speculative_num_steps or 1)
     ctx = i.context_length
     capacity = i.decode_graph_max_bs * topk * ctx
-    # A running sequence holds at most context - 1 tokens, and all of them live in the KV pool when it is known.
-    seq_lens_sum = s.graph_bs * (ctx - 1)
+    # A request ends at context - 2 tokens (max_req_len = context - 1, tp_worker.py:568-571, and max_new_tokens
+    # <= max_req_len - input - 1, scheduler.py:2710-2716); all of them live in the KV pool when it is known.
+    seq_lens_sum = s.graph_bs * (ctx - 2)
     if i.max_total_tokens is not None:
         seq_lens_sum = min(seq_lens_sum, i.max_total_tokens)
     demand = seq_lens_sum * topk + s.graph_bs * topk * steps
@@ -516,7 +517,7 @@ def _eagle_kv_indices_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
         fix = f"--cuda-graph-max-bs-decode {(INT32_LIMIT - 1) // (topk * ctx)}"
     elif demand > capacity:  # fits iff seq_lens_sum <= bs * (context - num_steps)
         fix = f"--max-total-tokens {s.graph_bs * (ctx - steps)}"
-    pool = "bs x (context - 1)"
+    pool = "bs x (context - 2)"
     if i.max_total_tokens is not None:
         pool = f"min({pool}, max_total_tokens {i.max_total_tokens})"
     return BudgetRow(

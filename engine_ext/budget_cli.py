@@ -38,6 +38,7 @@ def _status(row: BudgetRow) -> str:
 def render(rows: Sequence[BudgetRow], file=None) -> None:
     """The table with rich: one line per buffer, then each buffer's formula."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(file=file or sys.stdout, width=200, soft_wrap=True)
@@ -50,11 +51,16 @@ def render(rows: Sequence[BudgetRow], file=None) -> None:
     for row in rows:
         status = _status(row)
         table.add_row(
-            row.buffer, row.unit, str(row.capacity), str(row.demand), f"[{styles[status]}]{status}[/]", row.fix or ""
+            row.buffer,
+            row.unit,
+            str(row.capacity),
+            str(row.demand),
+            f"[{styles[status]}]{status}[/]",
+            escape(row.fix or ""),
         )
     console.print(table)
     for row in rows:
-        console.print(f"[dim]{row.buffer}: {row.formula}[/]", highlight=False, markup=True)
+        console.print(f"[dim]{row.buffer}: {escape(row.formula)}[/]", highlight=False)
     blocking = blocking_rows(rows)
     if blocking:
         console.print(f"[bold red]{len(blocking)} buffer(s) fall short and the plugin does not correct them.[/]")

@@ -89,9 +89,9 @@ def test_dp2_eagle_w8_topk4_tree_and_kv_indices():
     assert dc.ok
     kv = rows["eagle.draft_kv_indices"]
     assert kv.capacity == 256 * 4 * 4096 == 4_194_304
-    # graph bs min(256, 512) = 256; a running sequence holds <= 4096 - 1 tokens; + bs*topk*num_steps
-    assert kv.demand == 256 * (4096 - 1) * 4 + 256 * 4 * 3 == 4_196_352
-    assert kv.blocking  # sequences within 3 steps of the context overflow the row (FlashInfer asserts)
+    # graph bs min(256, 512) = 256; a request ends at 4096 - 2 tokens; + bs*topk*num_steps
+    assert kv.demand == 256 * (4096 - 2) * 4 + 256 * 4 * 3 == 4_195_328
+    assert kv.blocking  # 3 draft steps past a sequence 2 short of the context overflow the row (FlashInfer asserts)
     assert kv.fix == f"--max-total-tokens {256 * (4096 - 3)}"
     # with the KV pool pinned below that, the pool bounds seq_lens_sum
     pinned = rows_by_name(replace(inputs, max_total_tokens=1_000_000))["eagle.draft_kv_indices"]
@@ -99,6 +99,13 @@ def test_dp2_eagle_w8_topk4_tree_and_kv_indices():
     assert pinned.ok
     graph = rows["decode_graph.inputs"]
     assert (graph.capacity, graph.demand) == (256 * 8, 256 * 8)
+
+
+def test_eagle_kv_indices_two_steps_fit_at_the_context_end():
+    inputs = BudgetInputs(max_running_requests=64, decode_graph_max_bs=64, context_length=8192, **eagle(3, 4, 2))
+    kv = rows_by_name(inputs)["eagle.draft_kv_indices"]
+    assert (kv.capacity, kv.demand) == (64 * 4 * 8192, 64 * (8192 - 2) * 4 + 64 * 4 * 2)
+    assert kv.ok
 
 
 def test_eagle_kv_indices_int32_limit_names_the_graph_bs():

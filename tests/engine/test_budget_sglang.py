@@ -61,8 +61,8 @@ def test_resolution_hook_enforce_refuses_what_the_plugin_cannot_correct():
     device = _row(eagle["log"], "routed_experts.device_cache")
     assert device[2:5] == [str(8 * max(1024, 512)), str(8 * max(1024, 512 * 4)), "corrected"]
     kv = _row(eagle["log"], "eagle.draft_kv_indices")  # decode graph max_bs 32, topk 1, context 512
-    # seq_lens_sum <= min(32 * (512 - 1), --max-total-tokens 8192), plus bs 32 x topk 1 x 3 steps
-    assert kv[3:6] == [str(32 * 1 * 512), str(min(32 * 511, 8192) * 1 + 32 * 1 * 3), "ok"]
+    # seq_lens_sum <= min(32 * (512 - 2), --max-total-tokens 8192), plus bs 32 x topk 1 x 3 steps
+    assert kv[3:6] == [str(32 * 1 * 512), str(min(32 * 510, 8192) * 1 + 32 * 1 * 3), "ok"]
     host = _row(eagle["log"], "routed_experts.host_cache")  # pool + page_size 1
     assert host[2:5] == [str(8192 + 1), str(8192 + 1), "ok"]
 
