@@ -305,9 +305,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=64 * 1024 + settings.max_batch * (4 * MAX_RID_CHARS + 8))
 
     async def authorized(creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> None:
-        if token is None:
-            return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token):
+        if token is not None and (creds is None or not hmac.compare_digest(creds.credentials.encode(), token)):
             raise ApiError(
                 401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
@@ -327,7 +325,9 @@ def create_app(settings: Settings) -> FastAPI:
         model_config = ConfigDict(extra="forbid", strict=True)
         rids: list[Rid] = Field(max_length=settings.max_batch, description="Rids, answered in this order.")
         wait: float = Field(0.0, ge=0, le=settings.max_wait_s, description="Seconds to wait for all of them.")
-        layers: list[NonNegativeInt] | None = Field(None, description="Model layer indices to return.")
+        layers: list[NonNegativeInt] | None = Field(
+            None, min_length=1, description="Model layer indices to return (default: all of each record's)."
+        )
 
     def observe(fmt: str, code: int, t0: float, nbytes: int = 0) -> None:
         metrics.observe(fmt, code, nbytes, time.perf_counter() - t0)
