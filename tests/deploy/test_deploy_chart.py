@@ -351,6 +351,8 @@ def test_security_contexts(rendered: tuple[dict, list]) -> None:
     _, objects = rendered
     pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
+    # A Service named `r3` would otherwise inject R3_PORT=tcp://… into both containers' settings.
+    assert pod["enableServiceLinks"] is False
     assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
     for name in ("spool-init", "engine", "sidecar"):
         ctx = container(objects, name)["securityContext"]
