@@ -89,7 +89,7 @@ import os
 SPOOL = os.environ["R3_TEST_SPOOL"]
 
 publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
-hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))
+hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL, sidecar_url="http://sc:8000"))
 HookRegistry.apply_hooks()
 
 mc = tiny_model_config()
@@ -185,6 +185,32 @@ f = run_request("f", 6, 30, 10, return_routed_experts=True)
 finish([f])
 results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).read_meta("f") is not None,
                     stats=hooks._delivery.writer.snapshot())
+
+# telemetry: the real delivery's engine file (budget from the published ServerArgs) is accepted by the sidecar
+report = hooks._delivery.telemetry.tick()
+(path,) = Spool(SPOOL).engine_paths()
+on_disk = Spool(SPOOL).read_engine_file(path)
+results["engine_file"] = dict(fresh=on_disk["updated"] >= report["updated"], engine=on_disk["engine"],
+                              budget=[b["buffer"] for b in on_disk["budget"]], host_cache=on_disk["host_cache"],
+                              writer=on_disk["writer"], sglang=on_disk["sglang"])
+
+# pointer: the tokenizer manager's meta_info gets routed_experts_url for rids that asked
+import asyncio
+from sglang.srt.managers import tokenizer_manager as tm
+from sglang.srt.managers.io_struct import GenerateReqInput
+async def handle(self, recv_obj):
+    metas = [{"id": rid} for rid in recv_obj.rids]
+    for i, meta in enumerate(metas):
+        await asyncio.sleep(0)
+        tm.try_build_beam_search_out_dict(recv_obj, i, meta)
+    return metas
+states = {"a b/ü": types.SimpleNamespace(obj=GenerateReqInput(text="x", return_routed_experts=True)),
+          "plain": types.SimpleNamespace(obj=GenerateReqInput(text="x"))}
+manager = types.SimpleNamespace(rid_to_state=states)
+configure(sidecar_url="http://sc:8000")
+metas = asyncio.run(hooks._around_handle_batch_output(handle, manager, types.SimpleNamespace(rids=list(states))))
+results["pointer"] = metas
+results["outside"] = tm.try_build_beam_search_out_dict(None, 0, {"id": "a b/ü"})
 emit(results)
 """
 
@@ -201,6 +227,14 @@ def test_finish_path_against_sglang(tmp_path):
     assert res["launches"] == 1  # two finished requests, one batched slot read
     assert res["d"] == {"equal": True, "inline": False}
     assert res["e"] == {"inline": True, "equal": True}
+    eng = res["engine_file"]
+    assert eng["fresh"] and eng["engine"].endswith("/dp0") and eng["sglang"] == "0.5.23", eng
+    assert eng["budget"], "the budget table of the published ServerArgs"
+    assert eng["host_cache"]["capacity_tokens"] == 512 and eng["writer"]["fallback_inline"] == 1
+    assert res["pointer"] == [
+        {"id": "a b/ü", "routed_experts_url": "http://sc:8000/routed_experts/a%20b%2F%C3%BC"},
+        {"id": "plain"},
+    ]
     f = res["f"]
     assert f["inline"] is True and f["record"] is False
     assert f["stats"]["fallback_inline"] == 1 and f["stats"]["spool_full"] == 1

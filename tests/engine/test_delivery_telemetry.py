@@ -1,0 +1,100 @@
+"""The engine file: built from real sources, validated, written atomically, and accepted by the sidecar."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from engine_ext import capturer
+from engine_ext.budget import BudgetInputs, budget_rows
+from engine_ext.telemetry import EngineReportError, Sources, Telemetry, validate_engine_report
+from engine_ext.writer import Op, RecordSpec, SpoolWriter
+from service.metrics import engine_families
+from service.spool import Spool
+
+
+def _telemetry(tmp_path, writer: SpoolWriter, **sources) -> Telemetry:
+    rows = budget_rows(BudgetInputs(chunked_prefill_size=512, max_running_requests=64, num_layers=2, topk=2))
+    return Telemetry(
+        spool_dir=tmp_path,
+        engine="pod-a/dp0",
+        dp_rank=0,
+        sources=Sources(
+            budget=lambda: [r.as_contract() for r in rows],
+            occupancy=capturer.occupancy_snapshot,
+            host_cache=lambda: (4096, 300),
+            writer=writer.snapshot,
+            **sources,
+        ),
+        interval_s=0.05,
+        sglang="0.5.23",
+    )
+
+
+def test_engine_file_is_accepted_by_the_sidecar(tmp_path):
+    writer = SpoolWriter(tmp_path).start()
+    spec = RecordSpec("r", num_experts=8, topk=2, layers=(0, 1), start=0, prompt_len=2, dtype="uint8")
+    assert writer.submit(Op("r", spec=spec, rows=np.zeros((3, 2, 2), np.uint8), status="ok"))
+    assert writer.flush()
+    occupancy = capturer.track("routed_experts_device_cache", 1024, window_s=60)
+    occupancy.record(700)
+    report = _telemetry(tmp_path, writer).tick()
+
+    (path,) = Spool(tmp_path).engine_paths()
+    on_disk = Spool(tmp_path).read_engine_file(path)
+    assert on_disk["v"] == 1 and on_disk["engine"] == "pod-a/dp0" and path.name.startswith("~")  # "/" is unsafe
+    assert validate_engine_report(on_disk) == on_disk
+    assert on_disk["writer"] == {"queued_bytes": 0, "records_written": 1, "fallback_inline": 0, "spool_full": 0}
+    assert on_disk["host_cache"] == {"capacity_tokens": 4096, "used_tokens": 300}
+    assert {"buffer": "routed_experts_device_cache", "capacity": 1024, "peak": 700, "window_s": 60} in on_disk[
+        "occupancy"
+    ]
+    assert on_disk["budget"] and all(
+        set(b) == {"buffer", "unit", "capacity", "demand", "ok", "formula"} for b in on_disk["budget"]
+    )
+    assert on_disk["updated"] == report["updated"]
+
+    families = {f.name: f for f in engine_families([on_disk], stale_after_s=10, now=time.time())}
+    (peak,) = [s for s in families["r3_buffer_peak"].samples if s.labels["buffer"] == "routed_experts_device_cache"]
+    assert peak.value == 700
+    assert families["r3_host_cache_used_tokens"].samples[0].value == 300
+    assert len(families["r3_budget_ok"].samples) == len(on_disk["budget"])
+    writer.close()
+
+
+def test_thread_keeps_writing_when_a_source_fails(tmp_path):
+    writer = SpoolWriter(tmp_path)
+
+    def broken() -> list[dict]:
+        raise RuntimeError("no occupancy yet")
+
+    telemetry = _telemetry(tmp_path, writer, **{})
+    telemetry.sources.occupancy = broken
+    telemetry.start()
+    deadline = time.monotonic() + 10
+    while telemetry.writes < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    telemetry.close()
+    assert telemetry.writes >= 3
+    (path,) = Spool(tmp_path).engine_paths()
+    report = Spool(tmp_path).read_engine_file(path)
+    assert report["occupancy"] == [] and report["budget"]
+    assert time.time() - report["updated"] < 10
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"engine": ""}, "engine"),
+        ({"host_cache": {"capacity_tokens": 1}}, "used_tokens"),
+        ({"writer": {"queued_bytes": -1}}, "queued_bytes"),
+        ({"budget": [{"buffer": "x", "unit": "rows", "capacity": 1, "demand": 2, "ok": "yes", "formula": ""}]}, "ok"),
+        ({"occupancy": {}}, "lists"),
+    ],
+)
+def test_validation_names_the_bad_field(tmp_path, change, message):
+    report = _telemetry(tmp_path, SpoolWriter(tmp_path)).report()
+    with pytest.raises(EngineReportError, match=message):
+        validate_engine_report({**report, **change})
