@@ -280,7 +280,7 @@ def _frame(rid: str, status: int, meta: RecordMeta | None, **extra: Any) -> byte
 # ---- app --------------------------------------------------------------------------------------
 def create_app(settings: Settings) -> FastAPI:
     """The sidecar app over `settings.spool_dir`; its store starts and stops with the app's lifespan."""
-    spool = Spool(settings.spool_dir)
+    spool = Spool(settings.spool_dir, create=False)  # made at startup: building an app touches no files
     store = Store(spool, settings)
     metrics = Metrics(store)
     token = settings.auth_token.encode() if settings.auth_token else None

@@ -83,7 +83,12 @@ class Store:
 
     # ---- life cycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Rebuild the index from the files, then follow events and rescan periodically."""
+        """Create the spool directories if needed, rebuild the index, then follow events and rescan."""
+        for path in (self.spool.records_dir, self.spool.engines_dir):
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.error("cannot create %s (%s); not ready until it exists", path, exc)
         await self.rescan()
         self._stop.clear()
         self._tasks = [
