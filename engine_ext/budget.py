@@ -11,6 +11,7 @@ omitted, not shown as n/a: the table lists only buffers that exist in that serve
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -673,8 +674,6 @@ def inputs_from_server_args(
     `model_path` dummy/none stops SGLang's resolution before DP handling, so there the per-rank chunk is
     divided here as `parallel_hook.py:326-331` would.
     """
-    import os
-
     env = os.environ if environ is None else environ
     if hasattr(server_args, "resolved_dict") and callable(server_args.resolved_dict):
         server_args = server_args.resolved_dict()
