@@ -16,10 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-try:  # buffers the plugin's capture hooks size themselves (engine_ext/capturer.py, pure)
-    from engine_ext.capturer import CORRECTED_BUFFERS as PLUGIN_CORRECTED
-except ImportError:  # the capture work's module absent: the same names, kept in step by hand
-    PLUGIN_CORRECTED = frozenset({"routed_experts.device_cache", "routed_experts.gather_buffer", "cutedsl_moe.wrapper"})
+from engine_ext.capturer import CORRECTED_BUFFERS as PLUGIN_CORRECTED  # buffers the capture hooks size themselves
+from engine_ext.capturer import CaptureLimits, device_rows
 
 MRR_ESTIMATE = 4096  # upper end of SGLang's per-worker estimate when --max-running-requests is unset
 DEEPEP_LL_HARD_CAP = 1024  # deepep.py:409 asserts the low-latency cap <= 1024 (FINISHED_SUM_TAG)
@@ -584,19 +582,13 @@ def _plugin_covers(row: BudgetRow, i: BudgetInputs, s: _Shape, fixed: frozenset[
         return i.flashinfer_megamoe_max_tokens_per_rank <= 0 and bound >= row.demand
     if row.buffer in ("routed_experts.device_cache", "routed_experts.gather_buffer"):
         rows = _plugin_device_rows(i, s)
-        if rows is None:
-            return True
         scale = s.attn_tp if row.buffer == "routed_experts.gather_buffer" else 1
         return scale * rows >= row.demand
     return True
 
 
-def _plugin_device_rows(i: BudgetInputs, s: _Shape) -> int | None:
+def _plugin_device_rows(i: BudgetInputs, s: _Shape) -> int:
     """Device-cache rows the capture hooks allocate (`num_dp_ranks x max(chunk, mrr, rows / num_dp_ranks)`)."""
-    try:
-        from engine_ext.capturer import CaptureLimits, device_rows
-    except ImportError:
-        return None
     limits = CaptureLimits(
         max_running_requests=s.mrr_worker,
         chunked_prefill_size=i.chunked_prefill_size,
