@@ -556,3 +556,18 @@ def test_sidecar_outlives_the_engine_on_termination(rendered: tuple[dict, list])
         render_manifests({"sidecar": {"drainSeconds": 90}, "terminationGracePeriodSeconds": 60})
     no_drain = render({"sidecar": {"drainSeconds": 0}})
     assert "lifecycle" not in container(no_drain, "sidecar")
+
+
+def test_selectors_pick_the_sglang_pods_and_nothing_else(rendered: tuple[dict, list]) -> None:
+    """Services, the PDB and the NetworkPolicy select the StatefulSet's pods, never the helm test pod."""
+    _, objects = rendered
+    sts = one(objects, "StatefulSet")
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    test_labels = one(objects, "Pod", hook=True)["metadata"]["labels"]
+    selectors = [sts["spec"]["selector"]["matchLabels"]]
+    selectors += [s["spec"]["selector"] for s in of_kind(objects, "Service")]
+    selectors += [p["spec"]["selector"]["matchLabels"] for p in of_kind(objects, "PodDisruptionBudget")]
+    selectors += [n["spec"]["podSelector"]["matchLabels"] for n in of_kind(objects, "NetworkPolicy")]
+    for selector in selectors:
+        assert selector.items() <= pod_labels.items(), selector
+        assert not selector.items() <= test_labels.items(), selector

@@ -31,6 +31,12 @@ app.kubernetes.io/name: {{ include "r3.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The SGLang pods only (not the helm test pod, which shares the release labels). */}}
+{{- define "r3.podSelectorLabels" -}}
+{{ include "r3.selectorLabels" . }}
+app.kubernetes.io/component: server
+{{- end }}
+
 {{- define "r3.labels" -}}
 helm.sh/chart: {{ include "r3.chart" . }}
 {{ include "r3.selectorLabels" . }}
