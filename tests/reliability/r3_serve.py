@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
-from service.api import create_app
 
+from service.api import create_app
 from service.settings import Settings
 
 

@@ -22,7 +22,7 @@ from r3_harness import check_record, proc_fds, proc_rss_bytes
 from service.spool import Spool
 
 STALLED = 64
-SEND_TIMEOUT_S = 2.0
+SEND_TIMEOUT_S = 1.0
 CHUNK = 256 << 10
 BIG_ROWS, BIG_LAYERS, BIG_TOPK = 16384, 48, 8  # 6 MiB of uint8, like a long Qwen3-30B-A3B rollout
 
