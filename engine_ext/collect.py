@@ -129,10 +129,12 @@ class StepGather:
         if flat.device.type == "cpu":
             host, event = flat.clone(), None
         else:
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda)
+            host.copy_(flat, non_blocking=True)  # pinned: the host does not wait for the stream
+            event = None
+            if flat.is_cuda:
+                event = torch.cuda.Event()
+                event.record()
         batch = _Batch([t for t, *_ in queued], [hi - lo for *_, lo, hi in queued], host, event)
         with self._lock:
             self._inflight.append(batch)
