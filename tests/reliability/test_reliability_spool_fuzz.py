@@ -54,7 +54,7 @@ def test_spool_reader_survives_damage_long(tmp_path_factory):
 @pytest.mark.slow
 def test_spool_reader_atheris(tmp_path):
     pytest.importorskip("atheris")
-    runs = 20000
+    runs = 200000
     proc = subprocess.run(
         [sys.executable, str(HERE / "fuzz_spool_atheris.py"), str(tmp_path / "corpus"), f"-runs={runs}",
          "-max_total_time=240", "-rss_limit_mb=4096"],
