@@ -3,9 +3,11 @@
 Upstream (0.5.23): `BaseTopkCapturer.get_topk` gathers the request's rows from a real host cache through a
 real `ReqToTokenPool`, and the int32 tensor is then encoded for the detokenizer by the scheduler's own
 msgpack encoder (`io_struct._msgpack_encoder`, what `send_output` runs on the scheduler thread).
-Ours: the same gather, compaction to the spool dtype (MoE layers only), `SpoolWriter.reserve` and
-`SpoolWriter.submit`; the inline payload is dropped, so nothing O(seqlen) crosses the IPC.
-With live rows the scheduler hands one row per running request per step, and only a final marker at finish.
+Ours: the plugin's real finish-time path, `engine_ext.collect.Collector`: `finish` (route + reservation),
+then `end_step` (one batched slot read, the gather, compaction to the spool dtype and MoE layers, and the
+hand-off to `engine_ext.writer.SpoolWriter`). The inline payload is dropped, so nothing O(seqlen) crosses
+the IPC. With live rows (`engine_ext.live.LiveRows`) the scheduler hands one row per running request per
+decode step, and only a final marker at finish.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class UpstreamCollection:
         tokens = compact_rows.shape[0] + 1
         slots = tokens + 1024
         self.shape = shape
+        self.compact = compact_rows
         self.capturer = BaseTopkCapturer(
             num_tokens=slots,
             max_batch_size=256,
@@ -68,11 +71,32 @@ def _ipc_encode(rows: torch.Tensor) -> bytes:
     return io_struct._msgpack_encoder.encode([rows])
 
 
-def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, reps: int) -> dict:
-    """Seconds on the scheduler thread per finished request of `seqlen` tokens, upstream and ours."""
-    from engine_ext.writer import Op, RecordSpec, SpoolWriter, compact
+def _collector(shape: ModelShape, spool_dir: Path):
+    from engine_ext.collect import Collector
+    from engine_ext.collect import ModelShape as EngineShape
+    from engine_ext.settings import Mode
+    from engine_ext.writer import SpoolWriter
 
-    moe = list(range(shape.first_moe_layer, shape.num_hidden_layers))
+    writer = SpoolWriter(spool_dir, queue_bytes=1 << 30, engine="bench").start()
+    moe = shape.moe_layers
+    engine_shape = EngineShape(
+        num_experts=shape.num_experts,
+        topk=shape.topk,
+        layers=moe,
+        layer_slots=moe if len(moe) != shape.num_hidden_layers else None,
+    )
+    collector = Collector(writer, engine_shape, mode=Mode.SIDECAR, capture_all=False, dtype=shape.dtype, engine="bench")
+    return writer, collector
+
+
+def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, reps: int) -> dict:
+    """Seconds on the scheduler thread per finished request of `seqlen` tokens, upstream and ours.
+
+    Wall time and the thread's CPU time are both kept: on a shared machine the CPU time is the steadier one.
+    """
+    from engine_ext.collect import Finished, Route
+    from service.spool import Spool
+
     expected = collection.get_topk(seqlen)
     assert expected.shape == (seqlen - 1, shape.num_hidden_layers, shape.topk)
 
@@ -81,33 +105,33 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
     upstream = [timed(lambda: _ipc_encode(collection.get_topk(seqlen))) for _ in range(reps + 1)][1:]
 
     with tempfile.TemporaryDirectory(prefix="r3-bench-writer-", dir="/dev/shm") as tmp:
-        writer = SpoolWriter(Path(tmp), queue_bytes=1 << 30).start()
-        counter = iter(range(1 << 30))
-
-        def ours_handoff(rows: torch.Tensor) -> None:
-            data = compact(rows.numpy()[:, shape.first_moe_layer :, :], shape.dtype)
-            spec = RecordSpec(
-                rid=f"finish-{next(counter)}",
-                num_experts=shape.num_experts,
-                topk=shape.topk,
-                layers=tuple(moe),
-                start=0,
+        writer, collector = _collector(shape, Path(tmp))
+        req_to_token, host = collection.pool.req_to_token, collection.capturer.host_cache.buffer
+        ours, routes = [], set()
+        for rep in range(reps + 1):
+            fin = Finished(
+                rid=f"finish-{seqlen}-{rep}",
+                wants_inline=True,
+                start_len=0,
                 prompt_len=seqlen // 2,
-                dtype=shape.dtype,
+                seqlen=seqlen,
+                pool_idx=1,
+                aborted=False,
             )
-            if writer.reserve(data.nbytes) is not None:
-                raise RuntimeError("spool refused the reservation: the measurement would be of the fallback")
-            writer.submit(Op(spec.rid, spec=spec, rows=data, status="ok"), reserved=True)
 
-        handoff, ours = [], []
-        for _ in range(reps + 1):
-            rows = collection.get_topk(seqlen)
-            handoff.append(timed(lambda rows=rows: ours_handoff(rows)))
-            writer.flush(60)  # the writer thread's I/O is not the scheduler's: wait for it outside the clock
-            ours.append(timed(lambda: ours_handoff(collection.get_topk(seqlen))))
-            writer.flush(60)
+            def handoff(fin: Finished = fin) -> None:
+                routes.add(collector.finish(fin, publisher=True))
+                collector.end_step(req_to_token, host)
+
+            ours.append(timed(handoff))
+            writer.flush(120)  # the writer thread's file I/O is not the scheduler's: wait outside the clock
         writer.close()
-        assert writer.stats.write_errors == 0, writer.stats
+        assert routes == {Route.SPOOL} and writer.stats.write_errors == 0, (routes, writer.stats)
+        spool = Spool(Path(tmp))
+        meta = spool.read_meta(f"finish-{seqlen}-{reps}")
+        assert meta is not None and meta.final, meta
+        if not np.array_equal(spool.read_array(meta), collection.compact[: seqlen - 1]):
+            raise AssertionError(f"{shape.name} {seqlen}: the spool record differs from the engine's rows")
     return {
         "model": shape.name,
         "tokens": seqlen,
@@ -115,45 +139,59 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
         "upstream_ipc_encode": summary(encode),
         "upstream_total": summary([w for w, _ in upstream]),
         "upstream_total_cpu": summary([c for _, c in upstream]),
-        "ours_compact_handoff": summary([w for w, _ in handoff[1:]]),
         "ours_total": summary([w for w, _ in ours[1:]]),
         "ours_total_cpu": summary([c for _, c in ours[1:]]),
+        "spool_record_equal": True,
     }
 
 
 def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
-    """Per decode step with `batch` running requests: hand one row each to the writer; finish: a final marker."""
-    from engine_ext.writer import Op, RecordSpec, SpoolWriter, compact
+    """Per decode step with `batch` running live requests (`LiveRows.feed`, one row each); at finish, the marker."""
+    from engine_ext.collect import Finished
+    from engine_ext.live import LiveRows, decode_layout
 
     rng = np.random.default_rng(1)
     step_rows = torch.from_numpy(
         rng.integers(0, shape.num_experts, (batch, shape.num_hidden_layers, shape.topk), dtype=np.int32)
     )
+    prompt = 16
     with tempfile.TemporaryDirectory(prefix="r3-bench-live-", dir="/dev/shm") as tmp:
-        writer = SpoolWriter(Path(tmp), queue_bytes=1 << 30).start()
+        writer, collector = _collector(shape, Path(tmp))
+        live = LiveRows(collector)
         rids = [f"live-{i}" for i in range(batch)]
-        for rid in rids:
-            spec = RecordSpec(
-                rid=rid,
-                num_experts=shape.num_experts,
-                topk=shape.topk,
-                layers=tuple(range(shape.first_moe_layer, shape.num_hidden_layers)),
-                start=0,
-                prompt_len=1,
-                dtype=shape.dtype,
+        for i, rid in enumerate(rids):
+            live.begin(rid, start=0, prompt_len=prompt, retractions=0, first_pos=0, pool_idx=i)
+            live.feed(
+                rid, 0, torch.zeros((prompt, shape.num_hidden_layers, shape.topk), dtype=torch.int32), limit=1 << 30
             )
-            writer.submit(Op(rid, spec=spec))
         writer.flush(60)
+        seq_lens = [prompt + 1] * batch
 
         def step() -> None:
-            data = compact(step_rows.numpy()[:, shape.first_moe_layer :, :], shape.dtype)
-            for i, rid in enumerate(rids):
-                writer.submit(Op(rid, rows=data[i : i + 1]))
+            layout, _ = decode_layout(seq_lens)
+            for rid, (pos, offset, n) in zip(rids, layout, strict=True):
+                live.feed(rid, pos, step_rows[offset : offset + n], limit=1 << 30)
+            for i in range(batch):
+                seq_lens[i] += 1
 
-        per_step = samples(step, steps)
+        per_step = [timed(step) for _ in range(steps)]
         writer.flush(120)
-        finish = samples(lambda: writer.submit(Op(rids[0], status="ok")), 1, warmup=0)
+        seqlen = seq_lens[0]
+        fin = Finished(rids[0], True, 0, prompt, seqlen, 0, False)
+
+        def finish() -> None:
+            live.note_finish(rids[0], fin)
+            live.end(rids[0])
+
+        at_finish = timed(finish)
         writer.flush(60)
         writer.close()
+        assert live.stats.completed == 1 and live.stats.restarted == 0, live.stats
         assert writer.stats.write_errors == 0, writer.stats
-    return {"model": shape.name, "batch": batch, "per_step": summary(per_step), "finish_marker": summary(finish)}
+    return {
+        "model": shape.name,
+        "batch": batch,
+        "per_step": summary([w for w, _ in per_step]),
+        "per_step_cpu": summary([c for _, c in per_step]),
+        "finish_marker": summary([at_finish[0]]),
+    }

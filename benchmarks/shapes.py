@@ -72,8 +72,8 @@ def routing(shape: ModelShape, rows: int, seed: int) -> np.ndarray:
 
 def relabel(rows: np.ndarray, shape: ModelShape, offset: int) -> np.ndarray:
     """Another record with the same routing statistics: expert ids shifted by `offset` modulo the count."""
-    shifted = (rows.astype(np.int64) + offset) % shape.num_experts
-    return shifted.astype(rows.dtype)
+    table = ((np.arange(shape.num_experts) + offset) % shape.num_experts).astype(rows.dtype)
+    return table[rows]
 
 
 def inline_layout(shape: ModelShape, compact: np.ndarray) -> torch.Tensor:

@@ -70,7 +70,8 @@ def test_limits_engine_and_memory_are_measured(results: dict) -> None:
     finish = results["engine"]["finish"]
     assert len(finish) == len(results["config"]["models"]) * len(results["config"]["tokens"])
     for e in finish:
-        for key in ("upstream_gather", "upstream_ipc_encode", "upstream_total", "ours_compact_handoff", "ours_total"):
+        assert e["spool_record_equal"] is True
+        for key in ("upstream_gather", "upstream_ipc_encode", "upstream_total", "ours_total", "ours_total_cpu"):
             assert _finite_positive(e[key]["p50"])
     for m in results["memory"]:
         assert m["spool_bytes"] >= m["records"] * results["limits"]["record_bytes"]
