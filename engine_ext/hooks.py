@@ -10,6 +10,7 @@ from contextvars import ContextVar
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from engine_ext import capturer, slicing
 from engine_ext.settings import EngineSettings, Mode
 
 
@@ -27,6 +28,8 @@ _RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 _DECODE_EXTENT_ATTR = "r3_decode_graph_extent"  # set on each ForwardBatch by _record_forward_extent
 _SLICE_ATTR = "_r3_last_slice"  # the capturer's LocalSlice of the current forward, for occupancy
+_GATHERED_ATTR = "_r3_gathered"  # on capturers built by _create_sized_capturer: MoE sees the DP-gathered batch
+_OCCUPANCY_ATTR = "_r3_occupancy"  # … and their device-cache Occupancy
 
 
 def install_capture_hooks(settings: EngineSettings) -> None:
@@ -58,8 +61,6 @@ def capture_limits(model_config, max_running_requests: int):
     from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.runtime_context import get_exec, get_parallel, get_schedule, get_spec
 
-    from engine_ext.capturer import CaptureLimits
-
     schedule, spec = get_schedule(), get_spec()
     graphs = get_exec().graph.cuda_graph_config
     decode_max_bs = prefill_max_tokens = 0
@@ -68,7 +69,7 @@ def capture_limits(model_config, max_running_requests: int):
             decode_max_bs = max([graphs.decode.max_bs or 0, *(graphs.decode.bs or ())])
         if graphs.prefill.backend != Backend.DISABLED:  # BREAKABLE, FULL (and the legacy TC_PIECEWISE)
             prefill_max_tokens = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
-    return CaptureLimits(
+    return capturer.CaptureLimits(
         max_running_requests=max_running_requests,
         chunked_prefill_size=schedule.chunked_prefill_size,
         context_len=int(getattr(model_config, "context_len", 0) or 0),
@@ -99,8 +100,6 @@ def _create_sized_capturer(original, *args, **kwargs):
 
     from sglang.srt.runtime_context import get_parallel
 
-    from engine_ext import capturer
-
     model_config, max_running_requests = kwargs["model_config"], kwargs["max_running_requests"]
     limits = capture_limits(model_config, max_running_requests)
     num_dp_ranks = get_parallel().num_dp_ranks
@@ -115,7 +114,8 @@ def _create_sized_capturer(original, *args, **kwargs):
         f"sized {limits.formula(gathered)} = {rows} rows; lower --chunked-prefill-size, --max-running-requests, "
         "--cuda-graph-max-bs or --speculative-num-draft-tokens"
     )
-    capturer.track(capturer.DEVICE_CACHE, capacity)
+    setattr(created, _GATHERED_ATTR, gathered > 1)
+    setattr(created, _OCCUPANCY_ATTR, capturer.track(capturer.DEVICE_CACHE, capacity))
     logging.getLogger("r3_sidecar").info(
         "r3-sidecar: routed-experts device cache %d rows (upstream %d): %s",
         capacity,
@@ -133,8 +133,6 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     prefill-graph path also reports `can_run_graph`, but after that padding. Identity, not None-ness, so a
     re-run on the same batch (`_maybe_rebalance_after_rank_fault`) is told apart too.
     """
-    from engine_ext.slicing import DecodeGraphExtent
-
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
     padded_before = forward_batch.global_num_tokens_padded_cpu
     output = original(runner, forward_batch, *args, **kwargs)
@@ -145,19 +143,31 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
         setattr(
             forward_batch,
             _DECODE_EXTENT_ATTR,
-            DecodeGraphExtent(graph_bs=graph.bs, tokens_per_req=graph.captured_req_width, ragged_tokens=ragged),
+            slicing.DecodeGraphExtent(graph.bs, graph.captured_req_width, ragged),
         )
     return output
 
 
+_dp_slot_cache: list = []
+
+
+def _dp_slot_functions():
+    """`dp_slot_in`, `dp_gather_slot`, imported once (this runs once per forward)."""
+    if not _dp_slot_cache:
+        from sglang.srt.layers.dp_attention import dp_gather_slot, dp_slot_in
+
+        _dp_slot_cache.extend((dp_slot_in, dp_gather_slot))
+    return _dp_slot_cache
+
+
 def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
     """This rank's device-cache rows, offsets from `slicing.local_slice` (host integers only)."""
-    from sglang.srt.layers.dp_attention import dp_gather_slot, dp_slot_in
-
-    from engine_ext import capturer, slicing
-
     local_tokens = forward_batch.out_cache_loc.shape[0]
-    if _moe_sees_gathered_batch():
+    gathered = getattr(self, _GATHERED_ATTR, None)
+    if gathered is None:  # a capturer this plugin did not build
+        gathered = _moe_sees_gathered_batch()
+    if gathered:
+        dp_slot_in, dp_gather_slot = _dp_slot_functions()
         padded, counts = forward_batch.global_num_tokens_padded_cpu, forward_batch.global_num_tokens_cpu
         per_rank = padded if padded is not None else counts
         extent = getattr(forward_batch, _DECODE_EXTENT_ATTR, None) if can_run_graph else None
@@ -172,24 +182,24 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
         )
     else:
         where = slicing.LocalSlice(0, local_tokens, local_tokens)
-    capturer.check_fits(
-        max(where.stop, where.gathered_rows),
-        self.device_cache.buffer.shape[0],
-        what="routed-experts device cache",
-        remedy=getattr(self, "_r3_remedy", "r3-sidecar did not size this capturer"),
-    )
+    rows = self.device_cache.buffer.shape[0]
+    if where.stop > rows or where.gathered_rows > rows:
+        capturer.check_fits(
+            max(where.stop, where.gathered_rows),
+            rows,
+            what="routed-experts device cache",
+            remedy=getattr(self, "_r3_remedy", "r3-sidecar did not size this capturer"),
+        )
     setattr(self, _SLICE_ATTR, where)
     return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
 
 
 def _on_forward_end_with_occupancy(original, self, forward_batch, *args, **kwargs):
     """Record the rows this forward used in the device cache (host-side shape integers only)."""
-    from engine_ext import capturer
-
     setattr(self, _SLICE_ATTR, None)
     result = original(self, forward_batch, *args, **kwargs)
     where = getattr(self, _SLICE_ATTR, None)
-    occupancy = capturer.tracked(capturer.DEVICE_CACHE)
+    occupancy = getattr(self, _OCCUPANCY_ATTR, None)
     if occupancy is not None:
         occupancy.record(where.gathered_rows if where is not None else forward_batch.out_cache_loc.shape[0])
     return result
@@ -197,15 +207,14 @@ def _on_forward_end_with_occupancy(original, self, forward_batch, *args, **kwarg
 
 def _checked_device_capture(original, self, layer_id, topk_indices):
     """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
-    from engine_ext import capturer
-
-    capturer.check_fits(
-        topk_indices.shape[0],
-        self.buffer.shape[0],
-        what=f"{self.name} device cache (layer {layer_id})",
-        remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
-        "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
-    )
+    if topk_indices.shape[0] > self.buffer.shape[0]:  # the message is built only on failure: this runs per layer
+        capturer.check_fits(
+            topk_indices.shape[0],
+            self.buffer.shape[0],
+            what=f"{self.name} device cache (layer {layer_id})",
+            remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
+            "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
+        )
     return original(self, layer_id, topk_indices)
 
 
@@ -214,8 +223,6 @@ def _cutedsl_moe_max_num_tokens() -> int:
     from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.runtime_context import get_exec, get_schedule, get_spec
 
-    from engine_ext.capturer import cutedsl_moe_tokens
-
     spec = get_spec()
     graphs = get_exec().graph.cuda_graph_config
     prefill_graph = decode_max_bs = 0
@@ -223,7 +230,7 @@ def _cutedsl_moe_max_num_tokens() -> int:
         if graphs.prefill.backend != Backend.DISABLED:
             prefill_graph = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
         decode_max_bs = graphs.decode.max_bs or 0
-    return cutedsl_moe_tokens(
+    return capturer.cutedsl_moe_tokens(
         max_prefill_tokens=get_schedule().max_prefill_tokens,
         prefill_graph_max_tokens=prefill_graph,
         decode_graph_max_bs=decode_max_bs,
@@ -233,11 +240,9 @@ def _cutedsl_moe_max_num_tokens() -> int:
 
 def _checked_draft_kv_indices(original, self, forward_batch, kv_indices_buffer, call_fn, *args, **kwargs):
     """The EAGLE draft kv_indices bound FlashInfer asserts, for the Triton and AITER multi-step backends."""
-    from engine_ext.capturer import draft_kv_indices_fits
-
     buffer = kv_indices_buffer if kv_indices_buffer is not None else getattr(self, "cuda_graph_kv_indices", None)
     if buffer is not None:
-        draft_kv_indices_fits(
+        capturer.draft_kv_indices_fits(
             seq_lens_sum=forward_batch.seq_lens_sum,
             topk=self.topk,
             num_seqs=forward_batch.batch_size,

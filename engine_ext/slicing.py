@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +43,11 @@ class DecodeGraphExtent:
         return self.ragged_tokens if self.ragged_tokens is not None else self.graph_bs * self.tokens_per_req
 
 
-@dataclass(frozen=True, slots=True)
-class LocalSlice:
-    """One rank's rows `[start, stop)` of the gathered device cache and the gathered rows in use."""
+class LocalSlice(NamedTuple):
+    """One rank's rows `[start, stop)` of the gathered device cache and the gathered rows in use.
+
+    A NamedTuple: one is built per forward on the scheduler thread, and tuples are the cheapest to build.
+    """
 
     start: int
     stop: int
