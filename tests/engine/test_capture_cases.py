@@ -273,6 +273,29 @@ def _draft_kv_indices(seq_lens_sum: int) -> str:
     return "ran"
 
 
+def _capacity_from_published_config() -> int:
+    """Device rows the hooked `create` picks from the published config: DP2, verify w=4, decode graph to 80."""
+    import torch
+    from sglang.srt.configs.shared_experts import SharedExpertsConfig
+    from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
+    from sglang_env import publish_args, tiny_model_config
+
+    publish_args(
+        **_DP2,
+        **_SPEC,
+        world_rank=1,
+        chunked_prefill_size=64,
+        max_running_requests=48,
+        cuda_graph_config={"decode": {"backend": "full", "max_bs": 80}},
+    )
+    model = torch.nn.Module()
+    model.shared_experts_config = SharedExpertsConfig()
+    cap = RoutedExpertsCapturer.create(
+        model=model, model_config=tiny_model_config(), num_tokens=64, max_running_requests=48, device="cpu"
+    )
+    return int(cap.device_cache.buffer.shape[0])
+
+
 def child_main() -> dict:
     from engine_ext.capturer import occupancy_snapshot
 
@@ -284,6 +307,7 @@ def child_main() -> dict:
         results[case.name]["r3"] = _run_case(case, patched=True)
         results[case.name]["r3"]["occupancy"] = occupancy_snapshot()
     results["overflow_message"] = _overflow_message()
+    results["published_capacity"] = _capacity_from_published_config()
     results["cutedsl"] = {"upstream": cutedsl_upstream, "r3": _cutedsl_tokens()}
     results["draft_kv_indices"] = {
         "upstream": kv_upstream,
@@ -343,6 +367,10 @@ def test_occupancy_is_the_gathered_rows_of_the_forward(outcomes: dict, case: Cas
     assert device_cache["buffer"] == "routed_experts.device_cache"
     assert device_cache["capacity"] == r3["capacity"]
     assert device_cache["peak"] == sum(case.blocks)
+
+
+def test_sizing_reads_decode_graph_and_verify_width_from_the_published_config(outcomes: dict) -> None:
+    assert outcomes["published_capacity"] == 2 * 80 * 4  # N · max(P = 64, graph_max_bs 80 · w 4); upstream 128
 
 
 def test_cutedsl_tokens_count_the_breakable_prefill_graph(outcomes: dict) -> None:
