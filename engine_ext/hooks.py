@@ -397,7 +397,9 @@ class _Delivery:
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
         ).start()
-        self.telemetry = _telemetry(settings, self, processor.token_to_kv_pool_allocator).start()
+        self.telemetry = _telemetry(settings, self, processor.token_to_kv_pool_allocator)
+        if self.publisher:  # one engine file per DP group, like the records
+            self.telemetry.start()
 
     def wants_live(self, req) -> bool:
         from engine_ext.live import wants_live
@@ -453,24 +455,23 @@ _delivery: _Delivery | None = None
 
 
 def _attention_ranks() -> tuple[bool, int | None]:
-    """(publishes: attn-tp rank 0 of its DP group, the DP rank naming this engine)."""
+    """(publishes: attn-tp rank 0 of its DP group, the DP rank naming this engine: replica × groups + group)."""
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    try:
-        publisher = int(parallel.attn_tp_rank) == 0
-    except (RuntimeError, ValueError, AttributeError):
-        publisher = True
-    dp_rank: int | None = None
-    for name in ("attn_dp_rank", "dp_rank"):
+
+    def read(name: str) -> int | None:
         try:
             value = getattr(parallel, name)
         except (RuntimeError, ValueError, AttributeError):
-            continue
-        if value is not None:
-            dp_rank = int(value)
-            break
-    return publisher, dp_rank
+            return None
+        return None if value is None else int(value)
+
+    attn_tp_rank = read("attn_tp_rank")
+    replica, group, groups = read("dp_rank"), read("attn_dp_rank"), read("attn_dp_size") or 1
+    if replica is None and group is None:
+        return attn_tp_rank in (None, 0), None
+    return attn_tp_rank in (None, 0), (replica or 0) * groups + (group or 0)
 
 
 def _delivery_for(processor) -> _Delivery | None:

@@ -107,7 +107,8 @@ def forward(slots, overlap):
     n = len(slots)
     for layer in range(2):
         cap.capture(layer, torch.randint(0, 8, (n, 2), dtype=torch.int32, generator=gen))
-    fb = types.SimpleNamespace(out_cache_loc=torch.tensor(slots, dtype=torch.int64), out_cache_loc_virtual=None)
+    fb = types.SimpleNamespace(out_cache_loc=torch.tensor(slots, dtype=torch.int64), out_cache_loc_virtual=None,
+                               global_num_tokens_cpu=[0, n])  # read only under DP attention (as DP rank 1)
     out = cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=overlap)
     if overlap:
         out.finalize()
@@ -140,6 +141,8 @@ def finish(reqs):
 
 results = {}
 def configure(**env):
+    if hooks._delivery is not None:
+        hooks._delivery.close()
     hooks._delivery = None
     hooks._delivery_settings = EngineSettings(spool_dir=SPOOL, **env)
 
@@ -187,10 +190,10 @@ results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).rea
                     stats=hooks._delivery.writer.snapshot())
 
 # telemetry: the real delivery's engine file (budget from the published ServerArgs) is accepted by the sidecar
-report = hooks._delivery.telemetry.tick()
+hooks._delivery.telemetry.tick()
 (path,) = Spool(SPOOL).engine_paths()
 on_disk = Spool(SPOOL).read_engine_file(path)
-results["engine_file"] = dict(fresh=on_disk["updated"] >= report["updated"], engine=on_disk["engine"],
+results["engine_file"] = dict(engine=on_disk["engine"],
                               budget=[b["buffer"] for b in on_disk["budget"]], host_cache=on_disk["host_cache"],
                               writer=on_disk["writer"], sglang=on_disk["sglang"])
 
@@ -211,6 +214,19 @@ configure(sidecar_url="http://sc:8000")
 metas = asyncio.run(hooks._around_handle_batch_output(handle, manager, types.SimpleNamespace(rids=list(states))))
 results["pointer"] = metas
 results["outside"] = tm.try_build_beam_search_out_dict(None, 0, {"id": "a b/ü"})
+
+# ranks: attn-tp rank 1 publishes nothing (and builds no inline payload); DP group 1 publishes as dp1
+def on_rank(rid, idx, **fields):
+    publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True, **fields)
+    set_global_experts_capturer(cap)
+    configure()
+    r = run_request(rid, idx, 4, 2, return_routed_experts=True)
+    finish([r])
+    meta = Spool(SPOOL).read_meta(rid)
+    return dict(record=None if meta is None else meta.engine, inline=r.routed_experts is not None,
+                publisher=hooks._delivery.publisher, engine=hooks._delivery.engine)
+results["attn_tp1"] = on_rank("tp1", 1, tp_size=2, world_rank=1)
+results["attn_dp1"] = on_rank("dp1", 2, tp_size=2, attn_dp_size=2, world_rank=1)
 emit(results)
 """
 
@@ -228,13 +244,16 @@ def test_finish_path_against_sglang(tmp_path):
     assert res["d"] == {"equal": True, "inline": False}
     assert res["e"] == {"inline": True, "equal": True}
     eng = res["engine_file"]
-    assert eng["fresh"] and eng["engine"].endswith("/dp0") and eng["sglang"] == "0.5.23", eng
+    assert eng["engine"].endswith("/dp0") and eng["sglang"] == "0.5.23", eng
     assert eng["budget"], "the budget table of the published ServerArgs"
     assert eng["host_cache"]["capacity_tokens"] == 512 and eng["writer"]["fallback_inline"] == 1
     assert res["pointer"] == [
         {"id": "a b/ü", "routed_experts_url": "http://sc:8000/routed_experts/a%20b%2F%C3%BC"},
         {"id": "plain"},
     ]
+    assert res["attn_tp1"] == {**res["attn_tp1"], "record": None, "inline": False, "publisher": False}
+    assert res["attn_dp1"]["publisher"] is True and res["attn_dp1"]["engine"].endswith("/dp1")
+    assert res["attn_dp1"]["record"] == res["attn_dp1"]["engine"] and res["attn_dp1"]["inline"] is False
     f = res["f"]
     assert f["inline"] is True and f["record"] is False
     assert f["stats"]["fallback_inline"] == 1 and f["stats"]["spool_full"] == 1
