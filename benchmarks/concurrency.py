@@ -3,20 +3,26 @@
 Each thread has its own `RoutedExpertsClient` (one kept-alive connection) and takes the next chunk of rids
 from a shared queue until the batch is done: chunks of one rid through `get`, or of `batch_chunk` rids
 through `get_many`. Latency is per HTTP request; GB/s counts payload bytes over the wall time of the batch.
+
+Mode `lean_get` is a reference, not the project's client: the same GET read with the standard library's
+`http.client` straight into a Content-Length-sized buffer (`readinto`) and parsed with the client's own
+`parse_npy`. It separates what the sidecar can serve from what the client's HTTP stack costs.
 """
 
 from __future__ import annotations
 
+import http.client
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, SimpleQueue
+from urllib.parse import quote, urlsplit
 
 import numpy as np
 
 from benchmarks.shapes import ModelShape, relabel
 from benchmarks.stats import summary
-from service.client import R3Error, RoutedExpertsClient
+from service.client import R3Error, RoutedExpertsClient, parse_npy
 from service.spool import Spool
 
 
@@ -41,22 +47,57 @@ def write_batch(spool: Spool, shape: ModelShape, bases: list[np.ndarray], record
     return rids
 
 
+MODES = ("get", "get_many", "lean_get")
+
+
+class LeanClient:
+    """GET `/routed_experts/<rid>` over one kept-alive `http.client` connection, body read with `readinto`."""
+
+    def __init__(self, url: str, timeout: float = 300) -> None:
+        parts = urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+    def get(self, rid: str) -> np.ndarray:
+        self.conn.request("GET", f"/routed_experts/{quote(rid, safe='')}?format=npy")
+        resp = self.conn.getresponse()
+        if resp.status != 200:
+            raise R3Error(resp.read().decode("utf-8", "replace"), rid=rid, status=resp.status)
+        buf = bytearray(int(resp.getheader("Content-Length")))
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = resp.readinto(view[got:])
+            if not n:
+                raise ConnectionError(f"{rid}: body ended at {got} of {len(buf)} bytes")
+            got += n
+        return parse_npy(buf)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _Lean:
+    """Adapts a `LeanClient` array to the `.array` the drain loop reads."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+
 def drain(url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: int, expect_shape: tuple) -> dict:
     """Fetch every rid once with `concurrency` threads; per-request latencies, errors, GB/s."""
-    chunk = 1 if mode == "get" else batch_chunk
+    chunk = batch_chunk if mode == "get_many" else 1
     work: SimpleQueue[list[str]] = SimpleQueue()
     for i in range(0, len(rids), chunk):
         work.put(rids[i : i + chunk])
     local = threading.local()
-    clients: list[RoutedExpertsClient] = []
+    clients: list[RoutedExpertsClient | LeanClient] = []
     lock = threading.Lock()
     latencies: list[float] = []
     errors: list[str] = []
     payload = [0]
 
-    def client() -> RoutedExpertsClient:
+    def client() -> RoutedExpertsClient | LeanClient:
         if not hasattr(local, "client"):
-            local.client = RoutedExpertsClient(url, timeout=300, retries=0)
+            local.client = LeanClient(url) if mode == "lean_get" else RoutedExpertsClient(url, timeout=300, retries=0)
             with lock:
                 clients.append(local.client)
         return local.client
@@ -70,7 +111,12 @@ def drain(url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: i
                 return
             t0 = time.perf_counter()
             try:
-                results = [c.get(batch[0])] if mode == "get" else c.get_many(batch)
+                if mode == "get_many":
+                    results = c.get_many(batch)
+                elif mode == "lean_get":
+                    results = [_Lean(c.get(batch[0]))]
+                else:
+                    results = [c.get(batch[0])]
             except Exception as exc:
                 with lock:
                     errors.append(f"{type(exc).__name__}: {exc}"[:200])

@@ -77,7 +77,7 @@ def targets(results: dict) -> list[list[str]]:
                 _status(frac >= 0.5),
             ]
         )
-    top = [c for c in conc if c["concurrency"] == max(c2["concurrency"] for c2 in conc)] if conc else []
+    top = [c for c in conc if c["concurrency"] == max(c2["concurrency"] for c2 in conc) and c["mode"] != "lean_get"]
     for c in top:
         ok = c["errors"] == 0 and c["p99_over_p50"] <= 3
         rows.append(
@@ -297,9 +297,10 @@ def plots(results: dict, directory: Path) -> list[str]:
     conc, lim = results.get("concurrency", []), results.get("limits")
     if conc:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for mode in ("get", "get_many"):
+        for mode in dict.fromkeys(c["mode"] for c in conc):
             pts = [c for c in conc if c["mode"] == mode]
-            ax.plot([c["concurrency"] for c in pts], [c["gbps"] for c in pts], "o-", label=f"sidecar {mode}")
+            label = "sidecar, http.client readinto (reference)" if mode == "lean_get" else f"sidecar, client {mode}"
+            ax.plot([c["concurrency"] for c in pts], [c["gbps"] for c in pts], "o-", label=label)
         if lim:
             ax.axhline(lim["loopback"]["gbps"], color="k", ls="--", label="raw loopback TCP")
             ax.axhline(lim["memcpy_batch"]["gbps"], color="gray", ls=":", label="numpy copy")
@@ -408,7 +409,10 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
             f"A rollout batch of {cfg['batch_records']} records of {cfg['batch_tokens']} tokens "
             f"({cfg['batch_model']}, uint8) fetched once per round by 1…{max(cfg['concurrency'])} trainer threads, "
             f"each with its own client; `get` takes one rid per request, `get_many` {cfg['get_many_chunk']}. "
-            f"Latency is per HTTP request; figures are from the last of {cfg['rounds']} rounds.",
+            f"Latency is per HTTP request; figures are from the last of {cfg['rounds']} rounds. `lean_get` is a "
+            "reference, not the project's client: the same GET read by the standard library's `http.client` "
+            "straight into a Content-Length-sized buffer and parsed by the client's own `parse_npy`; it separates "
+            "what the sidecar serves from what the client's HTTP stack (httpx → httpcore → h11) costs.",
             "",
             concurrency_section(results["concurrency"], results.get("limits")),
             "",

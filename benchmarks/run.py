@@ -157,7 +157,7 @@ def run(config: Config, workdir: Path) -> dict:
 
             if "concurrency" in config.sections:
                 rows = []
-                for mode in ("get", "get_many"):
+                for mode in concurrency.MODES:
                     for c in config.concurrency:
                         merged = [
                             concurrency.drain(sidecar.url, rids, c, mode, config.get_many_chunk, bases[0].shape)

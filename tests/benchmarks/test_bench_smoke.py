@@ -53,7 +53,7 @@ def test_delivery_inline_bytes_decode_to_the_engine_rows(results: dict) -> None:
 def test_concurrency_fetches_every_record_without_errors(results: dict) -> None:
     cfg = results["config"]
     modes = {(c["mode"], c["concurrency"]) for c in results["concurrency"]}
-    assert modes == {(m, n) for m in ("get", "get_many") for n in cfg["concurrency"]}
+    assert modes == {(m, n) for m in ("get", "get_many", "lean_get") for n in cfg["concurrency"]}
     record_bytes = results["limits"]["record_bytes"]
     for c in results["concurrency"]:
         assert c["errors"] == 0, c["error_samples"]
