@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 import torch
 
+from benchmarks.concurrency import LeanClient
 from benchmarks.inline_path import trainer_decode
 from benchmarks.shapes import ModelShape
 from benchmarks.stats import summary
@@ -101,14 +102,19 @@ def measure_case(
     """Interleave inline and ours `reps` times (after one warm-up each) so load drifts hit both alike."""
     name = case_name(shape, tokens)
     prompt_len = tokens // 2
-    inline_t, server_t, ours_t, write_t = [], [], [], []
+    inline_t, server_t, ours_t, write_t, lean_t = [], [], [], [], []
+    lean = LeanClient(sidecar_url)
     with httpx.Client(base_url=inline_url, timeout=120) as http, RoutedExpertsClient(sidecar_url, timeout=120) as rc:
         for rep in range(reps + 1):
             e2e, srv, inline_array, inline_bytes = inline_once(http, name, shape)
             rid = f"{name}-r{rep}"
             ours_e2e, ours_write, ours_array = ours_once(spool, rc, rid, shape, host_rows, prompt_len)
+            t0 = time.perf_counter()
+            lean_array = lean.get(rid)
+            lean_fetch = time.perf_counter() - t0
             if rep == 0:
                 check_same(shape, inline_array, ours_array, compact)
+                check_same(shape, inline_array, lean_array, compact)
                 wire = httpx.get(f"{sidecar_url}/routed_experts/{rid}", params={"format": "npy"}, timeout=120)
                 wire.raise_for_status()
                 ours_bytes = response_bytes(wire)
@@ -117,8 +123,10 @@ def measure_case(
                 server_t.append(srv)
                 ours_t.append(ours_e2e)
                 write_t.append(ours_write)
-            del inline_array, ours_array
+                lean_t.append(ours_write + lean_fetch)
+            del inline_array, ours_array, lean_array
             rc.ack(rid)
+    lean.close()
     inline_s, ours_s = summary(inline_t), summary(ours_t)
     return {
         "model": shape.name,
@@ -132,5 +140,7 @@ def measure_case(
         "ours_s": ours_s,
         "ours_write_s": summary(write_t),
         "speedup": inline_s["p50"] / ours_s["p50"],
+        "ours_lean_s": summary(lean_t),
+        "speedup_lean": inline_s["p50"] / summary(lean_t)["p50"],
         "decoded_equal": True,
     }

@@ -128,6 +128,8 @@ def delivery_section(rows: list[dict]) -> str:
             _ms(d["ours_s"]["p50"]),
             _ms(d["ours_write_s"]["p50"]),
             f"{d['speedup']:.1f}×",
+            _ms(d["ours_lean_s"]["p50"]),
+            f"{d['speedup_lean']:.1f}×",
             str(d["inline_s"]["n"]),
         ]
         for d in rows
@@ -143,6 +145,8 @@ def delivery_section(rows: list[dict]) -> str:
         "ours e2e ms",
         "of which spool write ms",
         "speedup",
+        "ours e2e, reference reader ms",
+        "speedup, reference reader",
         "reps",
     ]
     return _table(header, body)
@@ -397,7 +401,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
             "Ours: compaction of the same int32 rows to the spool dtype, `Spool.writer` append + finalize, the "
             "sidecar (`service.api.create_app`, its own uvicorn process) and `RoutedExpertsClient.get(...).array`. "
             "Both start from the engine's int32 rows and stop at a numpy array; both decode to the same experts "
-            "(checked every case). Bytes are the full HTTP response (status line, headers, body).",
+            "(checked every case). Bytes are the full HTTP response (status line, headers, body). The last two "
+            "columns replace the client's fetch by the `http.client` reference reader of section 2 (same spool "
+            "write, same sidecar), to show what the client's HTTP stack costs.",
             "",
             delivery_section(results["delivery"]),
             "",
