@@ -319,6 +319,8 @@ _DELIVERY_TARGETS = {
     "collect": f"{_BRP}._maybe_collect_routed_experts",
     "prefill": f"{_BRP}.process_batch_result_prefill",
     "decode": f"{_BRP}.process_batch_result_decode",
+    "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+    ".process_disagg_prefill_inflight_queue",
     "finalize": "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize",
     "forward_end": "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer.on_forward_end",
     "handle_output": "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
@@ -339,6 +341,7 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
     HookRegistry.register(t["collect"], _around_collect, HookType.AROUND)
     HookRegistry.register(t["prefill"], _around_process_result, HookType.AROUND)
     HookRegistry.register(t["decode"], _around_process_result, HookType.AROUND)
+    HookRegistry.register(t["disagg_prefill"], _around_disagg_prefill_done, HookType.AROUND)
     HookRegistry.register(t["finalize"], _around_finalize, HookType.AROUND)
     HookRegistry.register(t["forward_end"], _around_forward_end, HookType.AROUND)
     if settings.sidecar_url:
@@ -598,6 +601,14 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
         live.feed(req.rid, pos, topk[offset : offset + n], limit=limit)
         if req.finished():
             live.end(req.rid)
+
+
+def _around_disagg_prefill_done(original, self, *args, **kwargs):
+    """PD prefill collects at KV-transfer completion (a Scheduler method): end that step like a batch result."""
+    out = original(self, *args, **kwargs)
+    if _delivery is not None:
+        end_delivery_step(self.batch_result_processor)
+    return out
 
 
 def _around_finalize(original, self):

@@ -91,6 +91,7 @@ SPOOL = os.environ["R3_TEST_SPOOL"]
 publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
 hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL, sidecar_url="http://sc:8000"))
 HookRegistry.apply_hooks()
+unpatched = [t for t in hooks._DELIVERY_TARGETS.values() if t not in HookRegistry._patched]
 
 mc = tiny_model_config()
 mc.hf_text_config.num_experts = 8
@@ -139,7 +140,7 @@ def finish(reqs):
     hooks.end_delivery_step(proc)
     hooks._delivery.writer.flush()
 
-results = {}
+results = {"unpatched": unpatched}
 def configure(**env):
     if hooks._delivery is not None:
         hooks._delivery.close()
@@ -234,6 +235,7 @@ emit(results)
 @pytest.mark.sglang
 def test_finish_path_against_sglang(tmp_path):
     (res,) = run_sglang(_FINISH_CHILD, env={"R3_TEST_SPOOL": str(tmp_path / "spool")})
+    assert res["unpatched"] == []  # every delivery target resolved and wrapped by HookRegistry
     a, b = res["a"], res["b/ü"]
     assert a == {**a, "equal": True, "rows": 14, "start": 0, "status": "ok", "final": True, "inline": False}
     assert a["dtype"] == "uint8" and a["prompt_len"] == 9 and a["layers"] == [0, 1] and a["nrows_up"] == 14
