@@ -159,6 +159,36 @@ class BodyLimit:
         await error_response(413, "body_too_large", detail)(scope, receive, send)
 
 
+class SidecarApp(FastAPI):
+    """FastAPI with an optional send timeout: a client that stops reading is cut off.
+
+    Without it, a stalled reader holds its connection, a body chunk and an open `.bin` forever (the
+    server's `send` waits on flow control). The timeout wraps the server's own `send`, outside every
+    middleware, so on expiry it can abort the transport (uvicorn exposes it on the bound `send`),
+    which frees the socket at once instead of waiting for buffered bytes that will never drain.
+    """
+
+    send_timeout_s: float | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.send_timeout_s
+        if timeout is None or scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+
+        async def timed_send(message: Message) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                transport = getattr(getattr(send, "__self__", None), "transport", None)
+                if transport is not None:
+                    transport.abort()
+                raise OSError(f"client read nothing for {timeout}s; connection closed") from None
+
+        await super().__call__(scope, receive, timed_send)
+
+
 # ---- OpenAPI descriptions ---------------------------------------------------------------------
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _TEXT = {"type": "string"}
@@ -294,13 +324,14 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await store.stop()
 
-    app = FastAPI(
+    app = SidecarApp(
         title="r3-sidecar",
         version="1",
         summary="Routed experts of MoE requests, served from the r3 spool (Contract 2).",
         lifespan=lifespan,
     )
     app.state.settings, app.state.store, app.state.metrics = settings, store, metrics
+    app.send_timeout_s = getattr(settings, "send_timeout_s", None) or None  # opt-in: R3_SEND_TIMEOUT_S
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=64 * 1024 + settings.max_batch * (4 * MAX_RID_CHARS + 8))
 

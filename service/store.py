@@ -310,15 +310,20 @@ class Store:
             self.expired_total += 1
             return None
         if not meta.final and now - meta.updated >= s.stale_s:
-            entry = self.refresh_name(safe_name(meta.rid))
+            name = safe_name(meta.rid)
+            entry = self.refresh_name(name)
             if entry is None or entry.meta != meta:
                 return entry.meta if entry else None
             aborted = replace(meta, final=True, status="aborted", updated=now)
             try:
                 self.spool.write_meta(aborted)
             except OSError as exc:
-                log.warning("could not mark %r aborted: %s", meta.rid, exc)
-                return meta
+                # A full spool cannot take the new metadata: the index holds the verdict (410, TTL) until
+                # the file changes; a later rescan or write reconciles it.
+                log.warning("could not write %r aborted (%s); aborted in the index only", meta.rid, exc)
+                self._entries[name] = replace(entry, meta=aborted)
+                self._notify(meta.rid)
+                return aborted
             log.info("record %r: no update for %.0fs, marked aborted", meta.rid, now - meta.updated)
             entry = self.refresh_name(safe_name(meta.rid))
             return entry.meta if entry else None

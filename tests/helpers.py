@@ -52,28 +52,36 @@ def _wait_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | N
 @contextlib.contextmanager
 def live_server(settings: Settings, *, process: bool = False, timeout: float = 20.0) -> Iterator[str]:
     """Serve `create_app(settings)` on 127.0.0.1; yield its base URL; shut it down on exit."""
-    sock = bound_socket()
-    port = sock.getsockname()[1]
-    base_url = f"http://127.0.0.1:{port}"
-    if process:
-        sock.listen(128)
-        env = {**os.environ, **settings_env(settings)}
-        cmd = [sys.executable, "-m", "uvicorn", "--factory", "service.api:app_from_env", "--fd", str(sock.fileno()),
-               "--log-level", "warning", "--no-access-log"]
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, pass_fds=(sock.fileno(),))
-        sock.close()
-        try:
-            _wait_ready(base_url, timeout, proc)
+    if not process:
+        with live_app(create_app(settings), timeout=timeout) as base_url:
             yield base_url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
         return
-    config = uvicorn.Config(create_app(settings), log_level="warning", access_log=False, lifespan="on")
+    sock = bound_socket()
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.listen(128)
+    env = {**os.environ, **settings_env(settings)}
+    cmd = [sys.executable, "-m", "uvicorn", "--factory", "service.api:app_from_env", "--fd", str(sock.fileno()),
+           "--log-level", "warning", "--no-access-log"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, pass_fds=(sock.fileno(),))
+    sock.close()
+    try:
+        _wait_ready(base_url, timeout, proc)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def live_app(app: object, *, timeout: float = 20.0) -> Iterator[str]:
+    """Serve an already built ASGI app (threaded uvicorn on a free 127.0.0.1 port); yield its base URL."""
+    sock = bound_socket()
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="r3-test-uvicorn")
     thread.start()

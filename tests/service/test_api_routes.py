@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,8 +15,9 @@ import httpx
 import numpy as np
 import pybase64
 import pytest
-from helpers import engine_report, live_server, random_rows, write_record
+from helpers import engine_report, live_app, live_server, random_rows, write_record
 
+from service.api import create_app
 from service.settings import Settings
 from service.spool import Spool
 
@@ -310,3 +313,25 @@ def test_405_allow_lists_every_method_of_the_path(shared: tuple[str, Spool]) -> 
     r = httpx.put(f"{base}/routed_experts/batch")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
 
+
+
+def test_stalled_reader_is_cut_off_by_the_send_timeout(spool: Spool, make_settings) -> None:
+    """A client that stops reading loses its connection after `send_timeout_s`, not at the end of time."""
+    rows = random_rows(1 << 19, layers=8, topk=8)  # 32 MiB: far more than the socket buffers hold
+    write_record(spool, "huge", rows, layers=list(range(8)))
+    app = create_app(make_settings())
+    app.send_timeout_s = 0.5
+    with live_app(app) as base:
+        host, port = base.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        sock.sendall(b"GET /routed_experts/huge?format=raw HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(1.5)  # read nothing for three timeouts
+        received = 0
+        sock.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        sock.close()
+        assert 0 < received < rows.size, "the server must have cut the body short"
+        assert httpx.get(f"{base}/healthz").status_code == 200

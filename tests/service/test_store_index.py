@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 from pathlib import Path
@@ -98,3 +99,27 @@ def test_capacity_from_setting_or_filesystem(tmp_path: Path) -> None:
     assert make_store(spool).capacity_bytes() == st.f_blocks * st.f_frsize
     write_record(spool, "bytes", random_rows(10))
     assert make_store(spool).usage_bytes() >= 10 * 32
+
+
+class FullSpool(Spool):
+    """A spool whose file system refuses new metadata, as a full tmpfs does (ENOSPC)."""
+
+    def write_meta(self, meta) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_stale_record_on_a_full_spool_is_aborted_in_the_index(spool: Spool) -> None:
+    writer = spool.writer("silent", num_experts=8, topk=1, layers=[0])
+    writer.append(np.zeros((3, 1, 1)))
+    store = Store(FullSpool(spool.root), Settings.model_validate({"spool_dir": spool.root, "stale_s": 0.2,
+                                                                  "ttl_s": 0.4}))
+    assert not store.lookup("silent").final
+    time.sleep(0.25)
+    meta = store.lookup("silent")
+    assert meta.final and meta.status == "aborted" and meta.rows == 3
+    assert not spool.read_meta("silent").final, "the file could not be rewritten"
+    asyncio.run(store.rescan())
+    assert store.lookup("silent").status == "aborted", "an unchanged file keeps the index's verdict"
+    time.sleep(0.45)
+    assert store.lookup("silent") is None and store.expired("silent")
+    assert not spool.meta_path("silent").exists(), "expiry deletes (unlink needs no space)"
