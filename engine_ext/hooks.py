@@ -82,11 +82,15 @@ def capture_limits(model_config, max_running_requests: int):
 
 
 def _moe_sees_gathered_batch() -> bool:
-    """DP attention without a scattering all-to-all: every MoE layer routes the DP-gathered batch."""
-    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-    from sglang.srt.state_capturer.routed_experts import _is_scattered_a2a_backend
+    """DP attention whose MoE routes the DP-gathered batch (no all-to-all backend, FP4 all-gather or DWDP).
 
-    return is_dp_attention_enabled() and not _is_scattered_a2a_backend()
+    0.5.23's capturer exempts only DeepEP; under the other all-to-all backends (Mooncake, MORI, FlashInfer,
+    MegaMoE, …) TopK also routes the DP-local shard, so their rows sit at offset 0, not at the rank's offset.
+    """
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.layers.moe.utils import is_moe_input_scattered_across_dp_ranks
+
+    return is_dp_attention_enabled() and not is_moe_input_scattered_across_dp_ranks()
 
 
 def _create_sized_capturer(original, *args, **kwargs):

@@ -50,6 +50,7 @@ def publish_args(*, world_rank: int = 0, **fields: Any):
     dict (the `--cuda-graph-config` JSON) is parsed as resolution would.
     """
     from sglang.srt.layers.dp_attention import initialize_dp_attention_flags
+    from sglang.srt.layers.moe.utils import initialize_moe_config
     from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
@@ -60,6 +61,7 @@ def publish_args(*, world_rank: int = 0, **fields: Any):
     server_args = ServerArgs(model_path="dummy", device="cpu", **fields)
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=world_rank, dp_rank=None))
     initialize_dp_attention_flags(server_args)
+    initialize_moe_config()  # the MoE flags (all-to-all backend, …) as the scheduler sets them
     return server_args
 
 

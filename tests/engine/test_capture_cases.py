@@ -30,11 +30,22 @@ class Case:
     w: int = 1  # tokens per request (verify: speculative_num_draft_tokens)
     padded: list[int] = field(default_factory=list)  # eager / prefill graph: counts after DP padding
     context_length: int | None = None
+    scattered: bool = False  # an all-to-all MoE backend: TopK routes this rank's tokens only
 
     @property
     def blocks(self) -> list[int]:
         """Rows each rank occupies in the gathered batch."""
         return [self.graph_bs * self.w] * len(self.raw) if self.graph == "decode" else self.padded
+
+    @property
+    def written_rows(self) -> int:
+        """Rows the forward writes to the device cache on this rank."""
+        return self.raw[self.rank] if self.scattered else sum(self.blocks)
+
+    @property
+    def captured(self) -> list[int]:
+        """The ranks whose rows the MoE routes on this rank: all of them, or this one under all-to-all."""
+        return [self.rank] if self.scattered else list(range(len(self.raw)))
 
 
 _SPEC = {
@@ -71,6 +82,10 @@ CASES = [
          {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 8,
           "cuda_graph_config": {"prefill": {"backend": "breakable", "bs": [32, 64, 128]}}},
          rank=1, raw=[100, 120], graph="prefill", padded=[128, 128]),
+    # Mooncake all-to-all under DP attention: TopK routes the DP-local shard; upstream slices it at 1 · bs.
+    Case("a2a_local_rows_rank1", {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 16,
+                                  "moe_a2a_backend": "mooncake"},
+         rank=1, raw=[10, 12], graph="decode", graph_bs=16, scattered=True),
     # chunked_prefill_size = -1 and one 300-token prompt, no DP.
     Case("chunked_prefill_off_long_prompt",
          {"tp_size": 1, "enable_return_routed_experts": True, "chunked_prefill_size": -1, "max_running_requests": 8},
@@ -91,6 +106,10 @@ def _gathered_topk(case: Case, layer: int, device):
 
     blocks = []
     for rank, rows in enumerate(case.blocks):
+        if rank not in case.captured:
+            continue
+        if case.scattered:
+            rows = case.raw[rank]  # the local batch as it is, no DP padding into a gathered layout
         block = torch.full((rows, TOPK), -7, dtype=torch.int32)  # padding rows
         for i in range(min(case.raw[rank], rows)):
             block[i] = torch.tensor([expected_value(rank, i, layer, k) for k in range(TOPK)], dtype=torch.int32)
@@ -334,7 +353,7 @@ def test_r3_puts_exactly_the_right_rows_in_the_host_cache(outcomes: dict, case: 
     r3 = outcomes[case.name]["r3"]
     assert "error" not in r3, r3
     assert r3["rows_ok"], r3
-    assert r3["capacity"] >= sum(case.blocks)
+    assert r3["capacity"] >= case.written_rows
 
 
 def test_upstream_still_right_where_0523_has_the_fix(outcomes: dict) -> None:
@@ -347,6 +366,7 @@ def test_upstream_still_right_where_0523_has_the_fix(outcomes: dict) -> None:
         ("dp_mrr_gt_cps_attn_tp_padding", "RuntimeError"),  # shape mismatch at capture: 128 rows > 126
         ("verify_mrr_w_gt_cps", "RuntimeError"),  # 256 rows > 128
         ("verify_graph_rank1_offset", "wrong rows"),  # silent: rank 0's rows
+        ("a2a_local_rows_rank1", "wrong rows"),  # silent: rows past this rank's own
         ("prefill_graph_dp", "TypeError"),  # dp_rank * None
         ("prefill_graph_bucket_gt_cps", "RuntimeError"),  # 256 rows > 128
         ("chunked_prefill_off_long_prompt", "RuntimeError"),  # 300 rows > max(-1, 8)
@@ -366,7 +386,7 @@ def test_occupancy_is_the_gathered_rows_of_the_forward(outcomes: dict, case: Cas
     (device_cache,) = r3["occupancy"]
     assert device_cache["buffer"] == "routed_experts.device_cache"
     assert device_cache["capacity"] == r3["capacity"]
-    assert device_cache["peak"] == sum(case.blocks)
+    assert device_cache["peak"] == case.written_rows
 
 
 def test_sizing_reads_decode_graph_and_verify_width_from_the_published_config(outcomes: dict) -> None:
