@@ -273,7 +273,7 @@ def _check_bin(store: Store, meta: RecordMeta, row_hi: int) -> None:
         size = -1
     if size < need:
         reason = "missing_bin" if size < 0 else "truncated_bin"
-        store.count_skip(reason)
+        store.count_skip(reason, meta)
         raise ApiError(410, reason, f"record {meta.rid!r}: .bin holds fewer than {meta.rows} rows (corrupt)")
 
 

@@ -76,6 +76,7 @@ class Store:
         self._entries: dict[str, Entry] = {}
         self._bad: dict[str, Stamp | None] = {}
         self._bad_engines: dict[str, Stamp | None] = {}
+        self._served_bad: set[tuple[str, str, int, float]] = set()
         self._expired: OrderedDict[str, float] = OrderedDict()
         self._events: weakref.WeakValueDictionary[str, asyncio.Event] = weakref.WeakValueDictionary()
         self._tasks: list[asyncio.Task[None]] = []
@@ -206,9 +207,12 @@ class Store:
             del self._entries[name]
             self._notify(old.meta.rid)
 
-    def count_skip(self, reason: str) -> None:
-        """Count a malformed file found while serving (e.g. a truncated `.bin`)."""
-        self.skipped[reason] += 1
+    def count_skip(self, reason: str, meta: RecordMeta) -> None:
+        """Count a malformed file found while serving (e.g. a truncated `.bin`), once per record version."""
+        key = (reason, meta.rid, meta.rows, meta.updated)
+        if key not in self._served_bad:
+            self._served_bad.add(key)
+            self.skipped[reason] += 1
 
     # ---- queries -----------------------------------------------------------------------------
     def lookup(self, rid: str) -> RecordMeta | None:
