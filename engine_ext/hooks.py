@@ -564,10 +564,10 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
 
     live = delivery.live
     reqs = batch.reqs
-    if not live.records and not any(delivery.wants_live(r) for r in reqs):
-        return
     mode = batch.forward_mode
     first_extend = mode.is_extend() and not mode.is_target_verify()  # where a live record may begin
+    if not live.records and not (first_extend and any(delivery.wants_live(r) for r in reqs)):
+        return
     if mode.is_target_verify():
         stride = result.speculative_output_stride or result.speculative_num_draft_tokens
         if result.accept_lens is None or not stride:
