@@ -229,6 +229,43 @@ def engine_section(engine: dict) -> str:
     )
 
 
+def breakdown_section(bd: dict) -> str:
+    parts = []
+    cs = bd.get("client_stacks")
+    if cs:
+        body = [
+            [name, _ms(v["p50"]), f"{cs['bytes'] / v['p50'] / 1e9:.3f}", str(v["n"])]
+            for name, v in cs["stacks"].items()
+        ]
+        parts.append(
+            f"One record ({_mb(cs['bytes'])} MB) from the same sidecar, single stream:\n\n"
+            + _table(["client stack", "p50 ms", "GB/s", "reps"], body)
+        )
+    comp = bd.get("compaction")
+    if comp:
+        body = [
+            [
+                c["model"],
+                str(c["tokens"]),
+                f"{c['upstream_gather_ms']:.3f}",
+                f"{c['plugin_gather_compact_ms']:.3f}",
+                f"{c['fused_numpy_ms']:.3f}",
+            ]
+            for c in comp
+        ]
+        header = [
+            "model",
+            "tokens",
+            "upstream gather (all layers, int32) CPU ms",
+            "plugin: gather + `to_spool_rows` CPU ms",
+            "one fused numpy gather of the routed layers + cast CPU ms",
+        ]
+        parts.append(
+            "Finish-time compaction on the scheduler thread (thread CPU time, median):\n\n" + _table(header, body)
+        )
+    return "\n\n".join(parts)
+
+
 def memory_section(rows: list[dict]) -> str:
     body = [
         [
@@ -453,6 +490,8 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
             memory_section(results["memory"]),
             "",
         ]
+    if "breakdown" in results:
+        out += ["## 6. Where the time goes", "", breakdown_section(results["breakdown"]), ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]

@@ -28,7 +28,7 @@ from benchmarks.shapes import SHAPES, inline_layout, routing
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
-SECTIONS = ("delivery", "concurrency", "limits", "engine", "memory")
+SECTIONS = ("delivery", "concurrency", "limits", "breakdown", "engine", "memory")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _log(msg: str) -> None:
 
 def run(config: Config, workdir: Path) -> dict:
     """Measure the configured sections; `workdir` holds payloads and spools and is left for the caller."""
-    from benchmarks import concurrency, delivery, engine_cost, limits, memory
+    from benchmarks import breakdown, concurrency, delivery, engine_cost, limits, memory
     from benchmarks.servers import serve
     from service.spool import Spool
 
@@ -116,7 +116,7 @@ def run(config: Config, workdir: Path) -> dict:
 
     spool_root = workdir / "spool"
     spool = Spool(spool_root)
-    needs_servers = {"delivery", "concurrency", "limits"} & set(config.sections)
+    needs_servers = {"delivery", "concurrency", "limits", "breakdown"} & set(config.sections)
     batch_shape = SHAPES[config.batch_model]
 
     if needs_servers:
@@ -145,7 +145,7 @@ def run(config: Config, workdir: Path) -> dict:
                 results["delivery"] = rows
             del cases
 
-            if {"concurrency", "limits"} & set(config.sections):
+            if {"concurrency", "limits", "breakdown"} & set(config.sections):
                 bases = [
                     routing(batch_shape, config.batch_tokens - 1, config.seed + 100 + i)
                     for i in range(config.batch_bases)
@@ -179,12 +179,29 @@ def run(config: Config, workdir: Path) -> dict:
                 }
                 _log(f"limits: loopback {results['limits']['loopback']['gbps']:.2f} GB/s")
 
-    if "engine" in config.sections:
+            if "breakdown" in config.sections:
+                results["breakdown"] = {
+                    "client_stacks": breakdown.client_stacks(sidecar.url, rids[0], record_bytes, 20),
+                }
+                _log("breakdown: client stacks measured")
+
+    if {"breakdown", "engine"} & set(config.sections):
         import torch
 
         # One intra-op thread: on a shared 2-core machine torch's OpenMP pool turns the gather's wall time into
-        # scheduling noise. Both paths call the same get_topk, so the comparison is unaffected.
+        # scheduling noise. Both paths gather with torch, so the comparison is unaffected.
         torch.set_num_threads(1)
+
+    if "breakdown" in config.sections:
+        results.setdefault("breakdown", {})["compaction"] = [
+            row
+            for m in config.models
+            for row in breakdown.compaction(
+                SHAPES[m], longest + 1024, config.tokens, config.reps_for(min(config.tokens))
+            )
+        ]
+
+    if "engine" in config.sections:
         rows = []
         for m in config.models:
             collection = engine_cost.UpstreamCollection(SHAPES[m], compact[m])

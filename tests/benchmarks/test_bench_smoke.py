@@ -79,13 +79,29 @@ def test_limits_engine_and_memory_are_measured(results: dict) -> None:
         assert m["served"]["VmRSS"] > 0 and m["baseline"]["VmRSS"] > 0
 
 
+def test_breakdown_compares_the_same_bytes(results: dict) -> None:
+    stacks = results["breakdown"]["client_stacks"]["stacks"]
+    assert set(stacks) == {
+        "RoutedExpertsClient.get",
+        "httpx.Client.get().content",
+        "http.client readinto",
+        "raw socket recv_into",
+    }
+    assert all(_finite_positive(v["p50"]) for v in stacks.values())
+    comp = results["breakdown"]["compaction"]
+    assert len(comp) == len(results["config"]["models"]) * len(results["config"]["tokens"])
+    for c in comp:
+        assert all(_finite_positive(c[k]) for k in ("upstream_gather_ms", "plugin_gather_compact_ms", "fused_numpy_ms"))
+
+
 def test_report_renders_every_section(results: dict, tmp_path: Path) -> None:
     from benchmarks.report import write_report
 
     md = tmp_path / "BENCHMARKS.md"
     write_report(results, md, tmp_path / "plots")
     text = md.read_text()
-    for heading in ("## Targets", "## 1. Delivery", "## 2. Throughput", "## 3.", "## 4.", "## 5. Sidecar memory"):
+    headings = ("## Targets", "## 1. Delivery", "## 2. Throughput", "## 3.", "## 4.", "## 5. Sidecar memory", "## 6.")
+    for heading in headings:
         assert heading in text
     assert sorted(p.name for p in (tmp_path / "plots").glob("*.png")) == [
         "concurrency.png",
