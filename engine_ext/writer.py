@@ -132,6 +132,7 @@ class SpoolWriter:
         self._reserved = 0  # spool bytes promised to ops not yet written
         self._usage = 0  # spool bytes in use, as last seen by the writer thread (+ its own writes since)
         self._capacity = 0
+        self._free = 0  # the file system's free bytes at the last probe, less what was written since
         self._writable = False
         self._stopping = False
         self._open: dict[str, RecordWriter] = {}
@@ -150,7 +151,7 @@ class SpoolWriter:
             if self.stats.queued_bytes + nbytes > self.queue_bytes:
                 self.stats.queue_full += 1
                 return QUEUE_FULL
-            if self._usage + self._reserved + nbytes > self._capacity:
+            if self._usage + self._reserved + nbytes > self._capacity or self._reserved + nbytes > self._free:
                 self.stats.spool_full += 1
                 return SPOOL_FULL
             self._reserved += nbytes
@@ -217,20 +218,22 @@ class SpoolWriter:
 
     # ---- writer thread ---------------------------------------------------------------------------
     def _probe(self) -> None:
-        """(Re)check the spool: create it, measure capacity and usage, decide writability."""
+        """(Re)check the spool: (re)create it, measure capacity, usage and the file system's free bytes."""
         try:
-            if self._spool is None:
-                self._spool = Spool(self.spool_dir)
+            self._spool = Spool(self.spool_dir)
             writable = os.access(self._spool.records_dir, os.W_OK)
             capacity = self._spool.capacity_bytes(self.max_bytes)
             usage = self._spool.usage_bytes()
+            free = self._spool.free_bytes()
         except OSError as exc:
-            logger.warning("r3-sidecar: spool %s not usable: %s", self.spool_dir, exc)
-            writable, capacity, usage = False, 0, 0
+            if self._writable or self._last_refresh == 0.0:
+                logger.warning("r3-sidecar: spool %s not usable: %s", self.spool_dir, exc)
+            writable, capacity, usage, free = False, 0, 0, 0
         with self._lock:
             self._writable = writable
             self._capacity = capacity
             self._usage = usage
+            self._free = free
         self._last_refresh = time.monotonic()
 
     def _run(self) -> None:
@@ -276,6 +279,7 @@ class SpoolWriter:
                 self._open[op.rid] = writer
                 with self._lock:
                     self._usage += META_ESTIMATE_BYTES  # until the next rescan measures it
+                    self._free -= META_ESTIMATE_BYTES
             if writer is None:
                 logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
                 return
@@ -283,17 +287,19 @@ class SpoolWriter:
                 writer.append(op.rows, publish=op.status is None)
                 with self._lock:
                     self._usage += op.nbytes
+                    self._free -= op.nbytes
             if op.status is not None:
                 self._open.pop(op.rid, None)
                 writer.finalize(op.status)
                 with self._lock:
                     self.stats.records_written += 1
-        except OSError as exc:
+        except Exception as exc:  # the writer thread must outlive any one record
             logger.error("r3-sidecar: writing record %r failed: %s", op.rid, exc)
             with self._lock:
                 self.stats.write_errors += 1
+                if isinstance(exc, OSError):
+                    self._writable = False  # refuse until the next probe (<= USAGE_REFRESH_S) finds it usable
             self._open.pop(op.rid, None)
             if writer is not None and not writer.closed:
                 with contextlib.suppress(OSError):
                     writer.finalize("error")
-            self._probe()

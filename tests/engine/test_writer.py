@@ -161,3 +161,24 @@ def test_usage_counts_written_bytes_until_rescan(tmp_path):
     assert writer.reserve(data.nbytes) is None
     writer.release(data.nbytes)
     writer.close()
+
+
+def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypatch):
+    import shutil
+
+    import engine_ext.writer
+
+    monkeypatch.setattr(engine_ext.writer, "USAGE_REFRESH_S", 3600.0)  # probes only when this test says so
+    writer = SpoolWriter(tmp_path / "spool").start()
+    spec = _spec("x")
+    shutil.rmtree(tmp_path / "spool")  # the spool vanished under the engine
+    assert writer.submit(Op("x", spec=spec, rows=compact(_rows(3), spec.dtype), status="ok"))
+    assert writer.flush()
+    assert writer.stats.write_errors == 1 and writer.snapshot()["records_written"] == 0
+    assert writer.reserve(10) == NOT_WRITABLE  # no more hand-offs into a broken spool
+    writer._probe()  # the writer thread's periodic probe recreates the directories
+    assert writer.writable
+    assert writer.submit(Op("y", spec=_spec("y"), rows=compact(_rows(3), "uint8"), status="ok"))
+    assert writer.flush()
+    assert Spool(tmp_path / "spool").read_meta("y").final
+    writer.close()
