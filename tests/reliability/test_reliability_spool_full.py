@@ -182,9 +182,6 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
               f"{dict(collections.Counter(after.values()))}")
 
 
-@pytest.mark.xfail(strict=True, reason="service/store.py:_retain: marking a stale record aborted writes its "
-                                       "metadata; on a full spool that fails (logged) and the record stays "
-                                       "non-final, so waiters get 202 after their whole wait instead of 410")
 def test_stale_record_on_a_full_spool_answers_410(make_sidecar, tmp_path):
     with _small_tmpfs(tmp_path / "shm", "64k") as shm:
         spool = Spool(shm / "spool")
