@@ -100,7 +100,7 @@ def _sockets(pid: int) -> int:
 
 
 @pytest.mark.xfail(strict=True, reason="service/settings.py has no send_timeout_s field, so R3_SEND_TIMEOUT_S is "
-                                       "ignored and api.py:334 (getattr(settings, 'send_timeout_s', None)) never "
+                                       "ignored and create_app's getattr(settings, 'send_timeout_s', None) never "
                                        "arms the send timeout: a stalled reader is held forever")
 def test_stalled_reader_is_closed_by_a_timeout(make_sidecar, spool_dir):
     _write_big(spool_dir)
