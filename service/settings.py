@@ -29,3 +29,6 @@ class Settings(BaseSettings):
     max_batch: int = Field(1024, ge=1, description="Most rids one batch request may name.")
     chunk_bytes: int = Field(1 << 20, ge=4096, description="Body chunk size when streaming large records.")
     engine_stale_s: float = Field(10.0, gt=0, description="Engine file age after which r3_engine_stale is 1.")
+    send_timeout_s: float = Field(
+        60.0, ge=0, description="Close a response whose reader takes no bytes for this long (0: never)."
+    )
