@@ -490,7 +490,10 @@ def _delivery_for(processor) -> _Delivery | None:
         capturer = get_global_experts_capturer()
         if capturer is None:
             return None
+        import atexit
+
         _delivery = _Delivery(_delivery_settings, capturer, processor)
+        atexit.register(_delivery.close)  # a clean exit writes what is queued (bounded by the writer's timeout)
     return _delivery
 
 
@@ -511,6 +514,32 @@ def _finished_of(req):
     )
 
 
+class _Contained:
+    """Delivery never takes the scheduler down: an error in it is logged (once per place) and SGLang goes on."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.failed = False
+
+    def __enter__(self) -> _Contained:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        self.failed = True
+        if self.where not in _contained_seen:
+            _contained_seen.add(self.where)
+            import logging
+
+            log = logging.getLogger("r3_sidecar")
+            log.exception("r3-sidecar delivery failed in %s; SGLang's own path goes on", self.where)
+        return True
+
+
+_contained_seen: set[str] = set()
+
+
 def _around_collect(original, self, req):
     """Finished request: spool (no inline payload), inline (refused or not captured), or both (mirror)."""
     from engine_ext.collect import Route
@@ -518,21 +547,30 @@ def _around_collect(original, self, req):
     settings = _delivery_settings
     if settings is None or not (req.return_routed_experts or settings.capture_all):
         return original(self, req)
-    delivery = _delivery_for(self)
-    if delivery is None:
-        return original(self, req)
-    fin = _finished_of(req)
-    if delivery.live.note_finish(req.rid, fin):
-        # The live record ends this request after the step's rows; mirror mode still builds the inline payload.
-        if req.return_routed_experts and settings.mode is Mode.MIRROR:
-            original(self, req)
-        return None
-    route = delivery.collector.finish(fin, publisher=delivery.publisher)
+    route = Route.INLINE
+    with _Contained("finish") as contained:
+        route = _route_finished(self, req, settings)
+    if contained.failed:
+        route = Route.INLINE  # upstream's own path for this request
     if route in (Route.INLINE, Route.BOTH):
         original(self, req)
     if route == Route.BOTH:
-        delivery.collector.mirror(req.rid, req.routed_experts)
+        with _Contained("mirror"):
+            _delivery.collector.mirror(req.rid, req.routed_experts)
     return None
+
+
+def _route_finished(processor, req, settings: EngineSettings) -> str:
+    from engine_ext.collect import Route
+
+    delivery = _delivery_for(processor)
+    if delivery is None:
+        return Route.INLINE
+    fin = _finished_of(req)
+    if delivery.live.note_finish(req.rid, fin):
+        # The live record ends this request after the step's rows; mirror mode still builds the inline payload.
+        return Route.INLINE if req.return_routed_experts and settings.mode is Mode.MIRROR else Route.SKIP
+    return delivery.collector.finish(fin, publisher=delivery.publisher)
 
 
 def end_delivery_step(processor) -> None:
@@ -546,7 +584,8 @@ def end_delivery_step(processor) -> None:
 def _around_process_result(original, self, batch, result, *args, **kwargs):
     captured = getattr(result, "routed_experts_output", None)  # finalize() clears the field, not the object
     out = original(self, batch, result, *args, **kwargs)
-    after_batch_result(self, batch, result, captured)
+    with _Contained("batch result"):
+        after_batch_result(self, batch, result, captured)
     return out
 
 
@@ -611,7 +650,8 @@ def _around_disagg_prefill_done(original, self, *args, **kwargs):
     """PD prefill collects at KV-transfer completion (a Scheduler method): end that step like a batch result."""
     out = original(self, *args, **kwargs)
     if _delivery is not None:
-        end_delivery_step(self.batch_result_processor)
+        with _Contained("PD prefill"):
+            end_delivery_step(self.batch_result_processor)
     return out
 
 
@@ -619,7 +659,8 @@ def _around_finalize(original, self):
     """Overlap path: gather finished rows before this forward's rows land in the host cache."""
     delivery = _delivery
     if delivery is not None and self.host_cache is delivery.host_cache:
-        delivery.collector.drain(wait=True)
+        with _Contained("drain"):
+            delivery.collector.drain(wait=True)
     return original(self)
 
 
@@ -628,7 +669,8 @@ def _around_forward_end(original, self, *args, **kwargs):
     no_copy_to_cpu = kwargs.get("no_copy_to_cpu", args[3] if len(args) > 3 else False)
     delivery = _delivery
     if delivery is not None and not no_copy_to_cpu:
-        delivery.collector.drain(wait=True)
+        with _Contained("drain"):
+            delivery.collector.drain(wait=True)
     return original(self, *args, **kwargs)
 
 
@@ -640,15 +682,17 @@ _pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids",
 async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
     """Note which rids of this batch asked for routed experts (the meta_info hook has no `self`)."""
     settings = _delivery_settings
-    if settings is not None and settings.capture_all:
-        wanted = frozenset(recv_obj.rids)
-    else:
-        states = self.rid_to_state
-        wanted = frozenset(
-            rid
-            for rid in recv_obj.rids
-            if (state := states.get(rid)) is not None and getattr(state.obj, "return_routed_experts", False)
-        )
+    wanted: frozenset[str] = frozenset()
+    with _Contained("pointer"):
+        if settings is not None and settings.capture_all:
+            wanted = frozenset(recv_obj.rids)
+        else:
+            states = self.rid_to_state
+            wanted = frozenset(
+                rid
+                for rid in recv_obj.rids
+                if (state := states.get(rid)) is not None and getattr(state.obj, "return_routed_experts", False)
+            )
     token = _pointer_rids.set(wanted)
     try:
         return await original(self, recv_obj, *args, **kwargs)
@@ -664,5 +708,6 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     wanted = _pointer_rids.get()
     rid = meta_info.get("id") if isinstance(meta_info, dict) else None
     if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
-        meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+        with _Contained("pointer"):
+            meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)

@@ -190,7 +190,20 @@ finish([f])
 results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).read_meta("f") is not None,
                     stats=hooks._delivery.writer.snapshot())
 
+# containment: a request the delivery cannot read (no pool row) takes SGLang's own path, the scheduler goes on
+configure()
+broken = run_request("broken", 5, 4, 2, return_routed_experts=True)
+broken.kv.req_pool_idx = None
+proc._maybe_collect_routed_experts(broken)
+results["contained"] = dict(
+    inline=broken.routed_experts is not None, record=Spool(SPOOL).read_meta("broken") is not None,
+    seen=sorted(hooks._contained_seen))
+configure(spool_max_bytes=64)
+finish([run_request("f3", 6, 30, 10, return_routed_experts=True)])
+results["f3"] = dict(seen=sorted(hooks._contained_seen), stats=hooks._delivery.writer.snapshot())
+
 # telemetry: the real delivery's engine file (budget from the published ServerArgs) is accepted by the sidecar
+hooks._delivery.telemetry.close()  # no background write racing this one
 hooks._delivery.telemetry.tick()
 (path,) = Spool(SPOOL).engine_paths()
 on_disk = Spool(SPOOL).read_engine_file(path)
@@ -235,6 +248,7 @@ emit(results)
 @pytest.mark.sglang
 def test_finish_path_against_sglang(tmp_path):
     (res,) = run_sglang(_FINISH_CHILD, env={"R3_TEST_SPOOL": str(tmp_path / "spool")})
+    assert res["contained"] == {"inline": True, "record": False, "seen": ["finish"]}, res["f3"]
     assert res["unpatched"] == []  # every delivery target resolved and wrapped by HookRegistry
     a, b = res["a"], res["b/ü"]
     assert a == {**a, "equal": True, "rows": 14, "start": 0, "status": "ok", "final": True, "inline": False}
