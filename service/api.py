@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -630,6 +631,8 @@ def create_app(settings: Settings) -> FastAPI:
             return error_response(503, "not_ready", f"spool {spool.root} is not indexed or not present")
         return JSONResponse({"status": "ready"})
 
+    any_char_rids(app)
+
     @app.get(
         "/metrics",
         response_class=Response,
@@ -642,6 +645,15 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def any_char_rids(app: FastAPI) -> None:
+    """Let `{rid:path}` match every character: Starlette's `.*$` stops at a newline (and `$` matches before a
+    trailing one), so a rid holding `%0A` would not reach its route or would arrive cut short."""
+    for route in app.router.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and "(?P<rid>.*)" in regex.pattern and regex.pattern.endswith("$"):
+            route.path_regex = re.compile(regex.pattern[:-1] + r"\Z", re.DOTALL)
 
 
 def app_from_env() -> FastAPI:

@@ -16,6 +16,8 @@ import numpy as np
 import pybase64
 import pytest
 from helpers import engine_report, live_app, live_server, random_rows, write_record
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from service.api import create_app
 from service.settings import Settings
@@ -23,7 +25,10 @@ from service.spool import Spool
 
 
 def url_for(base: str, rid: str) -> str:
-    return f"{base}/routed_experts/{quote(rid, safe='')}"
+    """Percent-encode every character of the rid that means something in a path, dot-only segments included
+    (`.` and `..` would otherwise be removed by URL normalization before they reach the server)."""
+    encoded = quote(rid, safe="")
+    return f"{base}/routed_experts/{encoded.replace('.', '%2E') if set(encoded) == {'.'} else encoded}"
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +166,8 @@ def test_410_aborted_and_error(shared: tuple[str, Spool]) -> None:
 
 def test_odd_rids_roundtrip(shared: tuple[str, Spool]) -> None:
     base, spool = shared
-    for i, rid in enumerate(["../../etc/passwd", "a/b/c", "ünï cødé ✓", "%2F..%2F", "q?x=1&y#z", "~tilde"]):
+    odd = ["../../etc/passwd", "a/b/c", "ünï cødé ✓", "%2F..%2F", "q?x=1&y#z", "~tilde", ".", "..", "line\nbreak\n"]
+    for i, rid in enumerate(odd):
         rows = random_rows(4, seed=i)
         write_record(spool, rid, rows)
         r = httpx.get(url_for(base, rid), params={"format": "raw"})
@@ -336,3 +342,37 @@ def test_stalled_reader_is_cut_off_by_the_send_timeout(spool: Spool, make_settin
         sock.close()
         assert 0 < received < rows.size, "the server must have cut the body short"
         assert httpx.get(f"{base}/healthz").status_code == 200
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rid=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=40),
+    dtype=st.sampled_from(["uint8", "uint16", "int32"]),
+    n=st.integers(0, 300),
+    bounds=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    fmt=st.sampled_from(["raw", "npy", "sglang_b64"]),
+    data=st.data(),
+)
+def test_any_rid_any_range_any_layers_exact(
+    shared: tuple[str, Spool], rid: str, dtype: str, n: int, bounds: tuple[float, float], fmt: str, data: st.DataObject
+) -> None:
+    base, spool = shared
+    layers = [3, 7, 11, 20]
+    rows = random_rows(n, layers=4, topk=3, num_experts=200, seed=n)
+    write_record(spool, rid, rows, num_experts=200, layers=layers, start=17, dtype=dtype)
+    lo, hi = sorted(int(b * n) for b in bounds)
+    wanted = data.draw(st.lists(st.sampled_from(layers), min_size=1, max_size=4, unique=True))
+    slots = [layers.index(w) for w in wanted]
+    params = {"format": fmt, "start": 17 + lo, "end": 17 + hi, "layers": ",".join(map(str, wanted))}
+    r = httpx.get(url_for(base, rid), params=params)
+    assert r.status_code == 200, (rid, r.url.raw_path, r.text)
+    expected = rows[lo:hi][:, slots].astype(dtype)
+    if fmt == "raw":
+        assert r.content == expected.tobytes()
+    elif fmt == "npy":
+        got = np.load(io.BytesIO(r.content), allow_pickle=False)
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got, expected)
+    else:
+        assert r.content == pybase64.b64encode(expected.astype(np.int32).tobytes())
+    assert r.headers["x-r3-shape"] == f"{hi - lo},{len(wanted)},3"
