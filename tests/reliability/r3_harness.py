@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,9 +104,9 @@ class Sidecar:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        if CLI.exists() and (REPO / "service" / "cli.py").exists():
-            return [str(CLI), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
-        return [PYTHON, str(HERE / "r3_serve.py"), "--host", "127.0.0.1", "--port", str(self.port)]
+        """The deployed entry point; `python -m service.cli` when the console script is not installed."""
+        entry = [str(CLI)] if CLI.exists() else [PYTHON, "-m", "service.cli"]
+        return [*entry, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
 
     def start(self, ready_timeout: float = 30.0) -> Sidecar:
         env = {k: v for k, v in os.environ.items() if not k.startswith("R3_")}
@@ -158,15 +157,6 @@ class Sidecar:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
-
-
-@contextlib.contextmanager
-def sidecar(spool: Path, **kwargs) -> Iterator[Sidecar]:
-    s = Sidecar(spool=spool, **kwargs).start()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 @dataclass
