@@ -7,16 +7,32 @@ Records the engine finished before it died are still served byte-exact.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from urllib.parse import quote
 
 import httpx
+import numpy as np
+import orjson
 from r3_harness import check_record, read_ledger
 
 from service.spool import Spool
 
 STALE_S = 1.0
+
+
+def _frame_statuses(body: bytes) -> list[int]:
+    """Statuses of the frames in a batch body (`[u32 LE header length][JSON header][payload]`)."""
+    out, pos = [], 0
+    while pos < len(body):
+        (n,) = struct.unpack_from("<I", body, pos)
+        header = orjson.loads(body[pos + 4: pos + 4 + n])
+        pos += 4 + n
+        if header["status"] == 200:
+            pos += int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize
+        out.append(header["status"])
+    return out
 OPEN = 4
 ROWS = 32
 
@@ -40,8 +56,17 @@ def test_killed_engine_records_turn_aborted_and_waiters_get_410(make_sidecar, ma
             r = client.get(f"/routed_experts/{quote(rid, safe='')}", params=params)
         results[("s:" if stream else "") + rid] = (r.status_code, time.monotonic() - t0)
 
+    def batch_on(rids: list[str]) -> None:
+        t0 = time.monotonic()
+        with httpx.Client(base_url=side.url, timeout=90) as client:
+            r = client.post("/routed_experts/batch", json={"rids": rids, "wait": 60})
+        frames = _frame_statuses(r.content) if r.status_code == 200 else []
+        results["batch"] = (r.status_code, time.monotonic() - t0)
+        results["batch-frames"] = (frames, 0.0)
+
     waiters = [threading.Thread(target=wait_on, args=(rid, False)) for rid in open_rids]
     waiters += [threading.Thread(target=wait_on, args=(open_rids[0], True))]
+    waiters += [threading.Thread(target=batch_on, args=(open_rids,))]
     for t in waiters:
         t.start()
     time.sleep(0.2)
@@ -55,6 +80,7 @@ def test_killed_engine_records_turn_aborted_and_waiters_get_410(make_sidecar, ma
         code, elapsed = results[rid]
         assert code == 410, f"{rid}: {code} after {elapsed:.1f}s (want 410 once stale)"
         assert elapsed < 15 * STALE_S + 5, f"{rid}: 410 only after {elapsed:.1f}s"
+    assert results["batch"][0] == 200 and results["batch-frames"][0] == [410] * OPEN, results["batch-frames"]
     code, _ = results["s:" + open_rids[0]]
     assert code in (200, 410), f"stream on a dead engine's record ended with {code}"
     spool = Spool(spool_dir, create=False)
@@ -65,5 +91,5 @@ def test_killed_engine_records_turn_aborted_and_waiters_get_410(make_sidecar, ma
         for rid in (e["rid"] for e in read_ledger(ledger) if e.get("final")):
             ok, reason = check_record(client, rid, ROWS)
             assert ok, reason
-    print(f"engine death: {OPEN} open records aborted; waiters got 410 within "
+    print(f"engine death: {OPEN} open records aborted; waiters (GET, stream, batch) got 410 within "
           f"{max(v[1] for v in results.values()):.2f}s of waiting ({time.monotonic() - killed_at:.2f}s after kill)")

@@ -86,6 +86,16 @@ def _raw_request(port: int, method: str, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
+@pytest.mark.xfail(strict=True, reason="service/api.py: /openapi.json, /docs and /redoc answer 200 without the "
+                                       "token; Contract 2 keeps only /metrics, /healthz, /readyz open when "
+                                       "R3_AUTH_TOKEN is set")
+def test_only_health_and_metrics_are_open_with_a_token(make_sidecar, spool_dir):
+    side = make_sidecar(spool_dir, env={"R3_AUTH_TOKEN": TOKEN})
+    with httpx.Client(base_url=side.url, timeout=10) as client:
+        opened = {p: client.get(p).status_code for p in ("/openapi.json", "/docs", "/redoc")}
+    assert set(opened.values()) <= {401, 404}, opened
+
+
 HOSTILE_RIDS = ["..", "../outside", "../../outside", "..%2Foutside", "/etc/passwd", "a/../../outside",
                 "v1/../../outside", "x\x00y", "\x00", "é🙂/..", "~" + "0" * 40, "." * 300, "a" * 5000,
                 "..\\outside", "%2e%2e", "\u202e..", "rid\n\r\tX", "~../outside"]
