@@ -71,6 +71,10 @@ class LeanClient:
             got += n
         return parse_npy(buf)
 
+    def ping(self) -> None:
+        self.conn.request("GET", "/healthz")
+        self.conn.getresponse().read()
+
     def close(self) -> None:
         self.conn.close()
 
@@ -82,8 +86,14 @@ class _Lean:
         self.array = array
 
 
-def drain(url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: int, expect_shape: tuple) -> dict:
-    """Fetch every rid once with `concurrency` threads; per-request latencies, errors, GB/s."""
+def drain(
+    url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: int, expect_shape: tuple, warm: bool = True
+) -> dict:
+    """Fetch every rid once with `concurrency` threads; per-request latencies, errors, GB/s.
+
+    `warm`: each thread opens its connection with one small request before the clock starts (a trainer's
+    fetchers keep their connections); cold, the first wave also pays `concurrency` connection set-ups at once.
+    """
     chunk = batch_chunk if mode == "get_many" else 1
     work: SimpleQueue[list[str]] = SimpleQueue()
     for i in range(0, len(rids), chunk):
@@ -102,8 +112,16 @@ def drain(url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: i
                 clients.append(local.client)
         return local.client
 
+    started = [0.0]
+    barrier = threading.Barrier(concurrency, action=lambda: started.__setitem__(0, time.perf_counter()))
+
     def worker() -> None:
         c = client()
+        if warm and isinstance(c, LeanClient):
+            c.ping()
+        elif warm:
+            c.engines()
+        barrier.wait()
         while True:
             try:
                 batch = work.get_nowait()
@@ -133,17 +151,17 @@ def drain(url: str, rids: list[str], concurrency: int, mode: str, batch_chunk: i
                 payload[0] += nbytes
                 errors.extend(bad)
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - started[0]
     for c in clients:
         c.close()
     lat = summary(latencies) if latencies else {"p50": float("nan"), "p99": float("nan"), "min": float("nan"), "n": 0}
     return {
         "mode": mode,
         "concurrency": concurrency,
+        "warm": warm,
         "rids_per_request": chunk,
         "records": len(rids),
         "bytes": payload[0],

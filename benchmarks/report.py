@@ -79,11 +79,12 @@ def targets(results: dict) -> list[list[str]]:
         )
     top = [c for c in conc if c["concurrency"] == max(c2["concurrency"] for c2 in conc) and c["mode"] != "lean_get"]
     for c in top:
-        ok = c["errors"] == 0 and c["p99_over_p50"] <= 3
+        ok = c["errors"] == 0 and c["cold"]["errors"] == 0 and c["p99_over_p50"] <= 3
         rows.append(
             [
                 f"{c['concurrency']} concurrent fetchers ({c['mode']}): no errors, p99 ≤ 3× p50",
-                f"{c['errors']} errors, p99/p50 = {c['p99_over_p50']:.2f}",
+                f"{c['errors'] + c['cold']['errors']} errors; p99/p50 = {c['p99_over_p50']:.2f} warm, "
+                f"{c['cold']['p99_over_p50']:.2f} cold",
                 f"{3 - c['p99_over_p50']:+.2f} below 3×",
                 _status(ok),
             ]
@@ -110,6 +111,54 @@ def targets(results: dict) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def analysis(results: dict) -> list[str]:
+    """Measured decompositions behind the targets, computed from this run's numbers (see findings.md)."""
+    out = []
+    bd, lim = results.get("breakdown", {}), results.get("limits")
+    stacks = bd.get("client_stacks", {}).get("stacks")
+    if stacks:
+        ours, lean, raw = (
+            stacks[k]["p50"] for k in ("RoutedExpertsClient.get", "http.client readinto", "raw socket recv_into")
+        )
+        out.append(
+            f"Single record, single stream: the project's client takes {_ms(ours)} ms, the same GET read by "
+            f"`http.client` into a sized buffer {_ms(lean)} ms, a raw socket with no HTTP parsing {_ms(raw)} ms: "
+            f"the client's HTTP stack is {1 - lean / ours:.0%} of the fetch time."
+        )
+    conc = results.get("concurrency", [])
+    lean1 = next((c for c in conc if c["mode"] == "lean_get" and c["concurrency"] == 1), None)
+    if lean1 and lim:
+        out.append(
+            f"Batch fetch through the reference reader: {lean1['gbps']:.2f} GB/s single stream = "
+            f"{lean1['gbps'] / lim['loopback']['gbps']:.0%} of raw loopback (the sidecar's own share of the gap)."
+        )
+    long = [d for d in results.get("delivery", []) if d["tokens"] >= 8192]
+    if long:
+        worst = min(long, key=lambda d: d["speedup"])
+        out.append(
+            f"Slowest delivery case ({worst['model']}, {worst['tokens']} tokens): ours "
+            f"{_ms(worst['ours_s']['p50'])} ms = spool write {_ms(worst['ours_write_s']['p50'])} ms + fetch; "
+            "with the reference reader "
+            f"{_ms(worst['ours_lean_s']['p50'])} ms, {worst['speedup_lean']:.1f}× inline."
+        )
+    for c in conc:
+        if c["concurrency"] == max(x["concurrency"] for x in conc) and c["mode"] != "lean_get":
+            out.append(
+                f"{c['concurrency']} fetchers, `{c['mode']}`: p99/p50 {c['p99_over_p50']:.2f} with warm connections, "
+                f"{c['cold']['p99_over_p50']:.2f} when all {c['concurrency']} connections open inside the clock."
+            )
+    comp = bd.get("compaction", [])
+    if comp:
+        big = max(comp, key=lambda c: (c["model"] != "Qwen3-30B-A3B", c["tokens"]))
+        out.append(
+            f"Finish-time compaction ({big['model']}, {big['tokens']} tokens, thread CPU): upstream's gather "
+            f"{big['upstream_gather_ms']:.2f} ms; the plugin's gather + `to_spool_rows` "
+            f"{big['plugin_gather_compact_ms']:.2f} ms; one fused numpy gather of the routed layers + cast "
+            f"{big['fused_numpy_ms']:.2f} ms."
+        )
+    return out
 
 
 # ---- sections ----------------------------------------------------------------------------------------
@@ -166,11 +215,14 @@ def concurrency_section(rows: list[dict], lim: dict | None) -> str:
             f"{c['p99_over_p50']:.2f}",
             str(c["latency"]["n"]),
             str(c["errors"]),
+            f"{c['cold']['gbps']:.3f}",
+            f"{c['cold']['p99_over_p50']:.2f}",
+            str(c["cold"]["errors"]),
         ]
         for c in rows
     ]
     header = ["client call", "fetchers", "rids/request", "GB/s", "of loopback", "p50 ms", "p99 ms", "p99/p50"]
-    return _table([*header, "requests", "errors"], body)
+    return _table([*header, "requests", "errors", "cold GB/s", "cold p99/p50", "cold errors"], body)
 
 
 def limits_section(lim: dict) -> str:
@@ -427,6 +479,10 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
         "",
         _table(["target", "measured", "gap", "status"], targets(results)),
         "",
+        "Measured decompositions (this run):",
+        "",
+        *[f"- {line}" for line in analysis(results)],
+        "",
     ]
     if "delivery" in results:
         out += [
@@ -452,7 +508,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
             f"A rollout batch of {cfg['batch_records']} records of {cfg['batch_tokens']} tokens "
             f"({cfg['batch_model']}, uint8) fetched once per round by 1…{max(cfg['concurrency'])} trainer threads, "
             f"each with its own client; `get` takes one rid per request, `get_many` {cfg['get_many_chunk']}. "
-            f"Latency is per HTTP request; figures are from the last of {cfg['rounds']} rounds. `lean_get` is a "
+            f"Latency is per HTTP request. Main columns: a warm round (each fetcher opened its connection "
+            "with one small request before the clock started, as a trainer's fetchers keep theirs); `cold`: the "
+            "round before it, where all fetchers open their connections inside the clock. `lean_get` is a "
             "reference, not the project's client: the same GET read by the standard library's `http.client` "
             "straight into a Content-Length-sized buffer and parsed by the client's own `parse_npy`; it separates "
             "what the sidecar serves from what the client's HTTP stack (httpx → httpcore → h11) costs.",

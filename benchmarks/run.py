@@ -44,7 +44,7 @@ class Config:
     batch_bases: int = 8
     concurrency: tuple[int, ...] = (1, 8, 64)
     get_many_chunk: int = 4
-    rounds: int = 2
+    rounds: int = 1
     live_batch: int = 64
     live_steps: int = 50
     memory_gib: tuple[float, ...] = (1.0, 10.0)
@@ -159,11 +159,14 @@ def run(config: Config, workdir: Path) -> dict:
                 rows = []
                 for mode in concurrency.MODES:
                     for c in config.concurrency:
-                        merged = [
+                        cold = concurrency.drain(
+                            sidecar.url, rids, c, mode, config.get_many_chunk, bases[0].shape, warm=False
+                        )
+                        warm = [
                             concurrency.drain(sidecar.url, rids, c, mode, config.get_many_chunk, bases[0].shape)
                             for _ in range(config.rounds)
                         ]
-                        r = merged[-1] | {"rounds": merged}
+                        r = warm[-1] | {"cold": cold, "rounds": warm}
                         _log(f"concurrency {mode} x{c}: {r['gbps']:.2f} GB/s, p99/p50 {r['p99_over_p50']:.2f}")
                         rows.append(r)
                 results["concurrency"] = rows
