@@ -161,7 +161,7 @@ class BodyLimit:
 
 
 class SidecarApp(FastAPI):
-    """FastAPI with an optional send timeout: a client that stops reading is cut off.
+    """FastAPI with a send timeout: a client that takes no body chunk for `send_timeout_s` is cut off.
 
     Without it, a stalled reader holds its connection, a body chunk and an open `.bin` forever (the
     server's `send` waits on flow control). The timeout wraps the server's own `send`, outside every
@@ -332,7 +332,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings, app.state.store, app.state.metrics = settings, store, metrics
-    app.send_timeout_s = getattr(settings, "send_timeout_s", None) or None  # opt-in: R3_SEND_TIMEOUT_S
+    app.send_timeout_s = settings.send_timeout_s or None  # R3_SEND_TIMEOUT_S; 0 disables
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=64 * 1024 + settings.max_batch * (4 * MAX_RID_CHARS + 8))
 

@@ -15,11 +15,10 @@ import httpx
 import numpy as np
 import pybase64
 import pytest
-from helpers import engine_report, live_app, live_server, random_rows, write_record
+from helpers import engine_report, live_server, random_rows, write_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.api import create_app
 from service.settings import Settings
 from service.spool import Spool
 
@@ -326,9 +325,7 @@ def test_stalled_reader_is_cut_off_by_the_send_timeout(spool: Spool, make_settin
     """A client that stops reading loses its connection after `send_timeout_s`, not at the end of time."""
     rows = random_rows(1 << 19, layers=8, topk=8)  # 32 MiB: far more than the socket buffers hold
     write_record(spool, "huge", rows, layers=list(range(8)))
-    app = create_app(make_settings())
-    app.send_timeout_s = 0.5
-    with live_app(app) as base:
+    with live_server(make_settings(send_timeout_s=0.5)) as base:
         host, port = base.removeprefix("http://").split(":")
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
