@@ -379,7 +379,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             observe(fmt, 200, t0, sent)
 
-    # ---- GET /routed_experts/{rid} ---------------------------------------------------------
+    # ---- POST /routed_experts/batch (registered first: `{rid:path}` would also match "batch") ---
     @app.post(
         "/routed_experts/batch",
         response_class=Response,
@@ -439,6 +439,7 @@ def create_app(settings: Settings) -> FastAPI:
 
         return StreamingResponse(counted(frames(), "batch", t0), media_type=formats.FRAMES_MEDIA_TYPE)
 
+    # ---- GET /routed_experts/{rid} ---------------------------------------------------------
     @app.get(
         "/routed_experts/{rid:path}",
         response_class=Response,
