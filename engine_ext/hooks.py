@@ -400,6 +400,7 @@ class _Delivery:
             engine=self.engine,
         )
         self.live = LiveRows(self.collector)
+        self.inline_rows = None  # non-overlap: (out_cache_loc, TopkCaptureOutput on the host) of the last forward
         self.stop = threading.Event()
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
@@ -592,6 +593,10 @@ def _around_process_result(original, self, batch, result, *args, **kwargs):
 def after_batch_result(processor, batch, result, captured) -> None:
     """Once a batch result is processed: its rows to live records, then the step's batched slot read."""
     delivery = _delivery_for(processor)
+    if delivery is not None and captured is None and delivery.inline_rows is not None:
+        key, rows = delivery.inline_rows  # non-overlap: this batch's forward kept its host rows
+        delivery.inline_rows = None
+        captured = rows if key is getattr(batch, "out_cache_loc", None) else None
     if delivery is not None and captured is not None:
         live_step(delivery, batch, result, captured.topk)
     end_delivery_step(processor)
@@ -665,13 +670,26 @@ def _around_finalize(original, self):
 
 
 def _around_forward_end(original, self, *args, **kwargs):
-    """Non-overlap path: the host cache is written inline here; gather finished rows first."""
-    no_copy_to_cpu = kwargs.get("no_copy_to_cpu", args[3] if len(args) > 3 else False)
+    """Non-overlap path: gather finished rows before the host-cache write, and keep this forward's host rows.
+
+    Upstream writes the host cache inline here (`.cpu()` of `out_cache_loc` and of the slice: its own syncs).
+    This runs the same write through `TopkCaptureOutput` so the host rows stay at hand for live rows; the
+    batch result that follows picks them up by its `out_cache_loc` (no match: no live rows for that step).
+    """
+    params = dict(zip(("forward_batch", "can_run_graph", "cuda_graph_batch", "no_copy_to_cpu"), args, strict=False))
+    params.update(kwargs)
     delivery = _delivery
-    if delivery is not None and not no_copy_to_cpu:
-        with _Contained("drain"):
-            delivery.collector.drain(wait=True)
-    return original(self, *args, **kwargs)
+    if delivery is None or params.get("no_copy_to_cpu", False):
+        return original(self, **params)
+    with _Contained("drain"):
+        delivery.collector.drain(wait=True)
+    out = original(self, **(params | {"no_copy_to_cpu": True}))
+    if out is None:
+        return None
+    out.map_device_tensors(lambda t: t.cpu())  # the two host copies upstream's inline path makes
+    out.finalize()
+    delivery.inline_rows = (params["forward_batch"].out_cache_loc, out)
+    return None
 
 
 # ---- delivery, main process: the pointer ---------------------------------------------------------------

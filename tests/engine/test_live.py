@@ -70,12 +70,14 @@ def alloc(req, lo, hi):
     pool.req_to_token[req.kv.req_pool_idx, lo:hi] = torch.tensor(slots, dtype=torch.int32)
     return slots
 
-def forward(slots):
+def forward(slots, overlap=True):
+    # overlap: SGLang's default (device clones, host write at finalize); else the inline host write
     n = len(slots)
     for layer in range(2):
         cap.capture(layer, torch.randint(0, 8, (n, 2), dtype=torch.int32, generator=gen))
     fb = types.SimpleNamespace(out_cache_loc=torch.tensor(slots, dtype=torch.int64), out_cache_loc_virtual=None)
-    return cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=True)
+    out = cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=overlap)
+    return out, fb.out_cache_loc
 
 expected = {}
 def upstream(req):
@@ -92,41 +94,44 @@ def grow(req, n, abort=False):
         req.finished_reason = FINISH_LENGTH(len(req.output_ids))
 
 def process(batch, result, out):
-    out.finalize()
+    if out is not None:
+        out.finalize()
     for req in batch.reqs:
         if req.finished():
             expected[req.rid] = upstream(req)
             proc._maybe_collect_routed_experts(req)
     hooks.after_batch_result(proc, batch, result, out)
 
-def extend(items):   # items: (req, prefix_len, extend_len, completes_prompt)
+def extend(items, overlap=True):   # items: (req, prefix_len, extend_len, completes_prompt)
     slots = []
     for req, prefix, n, _ in items:
         slots += alloc(req, prefix, prefix + n)
-    out = forward(slots)
+    out, loc = forward(slots, overlap)
     for req, _, _, last in items:
         if last:
             grow(req, 1)
     batch = ScheduleBatch(reqs=[r for r, *_ in items], prefix_lens=[p for _, p, _, _ in items],
-                          extend_lens=[n for _, _, n, _ in items], forward_mode=ForwardMode.EXTEND)
+                          extend_lens=[n for _, _, n, _ in items], forward_mode=ForwardMode.EXTEND,
+                          out_cache_loc=loc)
     process(batch, GenerationBatchResult(), out)
 
-def decode(reqs, abort=()):
+def decode(reqs, abort=(), overlap=True):
     slots, seq = [], []
     for req in reqs:
         p = len(req.origin_input_ids) + len(req.output_ids) - 1
         slots += alloc(req, p, p + 1)
         seq.append(p + 1)
-    out = forward(slots)
+    out, loc = forward(slots, overlap)
     for req in reqs:
         grow(req, 1, abort=req.rid in abort)
-    batch = ScheduleBatch(reqs=list(reqs), seq_lens_cpu=torch.tensor(seq), forward_mode=ForwardMode.DECODE)
+    batch = ScheduleBatch(reqs=list(reqs), seq_lens_cpu=torch.tensor(seq), forward_mode=ForwardMode.DECODE,
+                          out_cache_loc=loc)
     process(batch, GenerationBatchResult(), out)
 
 def verify(req, stride, accept):
     p = len(req.origin_input_ids) + len(req.output_ids) - 1   # the committed KV length
     slots = [free.pop() for _ in range(stride)]
-    out = forward(slots)
+    out, _ = forward(slots)
     pool.req_to_token[req.kv.req_pool_idx, p : p + accept] = torch.tensor(slots[:accept], dtype=torch.int32)
     grow(req, accept)
     batch = ScheduleBatch(reqs=[req], seq_lens_cpu=torch.tensor([p]), forward_mode=ForwardMode.TARGET_VERIFY)
@@ -179,7 +184,13 @@ e = make("e", 7, 4, 9)
 extend([(e, 0, 4, True)])
 decode([e]); decode([e], abort={"e"})
 
-for req in (a, b, c, g, f, d, e):
+# non-overlap scheduling: the forward's inline host write keeps its rows for the batch result
+z = make("z", 1, 7, 3)
+extend([(z, 0, 7, True)], overlap=False)
+res["z_streaming"] = meta("z")
+decode([z], overlap=False); decode([z], overlap=False)
+
+for req in (a, b, c, g, f, d, e, z):
     m = spool.read_meta(req.rid) if meta(req.rid) else None
     rows = spool.read_array(m).astype(np.int32)
     res[req.rid] = dict(rows=m.rows, final=m.final, status=m.status, start=m.start,
@@ -199,7 +210,8 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
     assert res["b_after_prefix"] == {"rows": 8, "final": False, "status": "ok", "start": 0}
     assert res["a_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
     # every record, live or not, holds exactly SGLang's own rows (base64 path, decoded)
-    for rid, n_rows, start in [("a", 9, 0), ("b", 11, 0), ("c", 9, 2), ("g", 7, 0), ("f", 11, 0), ("d", 9, 0)]:
+    cases = [("a", 9, 0), ("b", 11, 0), ("c", 9, 2), ("g", 7, 0), ("f", 11, 0), ("d", 9, 0), ("z", 9, 0)]
+    for rid, n_rows, start in cases:
         assert res[rid] == {
             "rows": n_rows,
             "final": True,
@@ -212,6 +224,7 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
     assert res["e"] == {"rows": 6, "final": True, "status": "aborted", "start": 0, "equal": True, "n_up": 6}
     # retraction ended the live record as `error`; the finish-time path then rewrote it whole
     assert res["d_after_retract"]["final"] is True and res["d_after_retract"]["status"] == "error"
-    assert res["stats"]["records"] == 6 and res["stats"]["completed"] == 5 and res["stats"]["restarted"] == 1
+    assert res["z_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
+    assert res["stats"]["records"] == 7 and res["stats"]["completed"] == 6 and res["stats"]["restarted"] == 1
     assert res["open"] == []
     assert res["writer"]["queued_bytes"] == 0 and res["writer"]["fallback_inline"] == 0
