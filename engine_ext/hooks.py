@@ -484,7 +484,7 @@ def _attention_ranks() -> tuple[bool, int | None]:
 
 def _delivery_for(processor) -> _Delivery | None:
     """The process's delivery state, created at the first batch result that has a capturer."""
-    global _delivery
+    global _delivery, _delivery_settings
     if _delivery is None and _delivery_settings is not None:
         from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
@@ -493,7 +493,9 @@ def _delivery_for(processor) -> _Delivery | None:
             return None
         import atexit
 
-        _delivery = _Delivery(_delivery_settings, capturer, processor)
+        settings, _delivery_settings = _delivery_settings, None  # one attempt: a failure leaves SGLang's path
+        _delivery = _Delivery(settings, capturer, processor)
+        _delivery_settings = settings
         atexit.register(_delivery.close)  # a clean exit writes what is queued (bounded by the writer's timeout)
     return _delivery
 

@@ -198,6 +198,14 @@ proc._maybe_collect_routed_experts(broken)
 results["contained"] = dict(
     inline=broken.routed_experts is not None, record=Spool(SPOOL).read_meta("broken") is not None,
     seen=sorted(hooks._contained_seen))
+# a delivery that cannot start (R3_DTYPE too narrow for 300 experts) is tried once; SGLang's path stays
+configure(dtype="uint8")
+mc.hf_text_config.num_experts = 300
+narrow = run_request("narrow", 5, 4, 2, return_routed_experts=True)
+proc._maybe_collect_routed_experts(narrow)
+results["narrow"] = dict(inline=narrow.routed_experts is not None, delivery=hooks._delivery is not None,
+                         settings=hooks._delivery_settings is not None, seen=sorted(hooks._contained_seen))
+mc.hf_text_config.num_experts = 8
 configure(spool_max_bytes=64)
 finish([run_request("f3", 6, 30, 10, return_routed_experts=True)])
 results["f3"] = dict(seen=sorted(hooks._contained_seen), stats=hooks._delivery.writer.snapshot())
@@ -249,6 +257,7 @@ emit(results)
 def test_finish_path_against_sglang(tmp_path):
     (res,) = run_sglang(_FINISH_CHILD, env={"R3_TEST_SPOOL": str(tmp_path / "spool")})
     assert res["contained"] == {"inline": True, "record": False, "seen": ["finish"]}, res["f3"]
+    assert res["narrow"] == {"inline": True, "delivery": False, "settings": False, "seen": ["finish"]}
     assert res["unpatched"] == []  # every delivery target resolved and wrapped by HookRegistry
     a, b = res["a"], res["b/ü"]
     assert a == {**a, "equal": True, "rows": 14, "start": 0, "status": "ok", "final": True, "inline": False}
