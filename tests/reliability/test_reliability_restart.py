@@ -112,3 +112,36 @@ def test_restart_over_a_full_spool_serves_everything_at_once(make_sidecar, spool
           f"RSS {rss >> 20} MiB, {len(sample) - len(failures)}/{len(sample)} sampled records exact at once")
     assert not failures, failures[:5]
     assert f'r3_records{{state="ok"}} {float(MANY)}' in metrics
+
+
+def test_waiters_without_retries_get_a_clear_error_not_a_hang(make_sidecar, spool_dir):
+    """With retries off, a trainer blocked in `wait` or a stream when the sidecar dies fails at once, typed."""
+    side = make_sidecar(spool_dir)
+    w = Spool(spool_dir).writer("open-one", num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS)
+    w.append(expected_rows("open-one", 8))
+    errors: dict[str, tuple[str, float]] = {}
+
+    def block(kind: str) -> None:
+        t0 = time.monotonic()
+        with RoutedExpertsClient(side.url, retries=0, timeout=60) as client:
+            try:
+                if kind == "wait":
+                    client.get("never-written", wait=60)
+                else:
+                    for _ in client.stream("open-one", wait=60):
+                        pass
+                errors[kind] = ("returned", time.monotonic() - t0)
+            except (R3Error, httpx.HTTPError) as exc:
+                errors[kind] = (type(exc).__name__, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=block, args=(k,)) for k in ("wait", "stream")]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    side.kill()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "a waiter hung after the sidecar died"
+    print(f"restart, no retries: {errors}")
+    for kind, (name, elapsed) in errors.items():
+        assert name != "returned" and elapsed < 5, (kind, name, elapsed)
