@@ -368,7 +368,11 @@ class _Base:
 
     @staticmethod
     def _path(rid: str) -> str:
-        return f"/routed_experts/{quote(rid, safe='')}"
+        """Percent-encode every byte; a rid of dots alone goes as `%2E`s, since URL normalisation drops `.`/`..`."""
+        encoded = quote(rid, safe="")
+        if rid and set(rid) == {"."}:
+            encoded = "%2E" * len(rid)
+        return f"/routed_experts/{encoded}"
 
 
 class RoutedExpertsClient(_Base):

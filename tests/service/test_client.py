@@ -174,7 +174,7 @@ def test_unauthorized(tmp_path: Path) -> None:
             np.testing.assert_array_equal(ok.get("secret").array, array)
 
 
-@pytest.mark.parametrize("rid", ["a/b", "req 1 ü?#&=%", "../etc", "x" * 300])
+@pytest.mark.parametrize("rid", ["a/b", "req 1 ü?#&=%", "../etc", "x" * 300, ".", ".."])
 def test_rids_that_need_escaping(spool: Spool, client: RoutedExpertsClient, rid: str) -> None:
     array, _ = put(spool, rid, rows=3)
     r = client.get(rid)
