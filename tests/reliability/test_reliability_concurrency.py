@@ -1,5 +1,7 @@
 """Item 8: many writer processes (like DP ranks) and many readers on one spool at once.
 
+Half the writers use `RecordWriter` directly, half hand rows to the engine's `SpoolWriter` thread block by block.
+
 Every array any reader fetches — whole records, ranges, layer subsets, every format, batches, streams —
 equals what its writer wrote (records are a pure function of the rid: `expected_rows`).
 """
@@ -22,6 +24,7 @@ from r3_harness import LAYERS, expected_rows, read_ledger
 from service.client import RoutedExpertsClient
 
 WRITERS = {"c0": 16, "c1": 40, "c2": 64, "c3": 100}  # prefix -> rows per record
+ENGINE_WRITERS = {"c1", "c3"}  # these go through engine_ext.writer.SpoolWriter's thread, the others RecordWriter
 PER_WRITER = 15
 READERS = 6
 
@@ -92,7 +95,7 @@ def test_many_writers_many_readers_exact(make_sidecar, make_writer, spool_dir, t
     rids = [f"{p}-{i:06d}" for p in WRITERS for i in range(PER_WRITER)]
     writers = [make_writer(spool_dir, tmp_path / f"{p}.jsonl",
                            ["--prefix", p, "--count", str(PER_WRITER), "--rows", str(rows), "--chunk", "7",
-                            "--pace", "0.002"])
+                            "--pace", "0.002", *(["--engine-writer"] if p in ENGINE_WRITERS else [])])
                for p, rows in WRITERS.items()]
     tally: collections.Counter[str] = collections.Counter()
     bad: list[str] = []
@@ -106,7 +109,8 @@ def test_many_writers_many_readers_exact(make_sidecar, make_writer, spool_dir, t
     assert not any(t.is_alive() for t in readers)
     written = [e["rid"] for p in WRITERS for e in read_ledger(tmp_path / f"{p}.jsonl") if e.get("final")]
     assert sorted(written) == sorted(rids)
-    print(f"concurrency: {len(WRITERS)} writer processes, {READERS} readers, fetches by kind {dict(tally)}, "
+    print(f"concurrency: {len(WRITERS)} writer processes ({len(ENGINE_WRITERS)} via SpoolWriter), {READERS} readers, "
+          f"fetches by kind {dict(tally)}, "
           f"mismatches {len(bad)}")
     assert sum(tally.values()) == READERS * 40
     assert not bad, bad[:5]

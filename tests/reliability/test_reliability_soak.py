@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 DURATION = float(os.environ.get("R3_SOAK_S", "600"))
 FETCH_WRITERS = {"sf0": 1024, "sf1": 256, "sf2": 16384}  # prefix -> rows per record (16k rows: a long rollout)
 STREAM_WRITERS = {"ss0": 128, "ss1": 128}  # paced: rows arrive in blocks while trainers stream them
+ENGINE_WRITERS = {"sf1", "ss1"}  # through engine_ext.writer.SpoolWriter's thread; the others RecordWriter
 MAX_RECORDS = 64
 SAMPLE_S = 5.0
 
@@ -133,13 +134,15 @@ def test_soak(make_sidecar, make_writer, tmp_path):
         ledgers[prefix] = tmp_path / f"{prefix}.jsonl"
         writers[prefix] = make_writer(spool_dir, ledgers[prefix],
                                       ["--prefix", prefix, "--count", "0", "--duration", str(DURATION), "--rows",
-                                       str(rows), "--chunk", "256", "--max-records", str(MAX_RECORDS)])
+                                       str(rows), "--chunk", "256", "--max-records", str(MAX_RECORDS),
+                                       *(["--engine-writer"] if prefix in ENGINE_WRITERS else [])])
     for prefix, rows in STREAM_WRITERS.items():
         ledgers[prefix] = tmp_path / f"{prefix}.jsonl"
         writers[prefix] = make_writer(spool_dir, ledgers[prefix],
                                       ["--prefix", prefix, "--count", "0", "--duration", str(DURATION), "--rows",
                                        str(rows), "--chunk", "16", "--pace", "0.01",
-                                       "--max-records", str(MAX_RECORDS)])
+                                       "--max-records", str(MAX_RECORDS),
+                                       *(["--engine-writer"] if prefix in ENGINE_WRITERS else [])])
     tally, stop = Tally(), threading.Event()
     threads = [threading.Thread(target=_fetcher, args=(side.url, p, r, ledgers[p], writers[p], tally, stop))
                for p, r in FETCH_WRITERS.items()]
