@@ -632,6 +632,7 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
             if req.finished():
                 live.end(req.rid)
         return
+    step_rows = None  # converted once per step, on the first request that takes rows
     for req, (pos, offset, n) in zip(reqs, layout, strict=True):
         record = live.get(req.rid)
         if record is None:
@@ -648,7 +649,9 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
         elif int(req.retraction_count) != record.retractions:
             live.break_record(req.rid, "retracted")
         limit = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
-        live.feed(req.rid, pos, topk[offset : offset + n], limit=limit)
+        if step_rows is None:
+            step_rows = live.compact(topk)
+        live.feed(req.rid, pos, step_rows[offset : offset + n], limit=limit)
         if req.finished():
             live.end(req.rid)
 

@@ -147,7 +147,7 @@ class LiveRows:
         return record
 
     @_locked
-    def feed(self, rid: str, pos: int, rows: torch.Tensor, *, limit: int) -> None:
+    def feed(self, rid: str, pos: int, rows: torch.Tensor | np.ndarray, *, limit: int) -> None:
         """Rows for positions `[pos, pos + n)`; those below the record start or at/after `limit` are dropped."""
         record = self.records.get(rid)
         if record is None or record.broken:
@@ -163,7 +163,17 @@ class LiveRows:
             self._break(rid, record, f"rows at {pos}, record ends at {record.next_pos}")
             return
         record.next_pos += rows.shape[0]
-        self._emit(rid, record, to_spool_rows(rows, self.collector.shape.layer_slots, record.spec.dtype))
+        self._emit(rid, record, self.spool_rows(rows))
+
+    def spool_rows(self, rows: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Host rows in the record's form; a numpy array is taken as already in it (see `LiveRows.compact`)."""
+        if isinstance(rows, np.ndarray):
+            return rows
+        return to_spool_rows(rows, self.collector.shape.layer_slots, self.collector.dtype)
+
+    def compact(self, step_rows: torch.Tensor) -> np.ndarray:
+        """A whole step's rows in the record's form, once, so each request's slice needs no conversion."""
+        return to_spool_rows(step_rows, self.collector.shape.layer_slots, self.collector.dtype)
 
     @_locked
     def prefix_landed(self, rid: str, record: LiveRecord, rows: torch.Tensor) -> None:

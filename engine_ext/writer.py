@@ -28,6 +28,8 @@ USAGE_REFRESH_S = 1.0
 """How often the writer thread rescans the spool's real usage (the sidecar deletes records)."""
 META_ESTIMATE_BYTES = 1024
 """A record's metadata file, counted before the next rescan sees it."""
+MAX_OPS_PER_PUBLISH = 1024
+"""Ops the writer thread applies before publishing the records they grew (a backlog coalesces publishes)."""
 
 
 def spool_dtype(configured: str, num_experts: int) -> str:
@@ -245,18 +247,27 @@ class SpoolWriter:
                         break
                 if not self._ops and self._stopping:
                     return
-                op = self._ops.popleft() if self._ops else None
-                self._busy = op is not None
-            if op is not None:
-                self._apply(op)
+                ops = [self._ops.popleft() for _ in range(min(len(self._ops), MAX_OPS_PER_PUBLISH))]
+                self._busy = bool(ops)
+            if ops:
+                touched: dict[str, RecordWriter] = {}
+                for op in ops:
+                    self._apply(op, touched)
+                for rid, writer in touched.items():  # one metadata replace per record per batch of ops
+                    try:
+                        writer.publish()
+                    except OSError as exc:
+                        logger.error("r3-sidecar: publishing record %r failed: %s", rid, exc)
                 with self._lock:
-                    self._reserved -= op.nbytes
-                    self.stats.queued_bytes -= op.nbytes
+                    released = sum(op.nbytes for op in ops)
+                    self._reserved -= released
+                    self.stats.queued_bytes -= released
                     self._busy = False
             if time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
                 self._probe()
 
-    def _apply(self, op: Op) -> None:
+    def _apply(self, op: Op, touched: dict[str, RecordWriter]) -> None:
+        """Apply one op; appends to records that stay open are published by the caller, once per batch."""
         spool = self._spool
         assert spool is not None
         writer = self._open.get(op.rid)
@@ -284,12 +295,17 @@ class SpoolWriter:
                 logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
                 return
             if op.rows is not None and op.rows.shape[0]:
-                writer.append(op.rows, publish=op.status is None)
+                writer.append(op.rows, publish=False)
+                if op.status is None:
+                    touched[op.rid] = writer
                 with self._lock:
                     self._usage += op.nbytes
                     self._free -= op.nbytes
+            elif op.spec is not None and op.status is None:
+                touched[op.rid] = writer
             if op.status is not None:
                 self._open.pop(op.rid, None)
+                touched.pop(op.rid, None)
                 writer.finalize(op.status)
                 with self._lock:
                     self.stats.records_written += 1
@@ -300,6 +316,7 @@ class SpoolWriter:
                 if isinstance(exc, OSError):
                     self._writable = False  # refuse until the next probe (<= USAGE_REFRESH_S) finds it usable
             self._open.pop(op.rid, None)
+            touched.pop(op.rid, None)
             if writer is not None and not writer.closed:
                 with contextlib.suppress(OSError):
                     writer.finalize("error")

@@ -113,10 +113,10 @@ class _StalledWriter(SpoolWriter):
         self.entered = threading.Event()
         self.release_disk = threading.Event()
 
-    def _apply(self, op: Op) -> None:
+    def _apply(self, op: Op, touched) -> None:
         self.entered.set()
         self.release_disk.wait(30)
-        super()._apply(op)
+        super()._apply(op, touched)
 
 
 def test_handoff_never_blocks_on_a_stalled_writer(tmp_path):
