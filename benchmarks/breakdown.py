@@ -5,6 +5,8 @@
   (`recv_into`, no HTTP parsing): the gaps are the cost of each layer of the client's HTTP stack.
 - `compaction`: the plugin's finish-time compaction (`engine_ext.collect.to_spool_rows` over the gathered
   int32 rows) against upstream's gather alone and against one fused numpy gather of the routed layers.
+- `live_compaction`: one decode step's rows compacted per request (`to_spool_rows` on each request's row,
+  as `LiveRows.feed` does) against one cast of the whole step and a view per request.
 """
 
 from __future__ import annotations
@@ -100,3 +102,30 @@ def compaction(shape: ModelShape, host_tokens: int, lengths: tuple[int, ...], re
             }
         )
     return rows
+
+
+def live_compaction(shape: ModelShape, batch: int, reps: int) -> dict:
+    """Thread-CPU µs to compact one decode step of `batch` requests: per request, or once per step."""
+    from engine_ext.collect import to_spool_rows
+
+    gen = torch.Generator().manual_seed(11)
+    step = torch.randint(0, shape.num_experts, (batch, shape.num_hidden_layers, shape.topk), generator=gen)
+    step = step.to(torch.int32)
+    layer_slots = list(shape.moe_layers) if shape.first_moe_layer else None
+    lo, hi = shape.first_moe_layer, shape.num_hidden_layers
+
+    def per_request() -> list[np.ndarray]:
+        return [to_spool_rows(step[i : i + 1], layer_slots, shape.dtype) for i in range(batch)]
+
+    def per_step() -> list[np.ndarray]:
+        rows = step.numpy()[:, lo:hi].astype(shape.dtype)
+        return [rows[i : i + 1] for i in range(batch)]
+
+    if not all(np.array_equal(a, b) for a, b in zip(per_request(), per_step(), strict=True)):
+        raise AssertionError("per-step compaction differs from the plugin's")
+    return {
+        "model": shape.name,
+        "batch": batch,
+        "per_request_us": _cpu_ms(per_request, reps) * 1e3,
+        "per_step_us": _cpu_ms(per_step, reps) * 1e3,
+    }

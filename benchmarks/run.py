@@ -37,7 +37,7 @@ class Config:
 
     models: tuple[str, ...] = tuple(SHAPES)
     tokens: tuple[int, ...] = (1024, 8192, 32768)
-    reps: dict[int, int] = field(default_factory=lambda: {1024: 20, 8192: 10, 32768: 5})
+    reps: dict[int, int] = field(default_factory=lambda: {1024: 30, 8192: 15, 32768: 9})
     batch_model: str = "Qwen3-30B-A3B"
     batch_records: int = 256
     batch_tokens: int = 8192
@@ -46,7 +46,7 @@ class Config:
     get_many_chunk: int = 4
     rounds: int = 1
     live_batch: int = 64
-    live_steps: int = 50
+    live_steps: int = 100
     memory_gib: tuple[float, ...] = (1.0, 10.0)
     seed: int = 20261122
     sections: tuple[str, ...] = SECTIONS
@@ -202,6 +202,9 @@ def run(config: Config, workdir: Path) -> dict:
             for row in breakdown.compaction(
                 SHAPES[m], longest + 1024, config.tokens, config.reps_for(min(config.tokens))
             )
+        ]
+        results["breakdown"]["live_compaction"] = [
+            breakdown.live_compaction(SHAPES[m], config.live_batch, 50) for m in config.models
         ]
 
     if "engine" in config.sections:

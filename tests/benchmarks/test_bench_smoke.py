@@ -92,6 +92,9 @@ def test_breakdown_compares_the_same_bytes(results: dict) -> None:
     assert len(comp) == len(results["config"]["models"]) * len(results["config"]["tokens"])
     for c in comp:
         assert all(_finite_positive(c[k]) for k in ("upstream_gather_ms", "plugin_gather_compact_ms", "fused_numpy_ms"))
+    live = results["breakdown"]["live_compaction"]
+    assert [c["model"] for c in live] == results["config"]["models"]
+    assert all(_finite_positive(c["per_request_us"]) and _finite_positive(c["per_step_us"]) for c in live)
 
 
 def test_report_renders_every_section(results: dict, tmp_path: Path) -> None:
