@@ -168,9 +168,11 @@ def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
         seq_lens = [prompt + 1] * batch
 
         def step() -> None:
+            # As `hooks.live_step`: the step's rows are compacted once, each request gets its slice.
             layout, _ = decode_layout(seq_lens)
+            rows = live.compact(step_rows)
             for rid, (pos, offset, n) in zip(rids, layout, strict=True):
-                live.feed(rid, pos, step_rows[offset : offset + n], limit=1 << 30)
+                live.feed(rid, pos, rows[offset : offset + n], limit=1 << 30)
             for i in range(batch):
                 seq_lens[i] += 1
 
