@@ -131,10 +131,14 @@ class SpoolWriter:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ops: deque[Op] = deque()
-        self._reserved = 0  # spool bytes promised to ops not yet written
-        self._usage = 0  # spool bytes in use, as last seen by the writer thread (+ its own writes since)
+        # Two views of the same files: their sizes (what R3_SPOOL_MAX_BYTES caps) and the file system's
+        # blocks they take (what ENOSPC is about: tmpfs gives a 300-byte file a whole page).
+        self._reserved = 0  # sizes promised to ops not yet written
+        self._reserved_blocks = 0  # blocks promised to ops not yet written, in bytes
+        self._usage = 0  # record file sizes, as last scanned by the writer thread (+ its own writes since)
         self._capacity = 0
-        self._free = 0  # the file system's free bytes at the last probe, less what was written since
+        self._free = 0  # the file system's free bytes at the last probe, less the blocks written since
+        self._block = 4096
         self._writable = False
         self._stopping = False
         self._open: dict[str, RecordWriter] = {}
@@ -145,33 +149,51 @@ class SpoolWriter:
         self._probe()
 
     # ---- scheduler thread: in-memory counters only ---------------------------------------------------
-    def reserve(self, nbytes: int) -> Refusal | None:
-        """Promise `nbytes` of spool and queue room; None on success, else why not (counted)."""
+    def _costs(self, nbytes: int, opens: bool) -> tuple[int, int]:
+        """(file-size bytes, file-system bytes) that `nbytes` of rows take; a new record adds its metadata."""
+        block = self._block
+        pages = -(-nbytes // block) * block  # an append may start a page too: never undercount
+        if not opens:
+            return nbytes, pages
+        return nbytes + META_ESTIMATE_BYTES, pages + block
+
+    def reserve(self, nbytes: int, *, opens: bool = True) -> Refusal | None:
+        """Promise room for `nbytes` of rows (of a new record unless `opens=False`); None, or why not (counted)."""
+        size, blocks = self._costs(nbytes, opens)
         with self._lock:
             if not self._writable:
                 return NOT_WRITABLE
             if self.stats.queued_bytes + nbytes > self.queue_bytes:
                 self.stats.queue_full += 1
                 return QUEUE_FULL
-            if self._usage + self._reserved + nbytes > self._capacity or self._reserved + nbytes > self._free:
+            margin = 2 * self._block  # one metadata replace in flight (its temporary file), directory growth
+            over_cap = self._usage + self._reserved + size > self._capacity
+            if over_cap or self._reserved_blocks + blocks + margin > self._free:
                 self.stats.spool_full += 1
                 return SPOOL_FULL
-            self._reserved += nbytes
+            self._reserved += size
+            self._reserved_blocks += blocks
             self.stats.queued_bytes += nbytes
             return None
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, *, opens: bool = True) -> None:
         """Give back a reservation that will not be submitted (e.g. the request vanished)."""
+        self._settle(nbytes, opens)
+
+    def _settle(self, nbytes: int, opens: bool) -> None:
+        size, blocks = self._costs(nbytes, opens)
         with self._lock:
-            self._reserved -= nbytes
+            self._reserved -= size
+            self._reserved_blocks -= blocks
             self.stats.queued_bytes -= nbytes
 
     def submit(self, op: Op, *, reserved: bool = False) -> bool:
         """Queue `op` without waiting; False (nothing queued) when its bytes cannot be reserved.
 
-        With `reserved=True` the caller already holds a reservation of `op.nbytes`.
+        With `reserved=True` the caller already holds `reserve(op.nbytes, opens=op.spec is not None)`.
         """
-        if not reserved and op.nbytes and self.reserve(op.nbytes) is not None:
+        opens = op.spec is not None
+        if not reserved and (op.nbytes or opens) and self.reserve(op.nbytes, opens=opens) is not None:
             return False
         with self._lock:
             if not self._writable and not reserved:
@@ -226,16 +248,18 @@ class SpoolWriter:
             writable = os.access(self._spool.records_dir, os.W_OK)
             capacity = self._spool.capacity_bytes(self.max_bytes)
             usage = self._spool.usage_bytes()
-            free = self._spool.free_bytes()
+            st = os.statvfs(self._spool.root)
+            free, block = st.f_bavail * st.f_frsize, max(st.f_frsize, 512)
         except OSError as exc:
             if self._writable or self._last_refresh == 0.0:
                 logger.warning("r3-sidecar: spool %s not usable: %s", self.spool_dir, exc)
-            writable, capacity, usage, free = False, 0, 0, 0
+            writable, capacity, usage, free, block = False, 0, 0, 0, self._block
         with self._lock:
             self._writable = writable
             self._capacity = capacity
             self._usage = usage
             self._free = free
+            self._block = block
         self._last_refresh = time.monotonic()
 
     def _run(self) -> None:
@@ -258,10 +282,9 @@ class SpoolWriter:
                         writer.publish()
                     except OSError as exc:
                         logger.error("r3-sidecar: publishing record %r failed: %s", rid, exc)
+                for op in ops:
+                    self._settle(op.nbytes, op.spec is not None)
                 with self._lock:
-                    released = sum(op.nbytes for op in ops)
-                    self._reserved -= released
-                    self.stats.queued_bytes -= released
                     self._busy = False
             if time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
                 self._probe()
@@ -288,19 +311,22 @@ class SpoolWriter:
                     weight_version=s.weight_version,
                 )
                 self._open[op.rid] = writer
+                size, blocks = self._costs(0, True)
                 with self._lock:
-                    self._usage += META_ESTIMATE_BYTES  # until the next rescan measures it
-                    self._free -= META_ESTIMATE_BYTES
+                    self._usage += size  # until the next rescan measures it
+                    self._free -= blocks
             if writer is None:
                 logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
                 return
             if op.rows is not None and op.rows.shape[0]:
+                block, before = self._block, writer.meta.nbytes
+                grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
                 writer.append(op.rows, publish=False)
                 if op.status is None:
                     touched[op.rid] = writer
                 with self._lock:
                     self._usage += op.nbytes
-                    self._free -= op.nbytes
+                    self._free -= grown  # whole pages, as tmpfs charges them
             elif op.spec is not None and op.status is None:
                 touched[op.rid] = writer
             if op.status is not None:

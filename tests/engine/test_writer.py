@@ -182,3 +182,15 @@ def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypat
     assert writer.flush()
     assert Spool(tmp_path / "spool").read_meta("y").final
     writer.close()
+
+
+def test_metadata_and_pages_count_toward_the_reservation(tmp_path):
+    from engine_ext.writer import META_ESTIMATE_BYTES
+
+    writer = SpoolWriter(tmp_path, max_bytes=2 * (1000 + META_ESTIMATE_BYTES) - 1)
+    assert writer.reserve(1000) is None  # the rows and the new record's metadata file
+    assert writer.reserve(1000) == SPOOL_FULL  # a second one would pass the cap by its metadata
+    assert writer.reserve(1000, opens=False) is None  # rows appended to an open record add no metadata
+    writer.release(1000, opens=False)
+    writer.release(1000)
+    assert writer.snapshot()["queued_bytes"] == 0 and writer._reserved == 0 and writer._reserved_blocks == 0
