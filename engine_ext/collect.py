@@ -119,6 +119,14 @@ class StepGather:
     def pending(self) -> bool:
         return bool(self._queued or self._inflight)
 
+    def queued(self) -> bool:
+        """Requests added this step and not yet launched."""
+        return bool(self._queued)
+
+    def inflight(self) -> bool:
+        """Launched reads whose rows have not been drained."""
+        return bool(self._inflight)
+
     def launch(self, req_to_token: torch.Tensor) -> None:
         """Read every queued request's slot ids with one concatenation and one non-blocking copy."""
         if not self._queued:
@@ -325,14 +333,14 @@ class Collector:
     def end_step(self, req_to_token: torch.Tensor, host_buffer: torch.Tensor) -> None:
         """After a step's results: one batched slot read for the step's finished requests."""
         self._host_buffer = host_buffer
-        if self.gather._queued:
+        if self.gather.queued():
             self.gather.launch(req_to_token)
             self._ready.set()
         self.drain(wait=False)
 
     def drain(self, *, wait: bool) -> int:
         """Gather launched requests' rows from the host cache and hand them to the writer."""
-        if self._host_buffer is None or not self.gather._inflight:
+        if self._host_buffer is None or not self.gather.inflight():
             return 0
         done = self.gather.drain(self._host_buffer, wait=wait)
         for ticket, rows in done:
@@ -344,11 +352,11 @@ class Collector:
         while not stop.is_set():
             if not self._ready.wait(0.5):
                 continue
-            while self.gather._inflight and not stop.is_set():
+            while self.gather.inflight() and not stop.is_set():
                 self.drain(wait=False)
                 stop.wait(poll_s)
             self._ready.clear()
-            if self.gather._inflight:
+            if self.gather.inflight():
                 self._ready.set()
 
 
