@@ -120,9 +120,6 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
           f"{len(again) - len(refused_again)}/{len(again)} new records spooled")
 
 
-@pytest.mark.xfail(strict=True, reason="engine_ext/writer.py: reservations count row bytes only (Op.nbytes = "
-                                       "rows.nbytes); each record's metadata file lands on top, so the spool "
-                                       "overshoots R3_SPOOL_MAX_BYTES by ~250 B per record queued at once")
 def test_spool_never_exceeds_its_cap(spool_dir):
     writer = SpoolWriter(spool_dir, max_bytes=CAPACITY, queue_bytes=1 << 20, engine="rel/dp0").start()
     for i in range(30):
@@ -194,9 +191,6 @@ def test_stale_record_on_a_full_spool_answers_410(make_sidecar, tmp_path):
         assert r.status_code == 410, f"{r.status_code} {r.text[:200]}"
 
 
-@pytest.mark.xfail(strict=True, reason="engine_ext/writer.py: on tmpfs the writer counts st_size, not allocated "
-                                       "pages, so it accepts records the file system cannot hold; ENOSPC then "
-                                       "loses requests whose inline payload was already dropped (sidecar mode)")
 def test_real_enospc_loses_no_accepted_request(make_sidecar, tmp_path):
     with _small_tmpfs(tmp_path / "shm", "256k") as shm:
         spool_dir = shm / "spool"
