@@ -601,6 +601,8 @@ def after_batch_result(processor, batch, result, captured) -> None:
         captured = rows if key is getattr(batch, "out_cache_loc", None) else None
     if delivery is not None and captured is not None:
         live_step(delivery, batch, result, captured.topk)
+    if delivery is not None:
+        delivery.live.end_step()
     end_delivery_step(processor)
 
 

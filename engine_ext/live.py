@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from engine_ext.collect import Collector
 
 LIVE_PARAM = "r3_live_rows"
+FORGET_AFTER_STEPS = 4096
 T = TypeVar("T")
 
 Layout = list[tuple[int, int, int]]
@@ -79,6 +80,7 @@ class LiveRecord:
     buffer: list[np.ndarray] = field(default_factory=list)
     broken: str | None = None
     finished: Finished | None = None
+    seen_step: int = 0  # the last step that carried this request
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class LiveStats:
     rows: int = 0
     completed: int = 0
     restarted: int = 0  # live records ended as `error` and rewritten whole at finish
+    forgotten: int = 0  # requests that stopped appearing (aborted while waiting after a retraction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class LiveRows:
         self.writer = collector.writer
         self.records: dict[str, LiveRecord] = {}
         self.stats = LiveStats()
+        self.step = 0
         self._lock = threading.RLock()  # prefix rows may land from the collector's idle ticker
 
     def get(self, rid: str) -> LiveRecord | None:
@@ -137,7 +141,7 @@ class LiveRows:
             dtype=collector.dtype,
             engine=collector.engine,
         )
-        record = LiveRecord(spec=spec, next_pos=start, retractions=retractions)
+        record = LiveRecord(spec=spec, next_pos=start, retractions=retractions, seen_step=self.step)
         if first_pos > start:
             record.waiting = True
             record.next_pos = first_pos
@@ -152,6 +156,7 @@ class LiveRows:
         record = self.records.get(rid)
         if record is None or record.broken:
             return
+        record.seen_step = self.step
         start = record.spec.start
         if pos < start:
             cut = min(rows.shape[0], start - pos)
@@ -241,3 +246,21 @@ class LiveRows:
             return
         self._break(rid, record, f"incomplete at finish: rows end at {record.next_pos}, want {hi}")
         self.collector.spool_whole(fin)
+
+    @_locked
+    def end_step(self, unseen_steps: int = FORGET_AFTER_STEPS) -> None:
+        """Count a step; every `unseen_steps`, end records whose request stopped appearing in batches.
+
+        A request that leaves without finishing through a batch result (aborted in the waiting queue after a
+        retraction) would otherwise hold its record open until the sidecar's stale timeout. If it does come
+        back, its next extend starts a new record, or its finish takes the finish-time path.
+        """
+        self.step += 1
+        if self.step % unseen_steps:
+            return
+        for rid, record in list(self.records.items()):
+            if self.step - record.seen_step >= unseen_steps:
+                del self.records[rid]
+                self.stats.forgotten += 1
+                if record.opened and not record.broken:
+                    self.writer.submit(Op(rid, status="error"))

@@ -25,6 +25,32 @@ def test_opt_in():
     assert not wants_live(True, {"r3_live_rows": False})
 
 
+def test_a_request_that_stops_appearing_is_forgotten(tmp_path):
+    import torch
+
+    from engine_ext.collect import Collector, ModelShape
+    from engine_ext.live import LiveRows
+    from engine_ext.settings import Mode
+    from engine_ext.writer import SpoolWriter
+    from service.spool import Spool
+
+    writer = SpoolWriter(tmp_path).start()
+    shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), layer_slots=None)
+    live = LiveRows(Collector(writer, shape, mode=Mode.SIDECAR, capture_all=False, dtype="uint8", engine="e"))
+    for rid in ("gone", "running"):
+        live.begin(rid, start=0, prompt_len=3, retractions=0, first_pos=0, pool_idx=1)
+        live.feed(rid, 0, torch.zeros(3, 2, 2, dtype=torch.int32), limit=10)
+    for step in range(4):
+        live.feed("running", 3 + step, torch.ones(1, 2, 2, dtype=torch.int32), limit=10)
+        live.end_step(unseen_steps=2)
+    assert sorted(live.records) == ["running"] and live.stats.forgotten == 1
+    assert writer.flush()
+    gone = Spool(tmp_path).read_meta("gone")
+    assert gone.final and gone.status == "error" and gone.rows == 3
+    assert Spool(tmp_path).read_meta("running").rows == 7 and not Spool(tmp_path).read_meta("running").final
+    writer.close()
+
+
 _LIVE_CHILD = r"""
 import base64, os, types
 from array import array
