@@ -315,6 +315,11 @@ def breakdown_section(bd: dict) -> str:
         parts.append(
             "Finish-time compaction on the scheduler thread (thread CPU time, median):\n\n" + _table(header, body)
         )
+    live = bd.get("live_compaction")
+    if live:
+        body = [[c["model"], str(c["batch"]), f"{c['per_request_us']:.0f}", f"{c['per_step_us']:.0f}"] for c in live]
+        header = ["model", "running requests", "per request (`to_spool_rows` each) µs", "once per step + views µs"]
+        parts.append("Live rows, compaction of one decode step (thread CPU time, median):\n\n" + _table(header, body))
     return "\n\n".join(parts)
 
 

@@ -1,6 +1,6 @@
 """`make bench`: every measurement in one run, then BENCHMARKS.md and the plots.
 
-    .venv/bin/python -m benchmarks.run            # full run (about 10 minutes on 2 cores)
+    .venv/bin/python -m benchmarks.run            # full run (about 4 minutes on 2 shared cores, 15 at load ~10)
     .venv/bin/python -m benchmarks.run --quick    # seconds: small shapes, for a harness check
     .venv/bin/python -m benchmarks.run --only delivery,limits --no-report
 
