@@ -71,14 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.005)
         write_one(f"{args.prefix}-{i:06d}", final=True)
         i += 1
+    if engine_writer is not None:
+        engine_writer.close(timeout=60)
+        assert engine_writer.stats.write_errors == 0, engine_writer.stats
+    note(event="done", count=i - args.first)
     for j in range(args.open):
         write_one(f"{args.prefix}-open-{j:04d}", final=False)
     if args.open:
         note(event="open_done")
         time.sleep(3600)
-    if engine_writer is not None:
-        engine_writer.close(timeout=60)
-        assert engine_writer.stats.write_errors == 0, engine_writer.stats
     return 0
 
 
