@@ -637,7 +637,8 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
     step_rows = None  # converted once per step, on the first request that takes rows
     for req, (pos, offset, n) in zip(reqs, layout, strict=True):
         record = live.get(req.rid)
-        if record is None:
+        retracted = record is not None and int(req.retraction_count) != record.retractions
+        if record is None or (retracted and first_extend):  # a retracted request's re-prefill starts over
             if not first_extend or req.finished() or req.is_retracted or not delivery.wants_live(req):
                 continue
             record = live.begin(
@@ -648,8 +649,8 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
                 first_pos=pos,
                 pool_idx=int(req.kv.req_pool_idx),
             )
-        elif int(req.retraction_count) != record.retractions:
-            live.break_record(req.rid, "retracted")
+        elif retracted:
+            live.break_record(req.rid, "retracted, and not back through a prefill")
         limit = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
         if step_rows is None:
             step_rows = live.compact(topk)

@@ -9,12 +9,13 @@ Opt-in: `R3_LIVE_ROWS=1` for every captured request, or per request `sampling_pa
 {"r3_live_rows": true}` (false opts out); SGLang itself carries private keys in `custom_params`, and it
 reaches the scheduler on every path (HTTP, engine API, sessions, disaggregation).
 
-Rows are never rewritten (Contract 1), so anything that would need it ends the live record as `error`
-and the request is written again, whole, by the finish-time path under the same rid:
-- retraction (the request is recomputed from scratch; SGLang's own rows then come from the recompute),
-- a gap (a step whose rows do not start where the record ends: unknown layout, a refused reservation).
-A stream reader that sees `error` refetches the record. An aborted request ends its live record
-`aborted` with the rows so far.
+Rows are never rewritten (Contract 1). Retraction recomputes a request from scratch, and SGLang's own
+rows then come from the recompute; so at the re-prefill the record starts over under the same rid (the
+writer replaces its files: rows go back to 0 and the record is never final in between, so `wait` readers
+see 202, then the whole record; a `stream` reader sees `rows` drop and starts over). A gap (a step whose
+rows do not start where the record ends: unknown layout, a refused reservation) ends the live record as
+`error`, and the finish-time path writes the request whole under the same rid. An aborted request ends
+its live record `aborted` with the rows so far.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class LiveStats:
     records: int = 0
     rows: int = 0
     completed: int = 0
-    restarted: int = 0  # live records ended as `error` and rewritten whole at finish
+    restarted: int = 0  # live records begun again at a retracted request's re-prefill
+    broken: int = 0  # live records ended as `error`, the request then written whole at finish
     forgotten: int = 0  # requests that stopped appearing (aborted while waiting after a retraction)
 
 
@@ -129,7 +131,15 @@ class LiveRows:
     def begin(
         self, rid: str, *, start: int, prompt_len: int, retractions: int, first_pos: int, pool_idx: int
     ) -> LiveRecord:
-        """Track a request from its first extend; a cached prefix `[start, first_pos)` is read from the host cache."""
+        """Track a request from its first extend; a cached prefix `[start, first_pos)` is read from the host cache.
+
+        Called again at a retracted request's re-prefill, it starts the record over under the same rid: the
+        writer replaces the old files (rows back to 0, never final in between, so waiting readers see 202),
+        and the new rows are those of the recompute, as SGLang's own finish-time rows are.
+        """
+        if rid in self.records:
+            self.stats.restarted += 1
+            self.stats.records -= 1
         collector = self.collector
         spec = RecordSpec(
             rid=rid,
@@ -211,7 +221,7 @@ class LiveRows:
             return
         record.broken = reason
         record.buffer = []
-        self.stats.restarted += 1
+        self.stats.broken += 1
         if record.opened:
             self.writer.submit(Op(rid, status="error"))
 

@@ -296,8 +296,8 @@ class SpoolWriter:
         writer = self._open.get(op.rid)
         try:
             if op.spec is not None:
-                if writer is not None and not writer.closed:
-                    writer.finalize("error")
+                if writer is not None:
+                    _discard(writer)  # starting over: the new record replaces it, never final in between
                 s = op.spec
                 writer = spool.writer(
                     s.rid,
@@ -346,3 +346,11 @@ class SpoolWriter:
             if writer is not None and not writer.closed:
                 with contextlib.suppress(OSError):
                     writer.finalize("error")
+
+
+def _discard(writer: RecordWriter) -> None:
+    """Close a record's file without publishing anything (its replacement publishes `rows=0` first)."""
+    fd, writer._fd = writer._fd, None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)

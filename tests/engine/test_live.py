@@ -192,10 +192,11 @@ verify(f, 3, 2)
 verify(f, 3, 3)
 decode([f])
 
-# retraction: the live record ends `error`, the finish-time path writes the request whole
+# retraction: the record starts over at the re-prefill; its rows are the recompute's, as SGLang's are
 d = make("d", 6, 5, 5)
 extend([(d, 0, 5, True)])
 decode([d]); decode([d])
+res["d_before_retract"] = meta("d")
 d.kv.req_pool_idx = None                     # retraction releases the KV first
 d.reset_for_retract()
 d.kv.req_pool_idx = 6                        # the re-prefill gets a row again
@@ -222,7 +223,7 @@ for req in (a, b, c, g, f, d, e, z):
     res[req.rid] = dict(rows=m.rows, final=m.final, status=m.status, start=m.start,
                         equal=bool(np.array_equal(rows, expected[req.rid])), n_up=int(expected[req.rid].shape[0]))
 st = hooks._delivery.live.stats
-res["stats"] = dict(records=st.records, completed=st.completed, restarted=st.restarted, rows=st.rows)
+res["stats"] = dict(records=st.records, completed=st.completed, restarted=st.restarted, broken=st.broken)
 res["open"] = sorted(hooks._delivery.live.records)
 res["writer"] = hooks._delivery.writer.snapshot()
 emit(res)
@@ -248,9 +249,10 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
         }, rid
     assert res["c_final"]["final"] is True
     assert res["e"] == {"rows": 6, "final": True, "status": "aborted", "start": 0, "equal": True, "n_up": 6}
-    # retraction ended the live record as `error`; the finish-time path then rewrote it whole
-    assert res["d_after_retract"]["final"] is True and res["d_after_retract"]["status"] == "error"
+    # retraction: the re-prefill started the record over (never final in between), rows from the recompute
+    assert res["d_before_retract"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
+    assert res["d_after_retract"] == {"rows": 8, "final": False, "status": "ok", "start": 0}
     assert res["z_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
-    assert res["stats"]["records"] == 7 and res["stats"]["completed"] == 6 and res["stats"]["restarted"] == 1
+    assert res["stats"] == {"records": 7, "completed": 7, "restarted": 1, "broken": 0}
     assert res["open"] == []
     assert res["writer"]["queued_bytes"] == 0 and res["writer"]["fallback_inline"] == 0

@@ -82,6 +82,31 @@ def test_live_record_grows_and_restarts(tmp_path):
     writer.close()
 
 
+def test_a_new_spec_starts_an_open_record_over_without_a_final_in_between(tmp_path):
+    writer = SpoolWriter(tmp_path).start()
+    spec = _spec("again")
+    assert writer.submit(Op("again", spec=spec, rows=compact(_rows(5), spec.dtype)))
+    assert writer.flush()
+    seen = []
+    original = Spool.write_meta
+
+    def spy(self, meta):
+        seen.append((meta.rows, meta.final, meta.status))
+        original(self, meta)
+
+    Spool.write_meta = spy
+    try:
+        rows = _rows(2, seed=3)
+        assert writer.submit(Op("again", spec=spec, rows=compact(rows, spec.dtype)))
+        assert writer.flush()
+    finally:
+        Spool.write_meta = original
+    assert seen == [(0, False, "ok"), (2, False, "ok")]  # never final: a waiting reader sees 202 throughout
+    meta = Spool(tmp_path).read_meta("again")
+    np.testing.assert_array_equal(Spool(tmp_path).read_array(meta), rows)
+    writer.close()
+
+
 def test_spool_full_is_refused_and_counted(tmp_path):
     writer = SpoolWriter(tmp_path, max_bytes=64).start()
     spec = _spec("big")
