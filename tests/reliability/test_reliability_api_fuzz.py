@@ -123,6 +123,7 @@ def test_known_records_survive_fuzzing(fuzz_sidecar):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)
 def test_api_fuzz_long():
     """The same suite with 400 cases per operation and method (`make reliability`)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "not slow",

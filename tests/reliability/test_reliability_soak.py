@@ -53,6 +53,7 @@ def shm_spool(tmp_path):
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.timeout(int(DURATION) + 600)
 def test_soak(make_sidecar, make_writer, tmp_path, shm_spool):
     side = make_sidecar(shm_spool, env={"R3_TTL_S": "900", "R3_STALE_S": "60"})
     writers, trainers, ledgers, outs = {}, [], {}, {}

@@ -52,6 +52,7 @@ def test_spool_reader_survives_damage_long(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_spool_reader_atheris(tmp_path):
     pytest.importorskip("atheris")
     runs = 200000
