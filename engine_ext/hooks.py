@@ -401,6 +401,7 @@ class _Delivery:
         )
         self.live = LiveRows(self.collector)
         self.inline_rows = None  # non-overlap: (out_cache_loc, TopkCaptureOutput on the host) of the last forward
+        self.spec_tree = _eagle_topk() > 1  # verify keeps a path through a tree, not the first accept_len rows
         self.stop = threading.Event()
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
@@ -460,6 +461,15 @@ def _telemetry(settings: EngineSettings, delivery: _Delivery, allocator):
 
 _delivery_settings: EngineSettings | None = None
 _delivery: _Delivery | None = None
+
+
+def _eagle_topk() -> int:
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        return int(get_spec().speculative_eagle_topk or 1)
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return 1
 
 
 def _attention_ranks() -> tuple[bool, int | None]:
@@ -618,7 +628,7 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
         return
     if mode.is_target_verify():
         stride = result.speculative_output_stride or result.speculative_num_draft_tokens
-        if result.accept_lens is None or not stride:
+        if result.accept_lens is None or not stride or delivery.spec_tree:
             layout, total = [], -1
         else:
             layout, total = verify_layout(batch.seq_lens_cpu.tolist(), int(stride), result.accept_lens.tolist())
