@@ -416,6 +416,7 @@ class _Delivery:
         settings = self.settings
         return (
             self.publisher
+            and not self.spec_tree  # tree verify rows are not a prefix: those requests use the finish-time path
             and bool(req.return_routed_experts or settings.capture_all)
             and wants_live(settings.live_rows, getattr(req.sampling_params, "custom_params", None))
         )
