@@ -23,6 +23,7 @@ from r3_harness import LAYERS, NUM_EXPERTS, TOPK, Sidecar, expected_rows
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
+    ignored_auth,
     negative_data_rejection,
     not_a_server_error,
     response_headers_conformance,
@@ -37,6 +38,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 KNOWN = ["fz-ok", "fz-aborted", "fz-empty", "../fz", "é🙂 x", "fz-big"]
 EXAMPLES = int(os.environ.get("R3_FUZZ_EXAMPLES", "40"))
 CASES: collections.Counter[str] = collections.Counter()
+AUTH_CASES: collections.Counter[str] = collections.Counter()
 
 
 def _seed(spool_dir) -> None:
@@ -52,7 +54,7 @@ def _seed(spool_dir) -> None:
 SIDECAR_ENV = {"R3_MAX_WAIT_S": "0.2", "R3_STALE_S": "2", "R3_MAX_BATCH": "8"}
 
 
-def _load_schema():
+def _load_schema(env: dict[str, str]):
     """The app's own OpenAPI document, built in-process with the settings the live sidecar gets.
 
     (schemathesis' lazy `from_fixture` loader does not work with pytest 9, so the schema is built at import and
@@ -65,7 +67,7 @@ def _load_schema():
     from service.settings import Settings
 
     settings = Settings(spool_dir=Path(tempfile.mkdtemp(prefix="r3-schema-")),
-                        **{k.removeprefix("R3_").lower(): v for k, v in SIDECAR_ENV.items()})
+                        **{k.removeprefix("R3_").lower(): v for k, v in env.items()})
     document = create_app(settings).openapi()
     schema = schemathesis.openapi.from_dict(document)
     schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=EXAMPLES,
@@ -81,32 +83,58 @@ def _load_schema():
     return document, schema
 
 
-LOADED = _load_schema()
+TOKEN = "fuzz-token"
+AUTH_ENV = {**SIDECAR_ENV, "R3_AUTH_TOKEN": TOKEN}
+_EMPTY = ({}, schemathesis.openapi.from_dict({"openapi": "3.1.0", "paths": {}, "info": {"title": "-", "version": "0"}}))
+LOADED, LOADED_AUTH = _load_schema(SIDECAR_ENV), _load_schema(AUTH_ENV)
 pytestmark = pytest.mark.skipif(LOADED is None, reason="service.api has not landed")
-DOCUMENT, schema = LOADED if LOADED else ({}, schemathesis.openapi.from_dict({"openapi": "3.1.0", "paths": {},
-                                                                            "info": {"title": "-", "version": "0"}}))
+DOCUMENT, schema = LOADED or _EMPTY
+DOCUMENT_AUTH, schema_auth = LOADED_AUTH or _EMPTY
+
+
+def _live(tmp_path_factory, env):
+    spool_dir = tmp_path_factory.mktemp("fuzz") / "spool"
+    _seed(spool_dir)
+    return Sidecar(spool=spool_dir, env=env, log_path=spool_dir.parent / "sidecar.log").start()
 
 
 @pytest.fixture(scope="module")
 def fuzz_sidecar(tmp_path_factory):
-    spool_dir = tmp_path_factory.mktemp("fuzz") / "spool"
-    _seed(spool_dir)
-    side = Sidecar(spool=spool_dir, env=SIDECAR_ENV, log_path=spool_dir.parent / "sidecar.log").start()
+    side = _live(tmp_path_factory, SIDECAR_ENV)
     yield side
     side.stop()
     print(f"\nschemathesis: {sum(CASES.values())} cases: {dict(sorted(CASES.items()))}")
 
 
-def test_live_schema_is_the_same(fuzz_sidecar):
+@pytest.fixture(scope="module")
+def fuzz_sidecar_auth(tmp_path_factory):
+    side = _live(tmp_path_factory, AUTH_ENV)
+    yield side
+    side.stop()
+    print(f"\nschemathesis with a token: {sum(AUTH_CASES.values())} cases: {dict(sorted(AUTH_CASES.items()))}")
+
+
+def test_live_schema_is_the_same(fuzz_sidecar, fuzz_sidecar_auth):
     import httpx
 
     assert httpx.get(fuzz_sidecar.url + "/openapi.json").json() == DOCUMENT
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(fuzz_sidecar_auth.url + "/openapi.json", headers=headers).json() == DOCUMENT_AUTH
 
 
 @schema.parametrize()
 def test_api_conforms_to_its_schema(case, fuzz_sidecar):
     response = case.call_and_validate(base_url=fuzz_sidecar.url, checks=CHECKS, timeout=20)
     CASES[f"{case.method} {case.path} {response.status_code}"] += 1
+
+
+@schema_auth.parametrize()
+def test_api_with_a_token_conforms_and_enforces_it(case, fuzz_sidecar_auth):
+    """With R3_AUTH_TOKEN set: the same checks with the token, plus `ignored_auth` (each secured operation is
+    replayed without credentials and must answer 401)."""
+    response = case.call_and_validate(base_url=fuzz_sidecar_auth.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                                      checks=[*CHECKS, ignored_auth], timeout=20)
+    AUTH_CASES[f"{case.method} {case.path} {response.status_code}"] += 1
 
 
 def test_known_records_survive_fuzzing(fuzz_sidecar):
