@@ -292,6 +292,9 @@ def _row_chunks(
     return formats.select_layers(chunks, np.dtype(meta.dtype), len(meta.layers), meta.topk, slots)
 
 
+RESTARTED_DETAIL = "the record started over (its request was retracted and recomputed): read it again from its start"
+
+
 def _frame(rid: str, status: int, meta: RecordMeta | None, **extra: Any) -> bytes:
     """Header of a frame without payload (status ≠ 200, or an empty final frame)."""
     layers = list(meta.layers) if meta else []
@@ -554,6 +557,11 @@ def create_app(settings: Settings) -> FastAPI:
                     err = _missing(store, rid)
                     yield _frame(rid, err.status, None, error=err.code, detail=err.detail)
                     return
+                if current.created != meta.created or current.rows < sent:
+                    # A retracted request's record starts over under the same rid: never splice its new rows
+                    # onto the old ones a reader already has.
+                    yield _frame(rid, 409, current, error="record_restarted", detail=RESTARTED_DETAIL)
+                    return
                 stop = current.rows if limit is None else min(current.rows, limit)
                 while sent < stop:
                     upto = min(stop, sent + rows_per_frame)
@@ -572,6 +580,7 @@ def create_app(settings: Settings) -> FastAPI:
                         "layers": out_layers,
                         "final": is_last and current.status == "ok",
                         "record_status": current.status,
+                        "created": current.created,
                     }
                     yield formats.frame_header(header)
                     for chunk in _row_chunks(store, current, sent, upto, slots):
@@ -586,7 +595,9 @@ def create_app(settings: Settings) -> FastAPI:
                     yield _frame(rid, status, current, record_status=current.status, **extra)
                     return
                 current = await store.wait_until(
-                    rid, lambda m, seen=sent: m is None or m.final or m.rows > seen, settings.rescan_s
+                    rid,
+                    lambda m, seen=sent: m is None or m.final or m.rows > seen or m.created != meta.created,
+                    settings.rescan_s,
                 )
 
         return StreamingResponse(counted(frames(), "frames", t0), media_type=formats.FRAMES_MEDIA_TYPE, headers=headers)

@@ -146,6 +146,15 @@ class RangeNotSatisfiable(R3Error):
     status = 416
 
 
+class RecordRestarted(R3Error):
+    """409: the record started over while it was being streamed (its request was retracted and recomputed).
+
+    Rows already yielded belong to the abandoned attempt: discard them and read the record again.
+    """
+
+    status = 409
+
+
 class BadRequest(R3Error):
     """422 or another 4xx: the request itself was malformed."""
 
@@ -154,10 +163,13 @@ class ServerError(R3Error):
     """5xx: the sidecar failed."""
 
 
+RESTARTED_DETAIL = "the record started over while it was streamed (its request was retracted): read it again"
+
 _BY_STATUS: dict[int, type[R3Error]] = {
     202: NotReady,
     401: Unauthorized,
     404: RecordNotFound,
+    409: RecordRestarted,
     410: RecordGone,
     416: RangeNotSatisfiable,
 }
@@ -468,6 +480,7 @@ class RoutedExpertsClient(_Base):
         layer_list = list(layers) if layers is not None else None
         next_start = start
         failures = 0
+        created: list[float] = []
         while True:
             params = _params(start=next_start, layers=layer_list, wait=wait, stream="true")
             decoder = FrameDecoder()
@@ -481,7 +494,7 @@ class RoutedExpertsClient(_Base):
                     for chunk in resp.iter_bytes():
                         for frame in decoder.feed(chunk):
                             failures = 0
-                            block = _stream_block(frame)
+                            block = _stream_block(frame, created)
                             if block.rows:
                                 next_start = block.end
                                 yield block
@@ -587,6 +600,7 @@ class AsyncRoutedExpertsClient(_Base):
         layer_list = list(layers) if layers is not None else None
         next_start = start
         failures = 0
+        created: list[float] = []
         while True:
             params = _params(start=next_start, layers=layer_list, wait=wait, stream="true")
             decoder = FrameDecoder()
@@ -600,7 +614,7 @@ class AsyncRoutedExpertsClient(_Base):
                     async for chunk in resp.aiter_bytes():
                         for frame in decoder.feed(chunk):
                             failures = 0
-                            block = _stream_block(frame)
+                            block = _stream_block(frame, created)
                             if block.rows:
                                 next_start = block.end
                                 yield block
@@ -650,9 +664,19 @@ def _result(rid: str, resp: _Reply) -> RoutedExperts:
     return RoutedExperts(array=array, **{**meta, "dtype": meta["dtype"] or array.dtype.name})
 
 
-def _stream_block(frame: Frame) -> RoutedExperts:
+def _stream_block(frame: Frame, created: list[float]) -> RoutedExperts:
+    """A stream frame's rows; raises its error, or `RecordRestarted` when a resumed stream meets a new record.
+
+    `created` holds the creation time of the record this stream began on: a resume after a dropped
+    connection must not splice a recomputed record's rows onto the old ones.
+    """
     if frame.status != 200:
         raise frame.error()
+    stamp = frame.header.get("created")
+    if stamp is not None:
+        if created and created[0] != stamp:
+            raise RecordRestarted(RESTARTED_DETAIL, rid=frame.header.get("rid"), status=409, body=frame.header)
+        created[:1] = [stamp]
     return frame.result()
 
 

@@ -26,6 +26,7 @@ from service.client import (
     RangeNotSatisfiable,
     RecordGone,
     RecordNotFound,
+    RecordRestarted,
     RoutedExperts,
     RoutedExpertsClient,
     Unauthorized,
@@ -316,6 +317,38 @@ def test_stream_resumes_after_a_dropped_connection(spool: Spool, url: str) -> No
     assert "start=" not in proxy.requests[0] and "start=40" in proxy.requests[1], proxy.requests
     got = np.concatenate([b.array for b in seen])
     np.testing.assert_array_equal(got, np.concatenate([prompt, *blocks]))
+
+
+def test_stream_never_splices_a_restarted_record(spool: Spool, client: RoutedExpertsClient) -> None:
+    """A retracted request's live record starts over under the same rid: the open stream must say so (409)
+    instead of appending the recomputed rows to the ones it already yielded."""
+    put(spool, "restarted", rows=6, final=False)
+    stream = client.stream("restarted")
+    assert next(stream).rows == 6
+    _, again = put(spool, "restarted", rows=0, final=False, seed=1)
+    again.append(np.zeros((8, len(LAYERS), TOPK), dtype=np.uint8))
+    with pytest.raises(RecordRestarted) as exc:
+        next(stream)
+    assert exc.value.status == 409 and exc.value.body["error"] == "record_restarted", "the server's own 409 frame"
+    again.finalize()
+    assert client.get("restarted").rows == 8, "read again from its start, the new record is whole"
+
+
+def test_resumed_stream_notices_a_restart_across_reconnects(spool: Spool, url: str) -> None:
+    put(spool, "restarted-offline", rows=4, final=False)
+    proxy = Proxy(int(url.rsplit(":", 1)[1]))
+    try:
+        with RoutedExpertsClient(f"http://127.0.0.1:{proxy.port}", retries=3, backoff_s=0.05) as client:
+            stream = client.stream("restarted-offline")
+            assert next(stream).rows == 4
+            proxy.cut_all()
+            _, again = put(spool, "restarted-offline", rows=0, final=False, seed=2)
+            again.append(np.zeros((9, len(LAYERS), TOPK), dtype=np.uint8))
+            again.finalize()
+            with pytest.raises(RecordRestarted):
+                list(stream)
+    finally:
+        proxy.close()
 
 
 def test_stream_reconnects_after_sitting_idle(spool: Spool, url: str) -> None:
