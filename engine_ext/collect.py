@@ -164,7 +164,7 @@ class StepGather:
                     self.waits += 1
                     batch.event.synchronize()
                 self._inflight.pop(0)
-                rows = host_buffer[batch.slots]
+                rows = gather_slots(host_buffer, batch.slots)
                 offset = 0
                 for ticket, n in zip(batch.tickets, batch.lengths, strict=True):
                     out.append((ticket, rows[offset : offset + n]))
@@ -172,16 +172,26 @@ class StepGather:
         return out
 
 
-def select_layers(rows: torch.Tensor, layer_slots: Sequence[int] | None) -> torch.Tensor:
-    """Keep the host-cache layer slots that route (`None`: all of them)."""
+def gather_slots(host_buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`host_buffer[slots]`; on the host one numpy `take`, which copies about twice as fast as torch's index."""
+    if host_buffer.device.type == "cpu" and slots.device.type == "cpu":
+        return torch.from_numpy(np.take(host_buffer.numpy(), slots.numpy(), axis=0))
+    return host_buffer[slots]
+
+
+def select_layers(rows: np.ndarray, layer_slots: Sequence[int] | None) -> np.ndarray:
+    """Keep the host-cache layer slots that route (`None`: all); a contiguous run is a view, not a copy."""
     if layer_slots is None:
         return rows
-    return rows[:, list(layer_slots)]
+    first, count = layer_slots[0], len(layer_slots)
+    if tuple(layer_slots) == tuple(range(first, first + count)):
+        return rows[:, first : first + count]
+    return np.take(rows, layer_slots, axis=1)
 
 
 def to_spool_rows(rows: torch.Tensor, layer_slots: Sequence[int] | None, dtype: str) -> np.ndarray:
-    """Host int32 rows → C-contiguous rows of the spool dtype, routing layers only."""
-    return np.ascontiguousarray(select_layers(rows, layer_slots).numpy(), dtype=dtype)
+    """Host int32 rows → C-contiguous rows of the spool dtype, routing layers only: one copy that also casts."""
+    return np.ascontiguousarray(select_layers(rows.numpy(), layer_slots), dtype=dtype)
 
 
 # ---- the finish-time path: reserve, gather without waiting, hand to the writer ---------------------
