@@ -202,3 +202,43 @@ def test_real_enospc_loses_no_accepted_request(make_sidecar, tmp_path):
         bad = [rid for rid in accepted if not ((m := spool.read_meta(rid)) and m.final and m.status == "ok"
                                                and m.rows == ROWS)]
         assert not bad, f"{len(bad)} of {len(accepted)} accepted records not written whole: {bad[:3]}"
+
+
+def test_finish_path_keeps_inline_when_the_spool_refuses(make_sidecar, spool_dir):
+    """The engine's own finish-time path (`engine_ext.collect.Collector`: reserve, route, batched slot gather,
+    hand-off) over a host cache on CPU: refused requests are routed INLINE (SGLang keeps their payload) and
+    counted; accepted ones are routed SPOOL and served exact."""
+    torch = pytest.importorskip("torch")
+    from engine_ext.collect import Collector, Finished, ModelShape, Route
+    from engine_ext.settings import Mode
+
+    n_req, seqlen = 30, ROWS + 1  # a finished request returns seqlen - 1 rows
+    side = make_sidecar(spool_dir, env={"R3_SPOOL_MAX_BYTES": str(CAPACITY)})
+    writer = SpoolWriter(spool_dir, max_bytes=CAPACITY, queue_bytes=1 << 20, engine="rel/dp0").start()
+    collector = Collector(writer, ModelShape(NUM_EXPERTS, TOPK, LAYERS, None), mode=Mode.SIDECAR,
+                          capture_all=False, dtype="uint8", engine="rel/dp0")
+    rids = [f"fin-{i:03d}" for i in range(n_req)]
+    # Host cache and token map as SGLang lays them out: request i's positions live in slots [i*seqlen, ...).
+    host = torch.zeros((n_req * seqlen, len(LAYERS), TOPK), dtype=torch.int32)
+    req_to_token = torch.arange(n_req * seqlen, dtype=torch.int32).reshape(n_req, seqlen)
+    for i, rid in enumerate(rids):
+        host[i * seqlen: i * seqlen + ROWS] = torch.from_numpy(expected_rows(rid, ROWS).astype(np.int32))
+    routes = {rid: collector.finish(Finished(rid=rid, wants_inline=True, start_len=0, prompt_len=ROWS // 2,
+                                             seqlen=seqlen, pool_idx=i, aborted=False), publisher=True)
+              for i, rid in enumerate(rids)}
+    collector.end_step(req_to_token, host)
+    collector.drain(wait=True)
+    assert writer.flush(10)
+    stats = writer.snapshot()
+    writer.close()
+    inline = [rid for rid, route in routes.items() if route == Route.INLINE]
+    spooled = [rid for rid, route in routes.items() if route == Route.SPOOL]
+    print(f"finish path, spool full: {len(spooled)} routed to the spool, {len(inline)} kept inline, stats {stats}")
+    assert len(inline) + len(spooled) == n_req and inline and spooled
+    assert stats["fallback_inline"] == len(inline)
+    with httpx.Client(base_url=side.url, timeout=10) as client:
+        for rid in spooled:
+            r = client.get(f"/routed_experts/{rid}", params={"format": "raw", "wait": 5})
+            assert r.status_code == 200 and r.content == expected_rows(rid, ROWS).tobytes(), rid
+        for rid in inline:
+            assert client.get(f"/routed_experts/{rid}").status_code == 404, rid
