@@ -50,6 +50,10 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
 # ---- serve / demo -------------------------------------------------------------------------------------
 
 
+# Open streams and waits end this long after SIGTERM (clients resume with `start=`), so a rollout does not wait
+# for the pod's whole grace period.
+GRACEFUL_SHUTDOWN_S = 5
+
 def _serve(settings: Settings, banner: str | None = None) -> None:
     import uvicorn
 
@@ -57,7 +61,13 @@ def _serve(settings: Settings, banner: str | None = None) -> None:
 
     settings.spool_dir.mkdir(parents=True, exist_ok=True)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+        uvicorn.Config(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
     )
     if banner:
         print(banner, flush=True)

@@ -181,9 +181,6 @@ def test_crash_leftovers_are_reclaimed(make_sidecar, spool_dir):
     assert not orphan_bin.exists() and not leftover_tmp.exists(), "crash leftovers still in the spool"
 
 
-@pytest.mark.xfail(strict=True, reason="service/cli.py _serve: uvicorn.Config has no timeout_graceful_shutdown and "
-                                       "open streams/waits are not ended on shutdown, so SIGTERM waits for a live "
-                                       "record's stream to finish (unbounded) before the sidecar exits")
 def test_sigterm_exits_promptly_with_streams_open(make_sidecar, spool_dir):
     side = make_sidecar(spool_dir)
     w = Spool(spool_dir).writer("live", num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS)
