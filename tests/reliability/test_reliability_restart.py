@@ -195,9 +195,12 @@ def test_sigterm_exits_promptly_with_streams_open(make_sidecar, spool_dir):
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     time.sleep(0.5)
+    t0 = time.monotonic()
     side.proc.send_signal(signal.SIGTERM)
     try:
         side.proc.wait(timeout=SIGTERM_EXIT_S)
     except subprocess.TimeoutExpired:
         side.kill()
         raise AssertionError(f"sidecar still running {SIGTERM_EXIT_S}s after SIGTERM with a stream open") from None
+    print(f"SIGTERM with a stream open on a live record: exited {side.proc.returncode} after "
+          f"{time.monotonic() - t0:.2f}s")
