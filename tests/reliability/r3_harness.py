@@ -39,8 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def expected_rows(rid: str, rows: int, layers: tuple[int, ...] = LAYERS, topk: int = TOPK,
-                  num_experts: int = NUM_EXPERTS, dtype: str = "uint8") -> np.ndarray:
+def expected_rows(
+    rid: str,
+    rows: int,
+    layers: tuple[int, ...] = LAYERS,
+    topk: int = TOPK,
+    num_experts: int = NUM_EXPERTS,
+    dtype: str = "uint8",
+) -> np.ndarray:
     """The rows a harness writer writes for `rid`: seeded by the rid, so any reader can recompute them."""
     seed = int.from_bytes(hashlib.sha256(rid.encode("utf-8", "surrogatepass")).digest()[:8], "little")
     rng = np.random.default_rng(seed)
@@ -114,8 +120,14 @@ class Sidecar:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [*self.wrap, *self.command()], env=env, cwd=self.cwd or REPO, stdout=log, stderr=subprocess.STDOUT,
-                user=self.user, group=self.group, extra_groups=[] if self.user is not None else None,
+                [*self.wrap, *self.command()],
+                env=env,
+                cwd=self.cwd or REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                user=self.user,
+                group=self.group,
+                extra_groups=[] if self.user is not None else None,
                 start_new_session=True,
             )
         finally:

@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open", type=int, default=0, help="leave this many extra records open, then sleep")
     ap.add_argument("--duration", type=float, default=0.0, help="keep writing new records for this long")
     ap.add_argument("--max-records", type=int, default=0, help="backpressure: wait while the spool holds this many")
-    ap.add_argument("--engine-writer", action="store_true",
-                    help="hand rows to engine_ext.writer.SpoolWriter (the scheduler's path) instead of RecordWriter")
+    ap.add_argument(
+        "--engine-writer",
+        action="store_true",
+        help="hand rows to engine_ext.writer.SpoolWriter (the scheduler's path) instead of RecordWriter",
+    )
     args = ap.parse_args(argv)
 
     spool = Spool(args.spool)
@@ -52,10 +55,16 @@ def main(argv: list[str] | None = None) -> int:
             _via_engine_writer(engine_writer, rid, rows, args.chunk, args.pace)
             note(rid=rid, rows=args.rows, final=True)
             return
-        w = spool.writer(rid, num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS, prompt_len=args.rows // 2,
-                         engine=f"rel/{os.getpid()}")
+        w = spool.writer(
+            rid,
+            num_experts=NUM_EXPERTS,
+            topk=TOPK,
+            layers=LAYERS,
+            prompt_len=args.rows // 2,
+            engine=f"rel/{os.getpid()}",
+        )
         for lo in range(0, args.rows, args.chunk):
-            w.append(rows[lo: lo + args.chunk])
+            w.append(rows[lo : lo + args.chunk])
             if not final:
                 note(rid=rid, rows=w.meta.rows, final=False)
             if args.pace:
@@ -93,9 +102,17 @@ def _via_engine_writer(writer, rid: str, rows, chunk: int, pace: float) -> None:
     """The live-rows path of the engine: an open op, one op per block of rows, a final op; never blocking."""
     from engine_ext.writer import Op, RecordSpec
 
-    spec = RecordSpec(rid=rid, num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS, start=0,
-                      prompt_len=len(rows) // 2, dtype="uint8", engine=writer.engine)
-    ops = [Op(rid, spec=spec)] + [Op(rid, rows=rows[lo: lo + chunk]) for lo in range(0, len(rows), chunk)]
+    spec = RecordSpec(
+        rid=rid,
+        num_experts=NUM_EXPERTS,
+        topk=TOPK,
+        layers=LAYERS,
+        start=0,
+        prompt_len=len(rows) // 2,
+        dtype="uint8",
+        engine=writer.engine,
+    )
+    ops = [Op(rid, spec=spec)] + [Op(rid, rows=rows[lo : lo + chunk]) for lo in range(0, len(rows), chunk)]
     ops.append(Op(rid, status="ok"))
     for op in ops:
         while not writer.submit(op):  # refused (queue or spool full): the engine would fall back; here we retry

@@ -56,8 +56,14 @@ def damaged_record(draw) -> tuple[str, bytes, bytes]:
     """(file stem, metadata bytes, .bin bytes): a valid record with zero or more kinds of damage."""
     meta = draw(valid_meta())
     stem = safe_name(meta["rid"])
-    damage = draw(st.sets(st.sampled_from(["drop", "retype", "extra", "bytes", "truncate_json", "oversize",
-                                           "rename", "huge_rows", "neg"]), max_size=3))
+    damage = draw(
+        st.sets(
+            st.sampled_from(
+                ["drop", "retype", "extra", "bytes", "truncate_json", "oversize", "rename", "huge_rows", "neg"]
+            ),
+            max_size=3,
+        )
+    )
     if "drop" in damage:
         meta.pop(draw(st.sampled_from(sorted(meta))), None)
     if "retype" in damage:
@@ -73,7 +79,7 @@ def damaged_record(draw) -> tuple[str, bytes, bytes]:
     data = orjson.dumps(meta)
     if "bytes" in damage and data:
         i = draw(st.integers(0, len(data) - 1))
-        data = data[:i] + bytes([draw(st.integers(0, 255))]) + data[i + 1:]
+        data = data[:i] + bytes([draw(st.integers(0, 255))]) + data[i + 1 :]
     if "truncate_json" in damage:
         data = data[: draw(st.integers(0, len(data)))]
     if "oversize" in damage:
@@ -88,8 +94,12 @@ def damaged_record(draw) -> tuple[str, bytes, bytes]:
 
 def _nbytes(meta: dict[str, Any]) -> int:
     try:
-        return int(meta["rows"]) * len(meta["layers"]) * int(meta["topk"]) * {"uint8": 1, "uint16": 2, "int16": 2,
-                                                                               "int32": 4}[meta["dtype"]]
+        return (
+            int(meta["rows"])
+            * len(meta["layers"])
+            * int(meta["topk"])
+            * {"uint8": 1, "uint16": 2, "int16": 2, "int32": 4}[meta["dtype"]]
+        )
     except Exception:
         return 0
 
@@ -132,7 +142,7 @@ def _check_rows(spool: Spool, meta: RecordMeta, bin_data: bytes) -> str:
         assert arr.shape == meta.shape and arr.dtype.name == meta.dtype
         lo, hi = meta.rows // 3, max(meta.rows // 3, meta.rows - 1)
         part = b"".join(spool.iter_rows(meta, lo, hi, chunk_bytes=1))
-        assert part == bin_data[lo * meta.row_bytes: hi * meta.row_bytes]
+        assert part == bin_data[lo * meta.row_bytes : hi * meta.row_bytes]
     for lo, hi in ((-1, 0), (0, meta.rows + 1), (meta.rows, meta.rows - 1)):
         try:
             list(spool.iter_rows(meta, lo, hi))
@@ -146,7 +156,21 @@ def seed_corpus(path: Path) -> None:
     """A few valid records for the atheris corpus (metadata, then a NUL, then the `.bin`)."""
     path.mkdir(parents=True, exist_ok=True)
     for i, rows in enumerate((0, 1, 5)):
-        meta = {"v": 1, "rid": f"r{i}", "dtype": "uint8", "num_experts": 8, "topk": 2, "layers": [0, 3],
-                "start": 0, "rows": rows, "prompt_len": 1, "final": True, "status": "ok", "engine": "e",
-                "weight_version": None, "created": 1.0, "updated": 2.0}
+        meta = {
+            "v": 1,
+            "rid": f"r{i}",
+            "dtype": "uint8",
+            "num_experts": 8,
+            "topk": 2,
+            "layers": [0, 3],
+            "start": 0,
+            "rows": rows,
+            "prompt_len": 1,
+            "final": True,
+            "status": "ok",
+            "engine": "e",
+            "weight_version": None,
+            "created": 1.0,
+            "updated": 2.0,
+        }
         (path / f"seed{i}").write_bytes(orjson.dumps(meta) + b"\x00" + bytes(rows * 4))

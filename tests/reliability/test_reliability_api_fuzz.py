@@ -33,8 +33,14 @@ from schemathesis.checks import (
 
 from service.spool import Spool
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance, negative_data_rejection]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
 KNOWN = ["fz-ok", "fz-aborted", "fz-empty", "../fz", "é🙂 x", "fz-big"]
 EXAMPLES = int(os.environ.get("R3_FUZZ_EXAMPLES", "40"))
 CASES: collections.Counter[str] = collections.Counter()
@@ -66,14 +72,17 @@ def _load_schema(env: dict[str, str], modes: tuple[GenerationMode, ...]):
         return None
     from service.settings import Settings
 
-    settings = Settings(spool_dir=Path(tempfile.mkdtemp(prefix="r3-schema-")),
-                        **{k.removeprefix("R3_").lower(): v for k, v in env.items()})
+    settings = Settings(
+        spool_dir=Path(tempfile.mkdtemp(prefix="r3-schema-")),
+        **{k.removeprefix("R3_").lower(): v for k, v in env.items()},
+    )
     document = create_app(settings).openapi()
     schema = schemathesis.openapi.from_dict(document)
     # Unknown query parameters are ignored, as HTTP APIs usually do (Contract 2 names no rule for them), so the
     # fuzzer does not add them; every declared parameter is fuzzed in both directions.
-    schema.config.generation.update(modes=list(modes), max_examples=EXAMPLES, database="none",
-                                    allow_extra_parameters=False)
+    schema.config.generation.update(
+        modes=list(modes), max_examples=EXAMPLES, database="none", allow_extra_parameters=False
+    )
 
     @schema.hook
     def flatmap_path_parameters(ctx, path_parameters):
@@ -137,8 +146,12 @@ def test_api_conforms_to_its_schema(case, fuzz_sidecar):
 def test_api_with_a_token_conforms_and_enforces_it(case, fuzz_sidecar_auth):
     """With R3_AUTH_TOKEN set: the same checks with the token, plus `ignored_auth` (each secured operation is
     replayed without credentials and must answer 401)."""
-    response = case.call_and_validate(base_url=fuzz_sidecar_auth.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                                      checks=[*CHECKS, ignored_auth], timeout=20)
+    response = case.call_and_validate(
+        base_url=fuzz_sidecar_auth.url,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        checks=[*CHECKS, ignored_auth],
+        timeout=20,
+    )
     AUTH_CASES[f"{case.method} {case.path} {response.status_code}"] += 1
 
 
@@ -150,8 +163,9 @@ def test_known_records_survive_fuzzing(fuzz_sidecar):
         r = client.get("/routed_experts/fz-big", params={"format": "raw"})
         assert r.status_code in (200, 404)
         if r.status_code == 200:
-            assert np.array_equal(np.frombuffer(r.content, np.uint8).reshape(-1, len(LAYERS), TOPK),
-                                  expected_rows("fz-big", 4000))
+            assert np.array_equal(
+                np.frombuffer(r.content, np.uint8).reshape(-1, len(LAYERS), TOPK), expected_rows("fz-big", 4000)
+            )
     assert fuzz_sidecar.proc.poll() is None
 
 
@@ -159,8 +173,13 @@ def test_known_records_survive_fuzzing(fuzz_sidecar):
 @pytest.mark.timeout(1900)
 def test_api_fuzz_long():
     """The same suite with 400 cases per operation and method (`make reliability`)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "not slow",
-                           __file__], capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "R3_FUZZ_EXAMPLES": "400"}, cwd=Path(__file__).parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "not slow", __file__],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "R3_FUZZ_EXAMPLES": "400"},
+        cwd=Path(__file__).parents[2],
+    )
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-5000:]

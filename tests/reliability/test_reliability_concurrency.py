@@ -40,10 +40,10 @@ def _frames(body: bytes) -> list[tuple[dict, bytes]]:
     out, pos = [], 0
     while pos < len(body):
         (n,) = struct.unpack_from("<I", body, pos)
-        header = orjson.loads(body[pos + 4: pos + 4 + n])
+        header = orjson.loads(body[pos + 4 : pos + 4 + n])
         pos += 4 + n
         size = int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize if header["status"] == 200 else 0
-        out.append((header, body[pos: pos + size]))
+        out.append((header, body[pos : pos + size]))
         pos += size
     return out
 
@@ -66,8 +66,10 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
                 r = http.get(path, params={"format": "raw", "wait": 30, "start": lo, "end": hi})
                 ok = r.status_code == 200 and r.content == _want(rid, lo, hi).tobytes()
             elif kind == "layers":
-                r = http.get(path, params={"format": "raw", "wait": 30, "start": lo, "end": hi,
-                                           "layers": ",".join(map(str, sub))})
+                r = http.get(
+                    path,
+                    params={"format": "raw", "wait": 30, "start": lo, "end": hi, "layers": ",".join(map(str, sub))},
+                )
                 ok = r.status_code == 200 and r.content == _want(rid, lo, hi, sub).tobytes()
             elif kind == "npy":
                 r = http.get(path, params={"wait": 30})
@@ -81,7 +83,8 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
                 r = http.post("/routed_experts/batch", json={"rids": some, "wait": 30, "layers": sub})
                 frames = _frames(r.content) if r.status_code == 200 else []
                 ok = [h["rid"] for h, _ in frames] == some and all(
-                    h["status"] == 200 and p == _want(h["rid"], layers=sub).tobytes() for h, p in frames)
+                    h["status"] == 200 and p == _want(h["rid"], layers=sub).tobytes() for h, p in frames
+                )
             else:
                 blocks = [b.array for b in client.stream(rid, start=lo, wait=30)]
                 ok = np.array_equal(np.concatenate(blocks), _want(rid, lo))
@@ -93,10 +96,26 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
 def test_many_writers_many_readers_exact(make_sidecar, make_writer, spool_dir, tmp_path):
     side = make_sidecar(spool_dir)
     rids = [f"{p}-{i:06d}" for p in WRITERS for i in range(PER_WRITER)]
-    writers = [make_writer(spool_dir, tmp_path / f"{p}.jsonl",
-                           ["--prefix", p, "--count", str(PER_WRITER), "--rows", str(rows), "--chunk", "7",
-                            "--pace", "0.002", *(["--engine-writer"] if p in ENGINE_WRITERS else [])])
-               for p, rows in WRITERS.items()]
+    writers = [
+        make_writer(
+            spool_dir,
+            tmp_path / f"{p}.jsonl",
+            [
+                "--prefix",
+                p,
+                "--count",
+                str(PER_WRITER),
+                "--rows",
+                str(rows),
+                "--chunk",
+                "7",
+                "--pace",
+                "0.002",
+                *(["--engine-writer"] if p in ENGINE_WRITERS else []),
+            ],
+        )
+        for p, rows in WRITERS.items()
+    ]
     tally: collections.Counter[str] = collections.Counter()
     bad: list[str] = []
     readers = [threading.Thread(target=_reader, args=(side.url, rids, seed, tally, bad)) for seed in range(READERS)]
@@ -109,8 +128,10 @@ def test_many_writers_many_readers_exact(make_sidecar, make_writer, spool_dir, t
     assert not any(t.is_alive() for t in readers)
     written = [e["rid"] for p in WRITERS for e in read_ledger(tmp_path / f"{p}.jsonl") if e.get("final")]
     assert sorted(written) == sorted(rids)
-    print(f"concurrency: {len(WRITERS)} writer processes ({len(ENGINE_WRITERS)} via SpoolWriter), {READERS} readers, "
-          f"fetches by kind {dict(tally)}, "
-          f"mismatches {len(bad)}")
+    print(
+        f"concurrency: {len(WRITERS)} writer processes ({len(ENGINE_WRITERS)} via SpoolWriter), {READERS} readers, "
+        f"fetches by kind {dict(tally)}, "
+        f"mismatches {len(bad)}"
+    )
     assert sum(tally.values()) == READERS * 40
     assert not bad, bad[:5]

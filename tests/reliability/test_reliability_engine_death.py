@@ -27,12 +27,14 @@ def _frame_statuses(body: bytes) -> list[int]:
     out, pos = [], 0
     while pos < len(body):
         (n,) = struct.unpack_from("<I", body, pos)
-        header = orjson.loads(body[pos + 4: pos + 4 + n])
+        header = orjson.loads(body[pos + 4 : pos + 4 + n])
         pos += 4 + n
         if header["status"] == 200:
             pos += int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize
         out.append(header["status"])
     return out
+
+
 OPEN = 4
 ROWS = 32
 
@@ -40,8 +42,9 @@ ROWS = 32
 def test_killed_engine_records_turn_aborted_and_waiters_get_410(make_sidecar, make_writer, spool_dir, tmp_path):
     side = make_sidecar(spool_dir, env={"R3_STALE_S": str(STALE_S), "R3_RESCAN_S": "0.5", "R3_TTL_S": "600"})
     ledger = tmp_path / "ledger.jsonl"
-    writer = make_writer(spool_dir, ledger, ["--prefix", "d", "--count", "3", "--rows", str(ROWS), "--chunk", "8",
-                                             "--open", str(OPEN)])
+    writer = make_writer(
+        spool_dir, ledger, ["--prefix", "d", "--count", "3", "--rows", str(ROWS), "--chunk", "8", "--open", str(OPEN)]
+    )
     deadline = time.monotonic() + 30
     while not any(e.get("event") == "open_done" for e in read_ledger(ledger)) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -91,5 +94,7 @@ def test_killed_engine_records_turn_aborted_and_waiters_get_410(make_sidecar, ma
         for rid in (e["rid"] for e in read_ledger(ledger) if e.get("final")):
             ok, reason = check_record(client, rid, ROWS)
             assert ok, reason
-    print(f"engine death: {OPEN} open records aborted; waiters (GET, stream, batch) got 410 within "
-          f"{max(v[1] for v in results.values()):.2f}s of waiting ({time.monotonic() - killed_at:.2f}s after kill)")
+    print(
+        f"engine death: {OPEN} open records aborted; waiters (GET, stream, batch) got 410 within "
+        f"{max(v[1] for v in results.values()):.2f}s of waiting ({time.monotonic() - killed_at:.2f}s after kill)"
+    )

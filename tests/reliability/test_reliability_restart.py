@@ -55,12 +55,28 @@ def test_sigkill_mid_stream_loses_nothing(make_sidecar, make_writer, spool_dir, 
     ledger, engine_ledger = tmp_path / "ledger.jsonl", tmp_path / "engine-ledger.jsonl"
     rids = [f"k-{i:06d}" for i in range(COUNT)]
     engine_rids = [f"ke-{i:06d}" for i in range(COUNT // 2)]
-    writer = make_writer(spool_dir, ledger,
-                         ["--prefix", "k", "--count", str(COUNT), "--rows", str(ROWS), "--chunk", str(CHUNK),
-                          "--pace", "0.02"])
-    engine_writer = make_writer(spool_dir, engine_ledger,
-                                ["--prefix", "ke", "--count", str(COUNT // 2), "--rows", str(ROWS), "--chunk",
-                                 str(CHUNK), "--pace", "0.04", "--engine-writer"])
+    writer = make_writer(
+        spool_dir,
+        ledger,
+        ["--prefix", "k", "--count", str(COUNT), "--rows", str(ROWS), "--chunk", str(CHUNK), "--pace", "0.02"],
+    )
+    engine_writer = make_writer(
+        spool_dir,
+        engine_ledger,
+        [
+            "--prefix",
+            "ke",
+            "--count",
+            str(COUNT // 2),
+            "--rows",
+            str(ROWS),
+            "--chunk",
+            str(CHUNK),
+            "--pace",
+            "0.04",
+            "--engine-writer",
+        ],
+    )
     outcomes: dict[str, str] = {}
     threads = [threading.Thread(target=_trainer, args=(side.url, rids[i::2], outcomes)) for i in range(2)]
     threads += [threading.Thread(target=_trainer, args=(side.url, engine_rids, outcomes))]
@@ -90,12 +106,18 @@ def test_sigkill_mid_stream_loses_nothing(make_sidecar, make_writer, spool_dir, 
     assert final == rids + engine_rids, "the engine writer finished every record"
     with httpx.Client(base_url=side.url, timeout=10) as client:
         failures = [reason for rid in final for ok, reason in [check_record(client, rid, ROWS)] if not ok]
-        failures += [reason for rid in final[::7] for ok, reason in
-                     [check_record(client, rid, ROWS, start=5, end=40, layers="3,9")] if not ok]
+        failures += [
+            reason
+            for rid in final[::7]
+            for ok, reason in [check_record(client, rid, ROWS, start=5, end=40, layers="3,9")]
+            if not ok
+        ]
     lost = len(failures)
     summary = collections.Counter(outcomes.values())
-    print(f"restart: {written_before} final before the kill, {len(final)} in all, lost={lost}, "
-          f"downtime {downtime:.2f}s, client outcomes={dict(summary)}")
+    print(
+        f"restart: {written_before} final before the kill, {len(final)} in all, lost={lost}, "
+        f"downtime {downtime:.2f}s, client outcomes={dict(summary)}"
+    )
     assert lost == 0, failures[:5]
     assert "WRONG" not in summary, {k: v for k, v in outcomes.items() if v == "WRONG"}
     assert len(outcomes) == len(final) + 6
@@ -121,8 +143,10 @@ def test_restart_over_a_full_spool_serves_everything_at_once(make_sidecar, spool
         failures = [reason for rid in sample for ok, reason in [check_record(client, rid, 8)] if not ok]
         metrics = client.get("/metrics").text
     rss = proc_rss_bytes(side.pid)
-    print(f"restart over {MANY} records (written in {written_s:.1f}s): ready in {ready_s:.2f}s, "
-          f"RSS {rss >> 20} MiB, {len(sample) - len(failures)}/{len(sample)} sampled records exact at once")
+    print(
+        f"restart over {MANY} records (written in {written_s:.1f}s): ready in {ready_s:.2f}s, "
+        f"RSS {rss >> 20} MiB, {len(sample) - len(failures)}/{len(sample)} sampled records exact at once"
+    )
     assert not failures, failures[:5]
     assert f'r3_records{{state="ok"}} {float(MANY)}' in metrics
 
@@ -160,10 +184,13 @@ def test_waiters_without_retries_get_a_clear_error_not_a_hang(make_sidecar, spoo
         assert name != "returned" and elapsed < 5, (kind, name, elapsed)
 
 
-@pytest.mark.xfail(strict=True, reason="service/store.py: only `.json` files are tracked, so an orphan `.bin` (sidecar "
-                                       "killed between the two unlinks of a DELETE or expiry) and a writer's "
-                                       "leftover `.tmp` (killed inside atomic_write) stay in the spool forever, "
-                                       "counted in r3_spool_bytes")
+@pytest.mark.xfail(
+    strict=True,
+    reason="service/store.py: only `.json` files are tracked, so an orphan `.bin` (sidecar "
+    "killed between the two unlinks of a DELETE or expiry) and a writer's "
+    "leftover `.tmp` (killed inside atomic_write) stay in the spool forever, "
+    "counted in r3_spool_bytes",
+)
 def test_crash_leftovers_are_reclaimed(make_sidecar, spool_dir):
     spool = Spool(spool_dir)
     orphan_bin = spool.records_dir / "gone-record.bin"
@@ -187,8 +214,12 @@ def test_sigterm_exits_promptly_with_streams_open(make_sidecar, spool_dir):
     w.append(expected_rows("live", 8))
 
     def hold() -> None:
-        with contextlib.suppress(httpx.HTTPError), httpx.stream(
-                "GET", f"{side.url}/routed_experts/live", params={"stream": "true", "wait": "60"}, timeout=90) as r:
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream(
+                "GET", f"{side.url}/routed_experts/live", params={"stream": "true", "wait": "60"}, timeout=90
+            ) as r,
+        ):
             for _ in r.iter_bytes():
                 pass
 
@@ -202,5 +233,6 @@ def test_sigterm_exits_promptly_with_streams_open(make_sidecar, spool_dir):
     except subprocess.TimeoutExpired:
         side.kill()
         raise AssertionError(f"sidecar still running {SIGTERM_EXIT_S}s after SIGTERM with a stream open") from None
-    print(f"SIGTERM with a stream open on a live record: exited {side.proc.returncode} after "
-          f"{time.monotonic() - t0:.2f}s")
+    print(
+        f"SIGTERM with a stream open on a live record: exited {side.proc.returncode} after {time.monotonic() - t0:.2f}s"
+    )

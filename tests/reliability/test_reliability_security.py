@@ -53,10 +53,16 @@ def _assert_error_json(r: httpx.Response, code: int) -> None:
 def test_auth_required_on_every_data_route(make_sidecar, spool_dir):
     _write_pattern_record(spool_dir, "some-rid")
     side = make_sidecar(spool_dir, env={"R3_AUTH_TOKEN": TOKEN})
-    bad_headers = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}x"},
-                   {"Authorization": f"Bearer {TOKEN[:-1]}"}, {"Authorization": TOKEN},
-                   {"Authorization": f"Basic {base64.b64encode(TOKEN.encode()).decode()}"},
-                   {"Authorization": "Bearer"}, {"X-R3-Token": TOKEN}]
+    bad_headers = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": f"Bearer {TOKEN[:-1]}"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Basic {base64.b64encode(TOKEN.encode()).decode()}"},
+        {"Authorization": "Bearer"},
+        {"X-R3-Token": TOKEN},
+    ]
     with httpx.Client(base_url=side.url, timeout=10) as client:
         for method, path, body in DATA_ROUTES:
             for headers in bad_headers:
@@ -86,9 +92,12 @@ def _raw_request(port: int, method: str, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
-@pytest.mark.xfail(strict=True, reason="service/api.py: /openapi.json, /docs and /redoc answer 200 without the "
-                                       "token; Contract 2 keeps only /metrics, /healthz, /readyz open when "
-                                       "R3_AUTH_TOKEN is set")
+@pytest.mark.xfail(
+    strict=True,
+    reason="service/api.py: /openapi.json, /docs and /redoc answer 200 without the "
+    "token; Contract 2 keeps only /metrics, /healthz, /readyz open when "
+    "R3_AUTH_TOKEN is set",
+)
 def test_only_health_and_metrics_are_open_with_a_token(make_sidecar, spool_dir):
     side = make_sidecar(spool_dir, env={"R3_AUTH_TOKEN": TOKEN})
     with httpx.Client(base_url=side.url, timeout=10) as client:
@@ -96,9 +105,26 @@ def test_only_health_and_metrics_are_open_with_a_token(make_sidecar, spool_dir):
     assert set(opened.values()) <= {401, 404}, opened
 
 
-HOSTILE_RIDS = ["..", "../outside", "../../outside", "..%2Foutside", "/etc/passwd", "a/../../outside",
-                "v1/../../outside", "x\x00y", "\x00", "é🙂/..", "~" + "0" * 40, "." * 300, "a" * 5000,
-                "..\\outside", "%2e%2e", "\u202e..", "rid\n\r\tX", "~../outside"]
+HOSTILE_RIDS = [
+    "..",
+    "../outside",
+    "../../outside",
+    "..%2Foutside",
+    "/etc/passwd",
+    "a/../../outside",
+    "v1/../../outside",
+    "x\x00y",
+    "\x00",
+    "é🙂/..",
+    "~" + "0" * 40,
+    "." * 300,
+    "a" * 5000,
+    "..\\outside",
+    "%2e%2e",
+    "\u202e..",
+    "rid\n\r\tX",
+    "~../outside",
+]
 
 
 def test_rids_never_name_a_path_outside_the_spool(make_sidecar, spool_dir):
@@ -106,9 +132,23 @@ def test_rids_never_name_a_path_outside_the_spool(make_sidecar, spool_dir):
     # Decoys a path-joining server would serve or delete: valid-looking records one and two levels up.
     for where in (outside, spool_dir / "v1", spool_dir):
         where.mkdir(parents=True, exist_ok=True)
-        meta = {"v": 1, "rid": "outside", "dtype": "uint8", "num_experts": 256, "topk": 4, "layers": [0, 1, 2, 3],
-                "start": 0, "rows": 1, "prompt_len": 1, "final": True, "status": "ok", "engine": "x",
-                "weight_version": None, "created": 1.0, "updated": 1.0}
+        meta = {
+            "v": 1,
+            "rid": "outside",
+            "dtype": "uint8",
+            "num_experts": 256,
+            "topk": 4,
+            "layers": [0, 1, 2, 3],
+            "start": 0,
+            "rows": 1,
+            "prompt_len": 1,
+            "final": True,
+            "status": "ok",
+            "engine": "x",
+            "weight_version": None,
+            "created": 1.0,
+            "updated": 1.0,
+        }
         (where / "outside.json").write_bytes(orjson.dumps(meta))
         (where / "outside.bin").write_bytes(PATTERN)
     before = {p: p.stat().st_mtime_ns for p in outside.rglob("*") if p.is_file()}
@@ -144,11 +184,17 @@ def test_request_sizes_wait_and_batches_are_bounded(make_sidecar, spool_dir):
     with httpx.Client(base_url=side.url, timeout=30) as client:
         for wait in ("31", "601", "-1", "1e309", "nan", "inf", "abc", "99999999999999999999"):
             _assert_error_json(client.get("/routed_experts/r", params={"wait": wait}), 422)
-        for params, code in [({"start": "-1"}, (416, 422)), ({"start": str(2**70)}, (416, 422)),
-                             ({"end": "0"}, (200, 416)), ({"end": "9"}, (416,)),
-                             ({"start": "5", "end": "3"}, (416, 422)),
-                             ({"end": str(10**30)}, (416, 422)), ({"layers": "9"}, (422,)),
-                             ({"layers": ",".join(["0"] * 3000)}, (414, 422, 431)), ({"format": "pickle"}, (422,))]:
+        for params, code in [
+            ({"start": "-1"}, (416, 422)),
+            ({"start": str(2**70)}, (416, 422)),
+            ({"end": "0"}, (200, 416)),
+            ({"end": "9"}, (416,)),
+            ({"start": "5", "end": "3"}, (416, 422)),
+            ({"end": str(10**30)}, (416, 422)),
+            ({"layers": "9"}, (422,)),
+            ({"layers": ",".join(["0"] * 3000)}, (414, 422, 431)),
+            ({"format": "pickle"}, (422,)),
+        ]:
             r = client.get("/routed_experts/r", params=params)
             assert r.status_code in code, (params if len(str(params)) < 100 else "long", r.status_code)
         r = client.post("/routed_experts/batch", json={"rids": [f"r{i}" for i in range(17)]})
@@ -192,8 +238,15 @@ def _least_privilege() -> tuple[str, dict, int]:
         return "the invoking non-root user", {}, 0
     if _reachable_by_others(Path(sys.executable)):
         return "uid 65534", {"user": 65534, "group": 65534}, 0
-    wrap = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all,+dac_read_search",
-            "--ambient-caps=+dac_read_search", "--bounding-set=-all,+dac_read_search"]
+    wrap = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all,+dac_read_search",
+        "--ambient-caps=+dac_read_search",
+        "--bounding-set=-all,+dac_read_search",
+    ]
     if shutil.which("setpriv") and subprocess.run([*wrap, "true"], capture_output=True).returncode == 0:
         return "uid 65534 with only CAP_DAC_READ_SEARCH (the interpreter lives under /root)", {"wrap": wrap}, 1 << 2
     pytest.skip("root, with no way to drop to an unprivileged uid here (setpriv missing or not permitted)")
@@ -211,8 +264,14 @@ def test_runs_unprivileged_with_only_the_spool_writable(make_sidecar):
             for d in (spool_dir, spool_dir / "v1", writer_spool.records_dir, writer_spool.engines_dir):
                 os.chown(d, 65534, 65534)
         ro.chmod(0o555)
-        env = {"HOME": str(ro), "TMPDIR": str(ro), "XDG_CACHE_HOME": str(ro), "R3_TTL_S": "1", "R3_RESCAN_S": "0.5",
-               "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {
+            "HOME": str(ro),
+            "TMPDIR": str(ro),
+            "XDG_CACHE_HOME": str(ro),
+            "R3_TTL_S": "1",
+            "R3_RESCAN_S": "0.5",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
         side = make_sidecar(spool_dir, env=env, cwd=ro, **how)
         caps = proc_cap_eff(side.pid)
         assert caps & ~allowed_caps == 0, f"the sidecar holds capabilities {caps:#x}"
@@ -266,7 +325,12 @@ def test_no_payload_bytes_in_logs(make_sidecar, spool_dir):
     log = Path(side.log_path).read_bytes()
     as_json = orjson.dumps(arr.tolist())
     b64 = base64.b64encode(arr.astype(np.int32).tobytes())
-    needles = {"raw": PATTERN[:8], "json": as_json[10:40], "json-spaced": b"82, 51, 80, 65",
-               "sglang_b64": b64[64:96], "raw-b64": base64.b64encode(PATTERN * 3)[8:32]}
+    needles = {
+        "raw": PATTERN[:8],
+        "json": as_json[10:40],
+        "json-spaced": b"82, 51, 80, 65",
+        "sglang_b64": b64[64:96],
+        "raw-b64": base64.b64encode(PATTERN * 3)[8:32],
+    }
     found = {name: needle for name, needle in needles.items() if needle in log}
     assert not found, f"payload in logs: {found}"

@@ -85,11 +85,13 @@ def test_stalled_readers_do_not_stall_others_or_grow_memory(make_sidecar, make_w
                 s.close()
     growth = max(rss1, rss2) - rss0
     per_connection = growth / STALLED
-    print(f"slow clients (chunk {chunk >> 10} KiB): {STALLED} stalled sockets; RSS {rss0 >> 20} -> {rss1 >> 20} -> "
-          f"{rss2 >> 20} MiB (+{per_connection / 1024:.0f} KiB per stalled connection; record {len(big) >> 20} MiB); "
-          f"6 MiB fetch median {statistics.median(base_lat) * 1e3:.1f} ms idle vs "
-          f"{statistics.median(lat) * 1e3:.1f} ms with stalls; 5 new records indexed+fetched in {index_s:.2f}s; "
-          f"fds {fds0} -> {fds_stalled}")
+    print(
+        f"slow clients (chunk {chunk >> 10} KiB): {STALLED} stalled sockets; RSS {rss0 >> 20} -> {rss1 >> 20} -> "
+        f"{rss2 >> 20} MiB (+{per_connection / 1024:.0f} KiB per stalled connection; record {len(big) >> 20} MiB); "
+        f"6 MiB fetch median {statistics.median(base_lat) * 1e3:.1f} ms idle vs "
+        f"{statistics.median(lat) * 1e3:.1f} ms with stalls; 5 new records indexed+fetched in {index_s:.2f}s; "
+        f"fds {fds0} -> {fds_stalled}"
+    )
     assert per_connection < len(big) / 2, "the sidecar buffers whole records per stalled connection"
     assert per_connection < 2 * chunk + (512 << 10), f"{per_connection / 1024:.0f} KiB per stalled connection"
     assert fds_stalled >= fds0 + STALLED  # the stalled connections were really open on the server side

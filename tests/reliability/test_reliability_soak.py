@@ -61,21 +61,62 @@ def test_soak(make_sidecar, make_writer, tmp_path, shm_spool):
     plan += [(p, r, "stream", "16", ["--pace", "0.01"]) for p, r in STREAM_WRITERS.items()]
     for prefix, rows, mode, chunk, extra in plan:
         ledgers[prefix], outs[prefix] = tmp_path / f"{prefix}.jsonl", tmp_path / f"{prefix}.out.jsonl"
-        writers[prefix] = make_writer(shm_spool, ledgers[prefix],
-                                      ["--prefix", prefix, "--count", "0", "--duration", str(DURATION), "--rows",
-                                       str(rows), "--chunk", chunk, "--max-records", str(MAX_RECORDS), *extra,
-                                       *(["--engine-writer"] if prefix in ENGINE_WRITERS else [])])
-        trainers.append(subprocess.Popen(
-            [sys.executable, str(HERE / "r3_trainer.py"), "--url", side.url, "--prefix", prefix, "--rows", str(rows),
-             "--mode", mode, "--ledger", str(ledgers[prefix]), "--out", str(outs[prefix])],
-            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, stderr=subprocess.PIPE))
+        writers[prefix] = make_writer(
+            shm_spool,
+            ledgers[prefix],
+            [
+                "--prefix",
+                prefix,
+                "--count",
+                "0",
+                "--duration",
+                str(DURATION),
+                "--rows",
+                str(rows),
+                "--chunk",
+                chunk,
+                "--max-records",
+                str(MAX_RECORDS),
+                *extra,
+                *(["--engine-writer"] if prefix in ENGINE_WRITERS else []),
+            ],
+        )
+        trainers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "r3_trainer.py"),
+                    "--url",
+                    side.url,
+                    "--prefix",
+                    prefix,
+                    "--rows",
+                    str(rows),
+                    "--mode",
+                    mode,
+                    "--ledger",
+                    str(ledgers[prefix]),
+                    "--out",
+                    str(outs[prefix]),
+                ],
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                cwd=REPO,
+                stderr=subprocess.PIPE,
+            )
+        )
     t0, cpu0 = time.monotonic(), _cpu_seconds(side.pid)
     samples = []
     try:
         while time.monotonic() - t0 < DURATION + 5 and any(t.poll() is None for t in trainers):
-            samples.append({"t": round(time.monotonic() - t0, 1),
-                            "rss_mib": round(proc_rss_bytes(side.pid) / 2**20, 1), "fds": proc_fds(side.pid),
-                            "cpu_s": round(_cpu_seconds(side.pid) - cpu0, 1), "loadavg": loadavg()})
+            samples.append(
+                {
+                    "t": round(time.monotonic() - t0, 1),
+                    "rss_mib": round(proc_rss_bytes(side.pid) / 2**20, 1),
+                    "fds": proc_fds(side.pid),
+                    "cpu_s": round(_cpu_seconds(side.pid) - cpu0, 1),
+                    "loadavg": loadavg(),
+                }
+            )
             time.sleep(SAMPLE_S)
         for w in writers.values():
             w.wait(timeout=120)
@@ -100,23 +141,31 @@ def test_soak(make_sidecar, make_writer, tmp_path, shm_spool):
     nbytes = sum(r.get("bytes", 0) for r in results)
     blocks = sum(r.get("blocks", 0) for r in results)
     warm = [s for s in samples if s["t"] >= min(60.0, DURATION / 5)] or samples
-    first, last = warm[: max(1, len(warm) // 5)], warm[-max(1, len(warm) // 5):]
+    first, last = warm[: max(1, len(warm) // 5)], warm[-max(1, len(warm) // 5) :]
     rss_first = float(np.median([s["rss_mib"] for s in first]))
     rss_last = float(np.median([s["rss_mib"] for s in last]))
     fds = [s["fds"] for s in warm]
     report = {
-        "duration_s": round(elapsed, 1), "records_written": len(final), "records_verified": len(verified),
-        "lost": len(lost), "errors": len(errors),
-        "rates": {"records_per_s": round(len(final) / elapsed, 1),
-                  "fetches_per_s": round(kinds["fetch"] / elapsed, 1),
-                  "http_requests_per_s": round((3 * kinds["fetch"] + 2 * kinds["stream"]) / elapsed, 1),
-                  "streams_per_s": round(kinds["stream"] / elapsed, 1),
-                  "stream_blocks_per_s": round(blocks / elapsed, 1),
-                  "deletes_per_s": round(len(verified) / elapsed, 1),
-                  "verified_mib_per_s": round(nbytes / elapsed / 2**20, 2)},
+        "duration_s": round(elapsed, 1),
+        "records_written": len(final),
+        "records_verified": len(verified),
+        "lost": len(lost),
+        "errors": len(errors),
+        "rates": {
+            "records_per_s": round(len(final) / elapsed, 1),
+            "fetches_per_s": round(kinds["fetch"] / elapsed, 1),
+            "http_requests_per_s": round((3 * kinds["fetch"] + 2 * kinds["stream"]) / elapsed, 1),
+            "streams_per_s": round(kinds["stream"] / elapsed, 1),
+            "stream_blocks_per_s": round(blocks / elapsed, 1),
+            "deletes_per_s": round(len(verified) / elapsed, 1),
+            "verified_mib_per_s": round(nbytes / elapsed / 2**20, 2),
+        },
         "rss_mib": {"warm_median": rss_first, "end_median": rss_last, "max": max(s["rss_mib"] for s in samples)},
-        "fds": {"warm_min": min(fds), "warm_max": max(fds)}, "sidecar_cpu_cores": round(sidecar_cores, 2),
-        "loadavg_start": samples[0]["loadavg"], "loadavg_end": loadavg(), "samples": samples,
+        "fds": {"warm_min": min(fds), "warm_max": max(fds)},
+        "sidecar_cpu_cores": round(sidecar_cores, 2),
+        "loadavg_start": samples[0]["loadavg"],
+        "loadavg_end": loadavg(),
+        "samples": samples,
     }
     if os.environ.get("R3_SOAK_OUT"):
         with open(os.environ["R3_SOAK_OUT"], "w") as f:

@@ -29,8 +29,16 @@ CAPACITY = 24_000  # ~ 10 records of 1.5 KiB rows plus metadata
 
 
 def _spec(rid: str) -> RecordSpec:
-    return RecordSpec(rid=rid, num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS, start=0, prompt_len=ROWS // 2,
-                      dtype="uint8", engine="rel/dp0")
+    return RecordSpec(
+        rid=rid,
+        num_experts=NUM_EXPERTS,
+        topk=TOPK,
+        layers=LAYERS,
+        start=0,
+        prompt_len=ROWS // 2,
+        dtype="uint8",
+        engine="rel/dp0",
+    )
 
 
 def _offer(writer: SpoolWriter, rid: str) -> np.ndarray | None:
@@ -65,8 +73,10 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
                     r = client.get(f"/routed_experts/{rid}", params={"format": "raw"})
                     if r.status_code == 200:
                         served_final[rid] = True
-                        if r.headers.get("X-R3-Final", "").lower() != "true" or \
-                                r.content != expected_rows(rid, ROWS).tobytes():
+                        if (
+                            r.headers.get("X-R3-Final", "").lower() != "true"
+                            or r.content != expected_rows(rid, ROWS).tobytes()
+                        ):
                             bad.append(f"{rid}: {len(r.content)} bytes, final={r.headers.get('X-R3-Final')}")
                     elif r.status_code not in (202, 404):
                         bad.append(f"{rid}: HTTP {r.status_code}")
@@ -116,8 +126,10 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
                 r = client.get(f"/routed_experts/{rid}", params={"format": "raw", "wait": 5})
                 assert r.status_code == 200 and r.content == expected_rows(rid, ROWS).tobytes(), rid
     writer.close()
-    print(f"spool full: recovered {recovered_after:.2f}s after the DELETEs; "
-          f"{len(again) - len(refused_again)}/{len(again)} new records spooled")
+    print(
+        f"spool full: recovered {recovered_after:.2f}s after the DELETEs; "
+        f"{len(again) - len(refused_again)}/{len(again)} new records spooled"
+    )
 
 
 def test_spool_never_exceeds_its_cap(spool_dir):
@@ -134,8 +146,12 @@ def test_spool_never_exceeds_its_cap(spool_dir):
 def _small_tmpfs(path, size: str):
     """A real, tiny tmpfs (like a full /dev/shm); needs CAP_SYS_ADMIN, so the test skips without it."""
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                           capture_output=True).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield path
@@ -169,14 +185,18 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
             after = {rid: client.get(f"/routed_experts/{rid}").status_code for rid, _ in lost}
         stats = writer.stats
         writer.close()
-        print(f"real ENOSPC: {len(accepted)} accepted, {len(inline)} inline, served exact {len(served)}, "
-              f"partial {len(partial)}, accepted but not served {len(lost)} {lost[:3]}, write_errors "
-              f"{stats.write_errors}")
+        print(
+            f"real ENOSPC: {len(accepted)} accepted, {len(inline)} inline, served exact {len(served)}, "
+            f"partial {len(partial)}, accepted but not served {len(lost)} {lost[:3]}, write_errors "
+            f"{stats.write_errors}"
+        )
         assert not partial, f"partial records served as final: {partial[:5]}"
         assert side.proc.poll() is None
         assert set(after.values()) <= {404, 410}, f"once the spool has room, silent records end: {after}"
-        print(f"real ENOSPC: {len(waiting)} records stayed 202 while the spool was full; after DELETEs: "
-              f"{dict(collections.Counter(after.values()))}")
+        print(
+            f"real ENOSPC: {len(waiting)} records stayed 202 while the spool was full; after DELETEs: "
+            f"{dict(collections.Counter(after.values()))}"
+        )
 
 
 def test_stale_record_on_a_full_spool_answers_410(make_sidecar, tmp_path):
@@ -199,8 +219,11 @@ def test_real_enospc_loses_no_accepted_request(make_sidecar, tmp_path):
         assert writer.flush(20)
         writer.close()
         spool = Spool(spool_dir, create=False)
-        bad = [rid for rid in accepted if not ((m := spool.read_meta(rid)) and m.final and m.status == "ok"
-                                               and m.rows == ROWS)]
+        bad = [
+            rid
+            for rid in accepted
+            if not ((m := spool.read_meta(rid)) and m.final and m.status == "ok" and m.rows == ROWS)
+        ]
         assert not bad, f"{len(bad)} of {len(accepted)} accepted records not written whole: {bad[:3]}"
 
 
@@ -215,17 +238,29 @@ def test_finish_path_keeps_inline_when_the_spool_refuses(make_sidecar, spool_dir
     n_req, seqlen = 30, ROWS + 1  # a finished request returns seqlen - 1 rows
     side = make_sidecar(spool_dir, env={"R3_SPOOL_MAX_BYTES": str(CAPACITY)})
     writer = SpoolWriter(spool_dir, max_bytes=CAPACITY, queue_bytes=1 << 20, engine="rel/dp0").start()
-    collector = Collector(writer, ModelShape(NUM_EXPERTS, TOPK, LAYERS, None), mode=Mode.SIDECAR,
-                          capture_all=False, dtype="uint8", engine="rel/dp0")
+    collector = Collector(
+        writer,
+        ModelShape(NUM_EXPERTS, TOPK, LAYERS, None),
+        mode=Mode.SIDECAR,
+        capture_all=False,
+        dtype="uint8",
+        engine="rel/dp0",
+    )
     rids = [f"fin-{i:03d}" for i in range(n_req)]
     # Host cache and token map as SGLang lays them out: request i's positions live in slots [i*seqlen, ...).
     host = torch.zeros((n_req * seqlen, len(LAYERS), TOPK), dtype=torch.int32)
     req_to_token = torch.arange(n_req * seqlen, dtype=torch.int32).reshape(n_req, seqlen)
     for i, rid in enumerate(rids):
-        host[i * seqlen: i * seqlen + ROWS] = torch.from_numpy(expected_rows(rid, ROWS).astype(np.int32))
-    routes = {rid: collector.finish(Finished(rid=rid, wants_inline=True, start_len=0, prompt_len=ROWS // 2,
-                                             seqlen=seqlen, pool_idx=i, aborted=False), publisher=True)
-              for i, rid in enumerate(rids)}
+        host[i * seqlen : i * seqlen + ROWS] = torch.from_numpy(expected_rows(rid, ROWS).astype(np.int32))
+    routes = {
+        rid: collector.finish(
+            Finished(
+                rid=rid, wants_inline=True, start_len=0, prompt_len=ROWS // 2, seqlen=seqlen, pool_idx=i, aborted=False
+            ),
+            publisher=True,
+        )
+        for i, rid in enumerate(rids)
+    }
     collector.end_step(req_to_token, host)
     collector.drain(wait=True)
     assert writer.flush(10)

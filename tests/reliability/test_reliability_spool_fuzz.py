@@ -57,9 +57,18 @@ def test_spool_reader_atheris(tmp_path):
     pytest.importorskip("atheris")
     runs = 200000
     proc = subprocess.run(
-        [sys.executable, str(HERE / "fuzz_spool_atheris.py"), str(tmp_path / "corpus"), f"-runs={runs}",
-         "-max_total_time=240", "-rss_limit_mb=4096"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
+        [
+            sys.executable,
+            str(HERE / "fuzz_spool_atheris.py"),
+            str(tmp_path / "corpus"),
+            f"-runs={runs}",
+            "-max_total_time=240",
+            "-rss_limit_mb=4096",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
     )
     tail = proc.stderr[-3000:]
     print(tail)
