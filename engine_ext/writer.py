@@ -297,7 +297,7 @@ class SpoolWriter:
         try:
             if op.spec is not None:
                 if writer is not None:
-                    _discard(writer)  # starting over: the new record replaces it, never final in between
+                    writer.close()  # starting over: the new record replaces it, never final in between
                 s = op.spec
                 writer = spool.writer(
                     s.rid,
@@ -346,11 +346,3 @@ class SpoolWriter:
             if writer is not None and not writer.closed:
                 with contextlib.suppress(OSError):
                     writer.finalize("error")
-
-
-def _discard(writer: RecordWriter) -> None:
-    """Close a record's file without publishing anything (its replacement publishes `rows=0` first)."""
-    fd, writer._fd = writer._fd, None
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)

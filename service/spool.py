@@ -12,6 +12,7 @@ Invariants a reader relies on (and a writer keeps):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -464,3 +465,11 @@ class RecordWriter:
 
     def abort(self) -> RecordMeta:
         return self.finalize("aborted")
+
+    def close(self) -> None:
+        """Close the file without publishing: for a record about to be replaced under the same rid."""
+        with self._lock:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                with contextlib.suppress(OSError):
+                    os.close(fd)
