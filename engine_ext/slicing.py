@@ -96,4 +96,3 @@ def local_slice(
         raise ValueError(f"DP rank {rank} has no entry in the per-rank token counts {list(per_rank_counts)}")
     start = sum(int(n) for n in per_rank_counts[:rank])
     return LocalSlice(start, start + local_tokens, sum(int(n) for n in per_rank_counts))
-

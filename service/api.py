@@ -333,6 +333,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="1",
         summary="Routed experts of MoE requests, served from the r3 spool (Contract 2).",
         lifespan=lifespan,
+        **({"openapi_url": None, "docs_url": None, "redoc_url": None} if token is not None else {}),
     )
     app.state.settings, app.state.store, app.state.metrics = settings, store, metrics
     app.send_timeout_s = settings.send_timeout_s or None  # R3_SEND_TIMEOUT_S; 0 disables
@@ -341,9 +342,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     async def authorized(creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> None:
         if token is not None and (creds is None or not hmac.compare_digest(creds.credentials.encode(), token)):
-            raise ApiError(
-                401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     async def open_access() -> None:
         """Without a token the API is open, and the schema says so (no security, no 401)."""
@@ -648,13 +647,17 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get(
         "/metrics",
         response_class=Response,
-        responses={
-            200: {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": _TEXT}}}
-        },
+        responses={200: {"description": "Prometheus text exposition.", "content": {"text/plain": {"schema": _TEXT}}}},
         summary="Prometheus metrics (Contract 3)",
     )
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if token is not None:  # the schema needs the token too; /docs and /redoc (browsers cannot send it) are off
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(_auth: Auth) -> Response:
+            return JSONResponse(app.openapi())
 
     return app
 

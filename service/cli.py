@@ -54,6 +54,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
 # for the pod's whole grace period.
 GRACEFUL_SHUTDOWN_S = 5
 
+
 def _serve(settings: Settings, banner: str | None = None) -> None:
     import uvicorn
 
@@ -104,7 +105,7 @@ def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
             f"  curl -s{auth} -o {rid}.npy '{url}/routed_experts/{rid}?wait=30'"
             f" && {python} -c 'import numpy; a = numpy.load(\"{rid}.npy\"); print(a.shape, a.dtype)'",
             f"  {python} -c 'from service.client import RoutedExpertsClient as C;"
-            f" r = C(\"{url}\"{tok}).get(\"{rid}\", wait=30); print(r.array.shape, r.dtype, r.layers[:4])'",
+            f' r = C("{url}"{tok}).get("{rid}", wait=30); print(r.array.shape, r.dtype, r.layers[:4])\'',
             f"  {cli} fetch {rid} --url {url}{fetch_tok} --out {rid}.npy",
             f"  curl -s {url}/metrics | grep ^r3_",
             f"  curl -s{auth} {url}/v1/engines",
@@ -132,9 +133,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         temp_dir = tempfile.mkdtemp(prefix="r3-demo-", dir=shm)
         overrides["spool_dir"] = temp_dir
     settings = _settings(args, **overrides)
-    cfg = DemoConfig(
-        max_live=args.max_live, max_records=args.max_records, step_s=args.step_ms / 1000, seed=args.seed
-    )
+    cfg = DemoConfig(max_live=args.max_live, max_records=args.max_records, step_s=args.step_ms / 1000, seed=args.seed)
     engine = DemoEngine(Spool(settings.spool_dir), cfg).start()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     try:

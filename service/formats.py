@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     def _b64encode(data: bytes | memoryview) -> bytes:
         return binascii.b2a_base64(data, newline=False)
 
+
 Format = Literal["npy", "raw", "json", "sglang_b64"]
 FORMATS: tuple[str, ...] = ("npy", "raw", "json", "sglang_b64")
 MEDIA_TYPES: dict[str, str] = {

@@ -30,12 +30,16 @@ class Metrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.served = Counter(
-            "r3_served", "Responses to record requests, by format and HTTP status.", ["format", "code"],
+            "r3_served",
+            "Responses to record requests, by format and HTTP status.",
+            ["format", "code"],
             registry=self.registry,
         )
         self.served_bytes = Counter("r3_served_bytes", "Body bytes of record responses.", registry=self.registry)
         self.fetch_seconds = Histogram(
-            "r3_fetch_seconds", "Time to serve one record request, waits included.", buckets=FETCH_BUCKETS,
+            "r3_fetch_seconds",
+            "Time to serve one record request, waits included.",
+            buckets=FETCH_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(SpoolCollector(store))
@@ -131,7 +135,8 @@ class SpoolCollector(Collector):
         yield records
         yield GaugeMetricFamily("r3_spool_bytes", "Bytes held by record files.", value=store.usage_bytes())
         yield GaugeMetricFamily(
-            "r3_spool_capacity_bytes", "Spool capacity (R3_SPOOL_MAX_BYTES or the file system size).",
+            "r3_spool_capacity_bytes",
+            "Spool capacity (R3_SPOOL_MAX_BYTES or the file system size).",
             value=store.capacity_bytes(),
         )
         yield CounterMetricFamily(

@@ -21,9 +21,7 @@ class Settings(BaseSettings):
     auth_token: str | None = None
     ttl_s: float = Field(900.0, gt=0, description="Seconds a final record is kept before deletion.")
     stale_s: float = Field(300.0, gt=0, description="Seconds without update before a non-final record is aborted.")
-    spool_max_bytes: int = Field(
-        0, ge=0, description="Spool capacity; 0 means the file system's size (statvfs)."
-    )
+    spool_max_bytes: int = Field(0, ge=0, description="Spool capacity; 0 means the file system's size (statvfs).")
     rescan_s: float = Field(5.0, gt=0, description="Safety-net rescan period behind file-system events.")
     max_wait_s: float = Field(600.0, ge=0, description="Upper bound of the `wait` parameter.")
     max_batch: int = Field(1024, ge=1, description="Most rids one batch request may name.")

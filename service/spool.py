@@ -324,6 +324,37 @@ class Spool:
                 pass
         return found
 
+    def reclaim_leftovers(self, older_than_s: float, now: float | None = None) -> list[Path]:
+        """Remove what a crash leaves behind once untouched for `older_than_s`; return what was removed.
+
+        A `.bin` whose `.json` is gone (killed between a delete's two unlinks) and the temporary file of
+        an interrupted `atomic_write` are never named by any metadata, so nothing else would free them.
+        """
+        cutoff = (time.time() if now is None else now) - older_than_s
+        removed = []
+        for folder in (self.records_dir, self.engines_dir):
+            try:
+                entries = list(os.scandir(folder))
+            except FileNotFoundError:
+                continue
+            names = {e.name for e in entries}
+            for entry in entries:
+                name = entry.name
+                orphan = name.endswith(".bin") and f"{name[:-4]}.json" not in names
+                leftover = name.startswith(".") and name.endswith(".tmp")
+                if not (orphan or leftover):
+                    continue
+                try:
+                    if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+                        continue
+                    if orphan and os.path.exists(os.path.join(folder, f"{name[:-4]}.json")):
+                        continue  # a writer published it since the listing
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+                except FileNotFoundError:
+                    continue
+        return removed
+
     def writer(
         self,
         rid: str,

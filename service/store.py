@@ -3,7 +3,8 @@
 File-system events (`watchfiles.awatch`) keep the index fresh; a periodic rescan is the safety net for
 events the kernel coalesced or dropped. Readers re-check one record's metadata file (a `stat`, and a
 small read when it changed) before serving it, so a late event never serves stale rows. Retention
-(TTL after final, stale non-final records marked aborted) is applied here, through the spool.
+(TTL after final, stale non-final records marked aborted, crash leftovers removed) is applied here,
+through the spool.
 
 Everything runs on the server's event loop; only the full rescan's directory walk runs in a thread.
 """
@@ -157,6 +158,8 @@ class Store:
             del self._bad[name]
 
     def _scan(self, known: dict[str, Stamp]) -> tuple[set[str], dict[str, Any]]:
+        for path in self.spool.reclaim_leftovers(self.settings.stale_s):
+            log.info("removed crash leftover %s", path.name)
         names = set(self.spool.record_names())
         results = {}
         for name in names:

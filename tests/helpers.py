@@ -66,8 +66,18 @@ def live_server(settings: Settings, *, process: bool = False, timeout: float = 2
     base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.listen(128)
     env = {**os.environ, **settings_env(settings)}
-    cmd = [sys.executable, "-m", "uvicorn", "--factory", "service.api:app_from_env", "--fd", str(sock.fileno()),
-           "--log-level", "warning", "--no-access-log"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        "service.api:app_from_env",
+        "--fd",
+        str(sock.fileno()),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, pass_fds=(sock.fileno(),))
     sock.close()
     try:
@@ -129,8 +139,14 @@ def write_record(
     """Write a whole record through the spool writer; `rows` has shape `(n, layers, topk)`."""
     layers = list(range(rows.shape[1])) if layers is None else layers
     writer = spool.writer(
-        rid, num_experts=num_experts, topk=rows.shape[2], layers=layers, start=start, prompt_len=prompt_len,
-        dtype=dtype, engine="test/dp0",
+        rid,
+        num_experts=num_experts,
+        topk=rows.shape[2],
+        layers=layers,
+        start=start,
+        prompt_len=prompt_len,
+        dtype=dtype,
+        engine="test/dp0",
     )
     if len(rows):
         writer.append(rows)
@@ -150,8 +166,14 @@ def engine_report(engine: str = "pod-a/dp0", *, updated: float | None = None) ->
         "sglang": "0.5.23",
         "updated": time.time() if updated is None else updated,
         "budget": [
-            {"buffer": "device_cache", "unit": "tokens", "capacity": 8192, "demand": 4096, "ok": True,
-             "formula": "N*max(P, bs*w)"},
+            {
+                "buffer": "device_cache",
+                "unit": "tokens",
+                "capacity": 8192,
+                "demand": 4096,
+                "ok": True,
+                "formula": "N*max(P, bs*w)",
+            },
         ],
         "occupancy": [{"buffer": "device_cache", "capacity": 8192, "peak": 2048, "window_s": 60}],
         "host_cache": {"capacity_tokens": 100000, "used_tokens": 2500},

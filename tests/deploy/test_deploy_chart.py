@@ -278,7 +278,7 @@ def test_a_generated_token_is_random_per_install() -> None:
     """Offline, `lookup` finds nothing, so each render draws a new token; in a cluster the existing one wins."""
     tokens = {secret_value(one(render(), "Secret"), "token") for _ in range(3)}
     assert len(tokens) == 3
-    assert "lookup \"v1\" \"Secret\"" in (CHART / "templates" / "secret.yaml").read_text()
+    assert 'lookup "v1" "Secret"' in (CHART / "templates" / "secret.yaml").read_text()
 
 
 # ---- probes and the helm test against the real app ----------------------------------------------
@@ -325,9 +325,9 @@ def test_helm_test_pod_curls_every_pod(rendered: tuple[dict, list]) -> None:
     v = _values(values)
     script = one(objects, "Pod", hook=True)["spec"]["containers"][0]["args"][0]
     sts = one(objects, "StatefulSet")
-    assert f'-lt {v["replicaCount"]} ]' in script
-    assert f'{sts["metadata"]["name"]}-$i.{sts["spec"]["serviceName"]}.{NAMESPACE}.svc' in script
-    assert f':{v["sidecar"]["port"]}/readyz' in script
+    assert f"-lt {v['replicaCount']} ]" in script
+    assert f"{sts['metadata']['name']}-$i.{sts['spec']['serviceName']}.{NAMESPACE}.svc" in script
+    assert f":{v['sidecar']['port']}/readyz" in script
 
 
 def test_spool_init_makes_directories_both_containers_can_write(tmp_path: Path) -> None:
@@ -526,12 +526,15 @@ def test_advertised_url_fetches_the_record_from_the_sidecar(scenario: str, spool
         if isinstance(val, str)
     }
     assert "$(" not in env["R3_SIDECAR_URL"] and env["R3_ENGINE_ID"] == pod_name
-    settings = EngineSettings.model_validate({k.removeprefix("R3_").lower(): val for k, val in env.items()
-                                             if k.startswith("R3_")})
+    settings = EngineSettings.model_validate(
+        {k.removeprefix("R3_").lower(): val for k, val in env.items() if k.startswith("R3_")}
+    )
     rid = "chatcmpl-7f/x y"
     url = httpx.URL(routed_experts_url(settings.sidecar_url, rid))
-    expected_host = pod_ip if v["sidecar"]["advertise"] == "podIP" else (
-        f"{pod_name}.{one(objects, 'StatefulSet')['spec']['serviceName']}.{NAMESPACE}.svc.{v['clusterDomain']}"
+    expected_host = (
+        pod_ip
+        if v["sidecar"]["advertise"] == "podIP"
+        else (f"{pod_name}.{one(objects, 'StatefulSet')['spec']['serviceName']}.{NAMESPACE}.svc.{v['clusterDomain']}")
     )
     assert (url.host, url.port) == (expected_host, v["sidecar"]["port"])
 

@@ -164,7 +164,9 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "--wheel-dir", out, context],
-        check=True, timeout=200, capture_output=True,
+        check=True,
+        timeout=200,
+        capture_output=True,
     )
     (wheel,) = out.glob("r3_sidecar-*.whl")
     with zipfile.ZipFile(wheel) as zf:

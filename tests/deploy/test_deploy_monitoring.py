@@ -234,14 +234,16 @@ def test_alerts_cover_the_operational_risks() -> None:
 
 
 def test_dashboard_panels_cover_what_operators_watch() -> None:
-    used = {
-        sel.name: title
-        for title, expr in dashboard_targets()
-        for sel in usage(grafana_expand(expr)).selectors
-    }
+    used = {sel.name: title for title, expr in dashboard_targets() for sel in usage(grafana_expand(expr)).selectors}
     for series in (
-        "r3_buffer_headroom_ratio", "r3_budget_capacity", "r3_budget_demand", "r3_spool_bytes",
-        "r3_spool_capacity_bytes", "r3_served_total", "r3_served_bytes_total", "r3_fetch_seconds_bucket",
+        "r3_buffer_headroom_ratio",
+        "r3_budget_capacity",
+        "r3_budget_demand",
+        "r3_spool_bytes",
+        "r3_spool_capacity_bytes",
+        "r3_served_total",
+        "r3_served_bytes_total",
+        "r3_fetch_seconds_bucket",
         "r3_engine_fallback_inline_total",
     ):
         assert series in used, f"no panel shows {series}"
@@ -292,11 +294,6 @@ def test_alerts_fire_as_specified_under_promtool() -> None:
 
 def test_promtool_unit_tests_cover_every_alert() -> None:
     spec = yaml.safe_load(PROMTOOL_TESTS.read_text())
-    firing = {
-        case["alertname"]
-        for test in spec["tests"]
-        for case in test["alert_rule_test"]
-        if case["exp_alerts"]
-    }
+    firing = {case["alertname"] for test in spec["tests"] for case in test["alert_rule_test"] if case["exp_alerts"]}
     assert firing == set(ALERTS)
     assert (PROMTOOL_TESTS.parent / spec["rule_files"][0]).resolve() == RULES_FILE.resolve()

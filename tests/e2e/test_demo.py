@@ -34,7 +34,10 @@ def demo(tmp_path: Path):
     env = {**os.environ, "R3_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [*r3_sidecar(), "demo", "--host", "127.0.0.1", "--port", str(port), "--step-ms", "20"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:

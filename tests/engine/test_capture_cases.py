@@ -59,37 +59,100 @@ _DP2 = {"tp_size": 2, "attn_dp_size": 2, "enable_return_routed_experts": True}
 
 CASES = [
     # #26123 as merged: mrr > cps under DP attention, decode graph at full batch on rank 1. 0.5.23 has this fix.
-    Case("dp_mrr_gt_cps", {**_DP2, "world_rank": 1, "chunked_prefill_size": 32, "max_running_requests": 64},
-         rank=1, raw=[64, 64], graph="decode", graph_bs=64),
+    Case(
+        "dp_mrr_gt_cps",
+        {**_DP2, "world_rank": 1, "chunked_prefill_size": 32, "max_running_requests": 64},
+        rank=1,
+        raw=[64, 64],
+        graph="decode",
+        graph_bs=64,
+    ),
     # #26123 beyond: attention TP 2 pads every rank's count to even (63 → 64): 2 × 64 rows > 2 × max(32, 63).
-    Case("dp_mrr_gt_cps_attn_tp_padding",
-         {"tp_size": 4, "attn_dp_size": 2, "enable_return_routed_experts": True, "world_rank": 2,
-          "chunked_prefill_size": 32, "max_running_requests": 63},
-         rank=1, raw=[63, 63], graph="eager", padded=[64, 64]),
+    Case(
+        "dp_mrr_gt_cps_attn_tp_padding",
+        {
+            "tp_size": 4,
+            "attn_dp_size": 2,
+            "enable_return_routed_experts": True,
+            "world_rank": 2,
+            "chunked_prefill_size": 32,
+            "max_running_requests": 63,
+        },
+        rank=1,
+        raw=[63, 63],
+        graph="eager",
+        padded=[64, 64],
+    ),
     # Speculative verify: mrr · w = 32 · 4 = 128 > cps = 64 per rank.
-    Case("verify_mrr_w_gt_cps", {**_DP2, **_SPEC, "world_rank": 1, "chunked_prefill_size": 64,
-                                 "max_running_requests": 32},
-         rank=1, raw=[128, 96], graph="decode", graph_bs=32, w=4),
+    Case(
+        "verify_mrr_w_gt_cps",
+        {**_DP2, **_SPEC, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 32},
+        rank=1,
+        raw=[128, 96],
+        graph="decode",
+        graph_bs=32,
+        w=4,
+    ),
     # Rank 1 after a verify graph, buffer big enough: upstream starts at 1 · bs = 16 instead of 1 · 16 · 4.
-    Case("verify_graph_rank1_offset", {**_DP2, **_SPEC, "world_rank": 1, "chunked_prefill_size": 512,
-                                       "max_running_requests": 16},
-         rank=1, raw=[40, 48], graph="decode", graph_bs=16, w=4),
+    Case(
+        "verify_graph_rank1_offset",
+        {**_DP2, **_SPEC, "world_rank": 1, "chunked_prefill_size": 512, "max_running_requests": 16},
+        rank=1,
+        raw=[40, 48],
+        graph="decode",
+        graph_bs=16,
+        w=4,
+    ),
     # Prefill (breakable) CUDA graph under DP attention: MAX_LEN padding to the 64-token bucket.
-    Case("prefill_graph_dp", {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 8},
-         rank=1, raw=[60, 50], graph="prefill", padded=[64, 64]),
+    Case(
+        "prefill_graph_dp",
+        {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 8},
+        rank=1,
+        raw=[60, 50],
+        graph="prefill",
+        padded=[64, 64],
+    ),
     # #31116: a prefill-graph bucket (128) above the per-rank chunk (64) under DP attention.
-    Case("prefill_graph_bucket_gt_cps",
-         {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 8,
-          "cuda_graph_config": {"prefill": {"backend": "breakable", "bs": [32, 64, 128]}}},
-         rank=1, raw=[100, 120], graph="prefill", padded=[128, 128]),
+    Case(
+        "prefill_graph_bucket_gt_cps",
+        {
+            **_DP2,
+            "world_rank": 1,
+            "chunked_prefill_size": 64,
+            "max_running_requests": 8,
+            "cuda_graph_config": {"prefill": {"backend": "breakable", "bs": [32, 64, 128]}},
+        },
+        rank=1,
+        raw=[100, 120],
+        graph="prefill",
+        padded=[128, 128],
+    ),
     # Mooncake all-to-all under DP attention: TopK routes the DP-local shard; upstream slices it at 1 · bs.
-    Case("a2a_local_rows_rank1", {**_DP2, "world_rank": 1, "chunked_prefill_size": 64, "max_running_requests": 16,
-                                  "moe_a2a_backend": "mooncake"},
-         rank=1, raw=[10, 12], graph="decode", graph_bs=16, scattered=True),
+    Case(
+        "a2a_local_rows_rank1",
+        {
+            **_DP2,
+            "world_rank": 1,
+            "chunked_prefill_size": 64,
+            "max_running_requests": 16,
+            "moe_a2a_backend": "mooncake",
+        },
+        rank=1,
+        raw=[10, 12],
+        graph="decode",
+        graph_bs=16,
+        scattered=True,
+    ),
     # chunked_prefill_size = -1 and one 300-token prompt, no DP.
-    Case("chunked_prefill_off_long_prompt",
-         {"tp_size": 1, "enable_return_routed_experts": True, "chunked_prefill_size": -1, "max_running_requests": 8},
-         rank=0, raw=[300], graph="eager", padded=[300], context_length=512),
+    Case(
+        "chunked_prefill_off_long_prompt",
+        {"tp_size": 1, "enable_return_routed_experts": True, "chunked_prefill_size": -1, "max_running_requests": 8},
+        rank=0,
+        raw=[300],
+        graph="eager",
+        padded=[300],
+        context_length=512,
+    ),
 ]
 
 

@@ -92,17 +92,15 @@ def _raw_request(port: int, method: str, path: str) -> tuple[int, bytes]:
         conn.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service/api.py: /openapi.json, /docs and /redoc answer 200 without the "
-    "token; Contract 2 keeps only /metrics, /healthz, /readyz open when "
-    "R3_AUTH_TOKEN is set",
-)
 def test_only_health_and_metrics_are_open_with_a_token(make_sidecar, spool_dir):
     side = make_sidecar(spool_dir, env={"R3_AUTH_TOKEN": TOKEN})
     with httpx.Client(base_url=side.url, timeout=10) as client:
         opened = {p: client.get(p).status_code for p in ("/openapi.json", "/docs", "/redoc")}
-    assert set(opened.values()) <= {401, 404}, opened
+        free = {p: client.get(p).status_code for p in ("/healthz", "/readyz", "/metrics")}
+        schema = client.get("/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert opened == {"/openapi.json": 401, "/docs": 404, "/redoc": 404}, opened
+    assert set(free.values()) == {200}, free
+    assert schema.status_code == 200 and "/routed_experts/{rid}" in schema.json()["paths"]
 
 
 HOSTILE_RIDS = [

@@ -267,7 +267,8 @@ def test_auth(serve, spool: Spool) -> None:
     assert httpx.get(url_for(base, "secured"), headers=good).status_code == 200
     assert httpx.get(f"{base}/v1/engines", headers=good).status_code == 200
     assert httpx.delete(url_for(base, "secured"), headers=good).status_code == 204
-    spec = httpx.get(f"{base}/openapi.json").json()
+    assert httpx.get(f"{base}/openapi.json").status_code == 401
+    spec = httpx.get(f"{base}/openapi.json", headers=good).json()
     assert "401" in spec["paths"]["/routed_experts/{rid}"]["get"]["responses"]
     assert spec["paths"]["/routed_experts/{rid}"]["get"]["security"] == [{"HTTPBearer": []}]
 
@@ -277,9 +278,10 @@ def test_startup_rebuilds_index_from_existing_files(spool: Spool, make_settings)
     write_record(spool, "before-start", rows)
     write_record(spool, "before-start-open", rows, final=False)
     with live_server(make_settings(rescan_s=60)) as base:
-        assert httpx.get(url_for(base, "before-start"), params={"format": "raw"}).content == rows.astype(
-            np.uint8
-        ).tobytes()
+        assert (
+            httpx.get(url_for(base, "before-start"), params={"format": "raw"}).content
+            == rows.astype(np.uint8).tobytes()
+        )
         text = httpx.get(f"{base}/metrics").text
         assert 'r3_records{state="ok"} 1.0' in text and 'r3_records{state="open"} 1.0' in text
 
@@ -318,7 +320,6 @@ def test_405_allow_lists_every_method_of_the_path(shared: tuple[str, Spool]) -> 
     assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET"
     r = httpx.put(f"{base}/routed_experts/batch")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
-
 
 
 def test_stalled_reader_is_cut_off_by_the_send_timeout(spool: Spool, make_settings) -> None:

@@ -51,8 +51,9 @@ def test_stream_delivers_rows_as_written_then_ends_at_final(serve, spool: Spool)
         times["final"] = time.monotonic()
         writer.finalize()
 
-    with httpx.stream("GET", f"{base}/routed_experts/{quote('live/1', safe='')}", params={"stream": "true"},
-                      timeout=30) as r:
+    with httpx.stream(
+        "GET", f"{base}/routed_experts/{quote('live/1', safe='')}", params={"stream": "true"}, timeout=30
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"] == formats.FRAMES_MEDIA_TYPE
         assert r.headers["x-r3-final"] == "false"
         threading.Thread(target=produce).start()

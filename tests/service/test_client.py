@@ -104,7 +104,13 @@ def test_get_returns_rows_and_metadata_without_copy(spool: Spool, client: Routed
     assert isinstance(r, RoutedExperts)
     np.testing.assert_array_equal(r.array, array)
     assert (r.rid, r.start, r.end, r.prompt_len, r.layers, r.final, r.dtype) == (
-        "get-whole", 7, 40, 7 + 33 // 2, LAYERS, True, "uint8",
+        "get-whole",
+        7,
+        40,
+        7 + 33 // 2,
+        LAYERS,
+        True,
+        "uint8",
     )
     # Parsed in place: the array views the body buffer it was read into, and that buffer is writable.
     assert r.array.base is not None and r.array.flags.writeable
@@ -195,7 +201,11 @@ def test_get_many_keeps_order_and_per_rid_status(spool: Spool, client: RoutedExp
     put(spool, "many-gone", rows=2, status="aborted")
     results = client.get_many(["many-b", "many-missing", "many-a", "many-gone", "many-b"])
     assert [type(x).__name__ for x in results] == [
-        "RoutedExperts", "RecordNotFound", "RoutedExperts", "RecordGone", "RoutedExperts",
+        "RoutedExperts",
+        "RecordNotFound",
+        "RoutedExperts",
+        "RecordGone",
+        "RoutedExperts",
     ]
     np.testing.assert_array_equal(results[0].array, b)
     np.testing.assert_array_equal(results[2].array, a)
@@ -464,11 +474,30 @@ def test_parse_npy_matches_numpy_load() -> None:
 def test_frame_decoder_any_chunking() -> None:
     a = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
     frames = (
-        frame_header({"rid": "x", "status": 200, "dtype": "uint8", "shape": [3, 2, 2], "start": 4,
-                      "layers": [0, 1], "final": True})
+        frame_header(
+            {
+                "rid": "x",
+                "status": 200,
+                "dtype": "uint8",
+                "shape": [3, 2, 2],
+                "start": 4,
+                "layers": [0, 1],
+                "final": True,
+            }
+        )
         + a.tobytes()
-        + frame_header({"rid": "y", "status": 404, "dtype": "uint8", "shape": [0, 2, 2], "start": 0,
-                        "layers": [0, 1], "final": False, "detail": "no record 'y'"})
+        + frame_header(
+            {
+                "rid": "y",
+                "status": 404,
+                "dtype": "uint8",
+                "shape": [0, 2, 2],
+                "start": 0,
+                "layers": [0, 1],
+                "final": False,
+                "detail": "no record 'y'",
+            }
+        )
     )
     for size in (1, 3, 7, len(frames)):
         decoder = FrameDecoder()

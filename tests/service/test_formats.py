@@ -83,8 +83,15 @@ def test_parse_layers_rejects(text: str) -> None:
 
 def test_frames_roundtrip() -> None:
     payload = np.arange(24, dtype=np.uint16).reshape(2, 3, 4)
-    header = {"rid": "r", "status": 200, "dtype": "uint16", "shape": [2, 3, 4], "start": 5, "layers": [0, 1, 2],
-              "final": True}
+    header = {
+        "rid": "r",
+        "status": 200,
+        "dtype": "uint16",
+        "shape": [2, 3, 4],
+        "start": 5,
+        "layers": [0, 1, 2],
+        "final": True,
+    }
     body = formats.frame_header(header) + payload.tobytes()
     body += formats.frame_header({**header, "status": 404, "shape": [0, 0, 0]})
     frames = formats.parse_frames(body)

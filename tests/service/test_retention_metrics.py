@@ -13,11 +13,24 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.spool import Spool
 
 CONTRACT3 = [
-    "r3_records", "r3_spool_bytes", "r3_spool_capacity_bytes", "r3_served_total", "r3_served_bytes_total",
-    "r3_fetch_seconds", "r3_records_expired_total", "r3_buffer_capacity", "r3_buffer_peak",
-    "r3_buffer_headroom_ratio", "r3_budget_capacity", "r3_budget_demand", "r3_budget_ok",
-    "r3_host_cache_used_tokens", "r3_host_cache_capacity_tokens", "r3_engine_fallback_inline_total",
-    "r3_engine_queued_bytes", "r3_engine_stale",
+    "r3_records",
+    "r3_spool_bytes",
+    "r3_spool_capacity_bytes",
+    "r3_served_total",
+    "r3_served_bytes_total",
+    "r3_fetch_seconds",
+    "r3_records_expired_total",
+    "r3_buffer_capacity",
+    "r3_buffer_peak",
+    "r3_buffer_headroom_ratio",
+    "r3_budget_capacity",
+    "r3_budget_demand",
+    "r3_budget_ok",
+    "r3_host_cache_used_tokens",
+    "r3_host_cache_capacity_tokens",
+    "r3_engine_fallback_inline_total",
+    "r3_engine_queued_bytes",
+    "r3_engine_stale",
 ]
 
 

@@ -139,6 +139,42 @@ def test_meta_json_is_contract_shape(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     meta = spool.writer("k", num_experts=300, topk=2, layers=[1, 5], prompt_len=7).finalize("error")
     obj = RecordMeta.from_json(spool.meta_path("k").read_bytes()).to_dict()
-    assert set(obj) == {"v", "rid", "dtype", "num_experts", "topk", "layers", "start", "rows", "prompt_len", "final",
-                        "status", "engine", "weight_version", "created", "updated"}
+    assert set(obj) == {
+        "v",
+        "rid",
+        "dtype",
+        "num_experts",
+        "topk",
+        "layers",
+        "start",
+        "rows",
+        "prompt_len",
+        "final",
+        "status",
+        "engine",
+        "weight_version",
+        "created",
+        "updated",
+    }
     assert obj["dtype"] == "uint16" and obj["status"] == "error" and meta.final
+
+
+def test_reclaim_leftovers_takes_only_old_unnamed_files(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    w = spool.writer("kept", num_experts=128, topk=2, layers=[0, 1])
+    w.append(np.zeros((3, 2, 2), np.uint8))
+    w.finalize()
+    records = spool.records_dir
+    (records / "orphan.bin").write_bytes(b"\0" * 64)
+    (records / ".orphan.json.1.2.tmp").write_bytes(b"{")
+    (spool.engines_dir / ".e.json.1.3.tmp").write_bytes(b"{")
+    (records / "fresh.bin").write_bytes(b"\0")
+    for name in ("kept.bin", "kept.json", "orphan.bin", ".orphan.json.1.2.tmp"):
+        os.utime(records / name, (1000.0, 1000.0))
+    os.utime(spool.engines_dir / ".e.json.1.3.tmp", (1000.0, 1000.0))
+    now = 1000.0 + 61
+    assert spool.reclaim_leftovers(120, now=now) == []
+    removed = spool.reclaim_leftovers(60, now=now)
+    assert sorted(p.name for p in removed) == [".e.json.1.3.tmp", ".orphan.json.1.2.tmp", "orphan.bin"]
+    assert sorted(os.listdir(records)) == ["fresh.bin", "kept.bin", "kept.json"]
+    assert spool.read_array(spool.read_meta("kept")).shape == (3, 2, 2)

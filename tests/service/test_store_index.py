@@ -111,8 +111,9 @@ class FullSpool(Spool):
 def test_stale_record_on_a_full_spool_is_aborted_in_the_index(spool: Spool) -> None:
     writer = spool.writer("silent", num_experts=8, topk=1, layers=[0])
     writer.append(np.zeros((3, 1, 1)))
-    store = Store(FullSpool(spool.root), Settings.model_validate({"spool_dir": spool.root, "stale_s": 0.2,
-                                                                  "ttl_s": 0.4}))
+    store = Store(
+        FullSpool(spool.root), Settings.model_validate({"spool_dir": spool.root, "stale_s": 0.2, "ttl_s": 0.4})
+    )
     assert not store.lookup("silent").final
     time.sleep(0.25)
     meta = store.lookup("silent")
