@@ -164,9 +164,11 @@ class SidecarApp(FastAPI):
     """FastAPI with a send timeout: a client that takes no body chunk for `send_timeout_s` is cut off.
 
     Without it, a stalled reader holds its connection, a body chunk and an open `.bin` forever (the
-    server's `send` waits on flow control). The timeout wraps the server's own `send`, outside every
+    server's `send` waits on flow control). The timeout watches the server's own `send`, outside every
     middleware, so on expiry it can abort the transport (uvicorn exposes it on the bound `send`),
-    which frees the socket at once instead of waiting for buffered bytes that will never drain.
+    which frees the socket at once instead of waiting for buffered bytes that will never drain. One
+    timer per request watches every send (a timeout context per send costs more than the rest of a small
+    response's sends together).
     """
 
     send_timeout_s: float | None = None
@@ -176,18 +178,38 @@ class SidecarApp(FastAPI):
         if timeout is None or scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        loop = asyncio.get_running_loop()
+        sending_since: float | None = None
+        aborted = False
 
-        async def timed_send(message: Message) -> None:
-            try:
-                async with asyncio.timeout(timeout):
-                    await send(message)
-            except TimeoutError:
+        def watch() -> None:
+            nonlocal watchdog, aborted
+            now = loop.time()
+            if sending_since is not None and now - sending_since >= timeout:
                 transport = getattr(getattr(send, "__self__", None), "transport", None)
                 if transport is not None:
-                    transport.abort()
-                raise OSError(f"client read nothing for {timeout}s; connection closed") from None
+                    aborted = True
+                    transport.abort()  # the server's pending send returns; the next one raises below
+                    return
+            watchdog = loop.call_at((sending_since if sending_since is not None else now) + timeout, watch)
 
-        await super().__call__(scope, receive, timed_send)
+        async def watched_send(message: Message) -> None:
+            nonlocal sending_since
+            if aborted:
+                raise OSError(f"client read nothing for {timeout}s; connection closed")
+            sending_since = loop.time()
+            try:
+                await send(message)
+            finally:
+                sending_since = None
+            if aborted:
+                raise OSError(f"client read nothing for {timeout}s; connection closed")
+
+        watchdog = loop.call_later(timeout, watch)
+        try:
+            await super().__call__(scope, receive, watched_send)
+        finally:
+            watchdog.cancel()
 
 
 # ---- OpenAPI descriptions ---------------------------------------------------------------------

@@ -22,6 +22,8 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
+from service.connections import Connections
+
 if TYPE_CHECKING:
     import torch
 
@@ -393,6 +395,9 @@ class RoutedExpertsClient(_Base):
     def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kwargs: Any) -> None:
         super().__init__(base_url, **kwargs)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers, transport=transport)
+        # GETs read their body straight into its buffer over plain http; httpx serves the rest (and https)
+        plain = transport is None and self.base_url.startswith("http://")
+        self._gets = Connections(self.base_url, self._headers, self.connect_timeout) if plain else None
 
     def __enter__(self) -> RoutedExpertsClient:
         return self
@@ -402,6 +407,8 @@ class RoutedExpertsClient(_Base):
 
     def close(self) -> None:
         self._http.close()
+        if self._gets is not None:
+            self._gets.close()
 
     def _retry(self, call: Callable[[], T]) -> T:
         for attempt in range(self.retries + 1):
@@ -417,6 +424,8 @@ class RoutedExpertsClient(_Base):
         """One request with its body read into a writable buffer (sized from Content-Length when given)."""
 
         def call() -> _Reply:
+            if method == "GET" and self._gets is not None:
+                return _Reply(*self._gets.get(url, kwargs.get("params") or {}, self.timeout + wait))
             with self._http.stream(method, url, timeout=self._timeout(wait), **kwargs) as resp:
                 return _Reply(resp.status_code, resp.headers, _read_body(resp.headers, resp.iter_bytes()))
 

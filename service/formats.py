@@ -8,6 +8,7 @@ callers (`service.api`) own the I/O; nothing here touches a file or a socket.
 from __future__ import annotations
 
 import binascii
+import functools
 import io
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -79,8 +80,10 @@ def select_layers(
 
 
 # ---- encoders ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
 def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
-    """The `.npy` preamble for a C-order array; the raw rows follow it unchanged."""
+    """The `.npy` preamble for a C-order array; the raw rows follow it unchanged (cached: numpy's writer
+    costs tens of µs, and every fetch of a record asks for the same one twice)."""
     buf = io.BytesIO()
     header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
     np.lib.format.write_array_header_1_0(buf, header)
