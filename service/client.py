@@ -316,6 +316,30 @@ class FrameDecoder:
         return frame
 
 
+def read_frames(body: io.RawIOBase | Any) -> list[Frame]:
+    """Every frame of a body read with `readinto`: each payload lands in its own buffer with one copy."""
+    frames: list[Frame] = []
+    while (head := _read_exact(body, bytearray(_FRAME_LEN.size), eof_ok=True)) is not None:
+        (hlen,) = _FRAME_LEN.unpack(head)
+        if hlen > _MAX_FRAME_HEADER:
+            raise R3Error(f"frame header of {hlen} bytes: not an {FRAMES_MEDIA_TYPE} stream")
+        header = orjson.loads(_read_exact(body, bytearray(hlen)))
+        frames.append(Frame(header, _read_exact(body, bytearray(_payload_size(header)))))
+    return frames
+
+
+def _read_exact(body: Any, buf: bytearray, eof_ok: bool = False) -> bytearray | None:
+    view, filled = memoryview(buf), 0
+    while filled < len(buf):
+        n = body.readinto(view[filled:])
+        if not n:
+            if eof_ok and filled == 0:
+                return None
+            raise httpx.RemoteProtocolError("batch response ended inside a frame")
+        filled += n
+    return buf
+
+
 def _payload_size(header: dict[str, Any]) -> int:
     if int(header.get("status", 200)) != 200 or not header.get("shape"):
         return 0
@@ -395,9 +419,10 @@ class RoutedExpertsClient(_Base):
     def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kwargs: Any) -> None:
         super().__init__(base_url, **kwargs)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers, transport=transport)
-        # GETs read their body straight into its buffer over plain http; httpx serves the rest (and https)
+        # record bodies are read with http.client over plain http (one copy; see service.connections);
+        # httpx serves the rest, https and custom transports
         plain = transport is None and self.base_url.startswith("http://")
-        self._gets = Connections(self.base_url, self._headers, self.connect_timeout) if plain else None
+        self._conns = Connections(self.base_url, self._headers, self.connect_timeout) if plain else None
 
     def __enter__(self) -> RoutedExpertsClient:
         return self
@@ -407,8 +432,8 @@ class RoutedExpertsClient(_Base):
 
     def close(self) -> None:
         self._http.close()
-        if self._gets is not None:
-            self._gets.close()
+        if self._conns is not None:
+            self._conns.close()
 
     def _retry(self, call: Callable[[], T]) -> T:
         for attempt in range(self.retries + 1):
@@ -424,8 +449,8 @@ class RoutedExpertsClient(_Base):
         """One request with its body read into a writable buffer (sized from Content-Length when given)."""
 
         def call() -> _Reply:
-            if method == "GET" and self._gets is not None:
-                return _Reply(*self._gets.get(url, kwargs.get("params") or {}, self.timeout + wait))
+            if method == "GET" and self._conns is not None:
+                return _Reply(*self._conns.get(url, kwargs.get("params") or {}, self.timeout + wait))
             with self._http.stream(method, url, timeout=self._timeout(wait), **kwargs) as resp:
                 return _Reply(resp.status_code, resp.headers, _read_body(resp.headers, resp.iter_bytes()))
 
@@ -459,6 +484,8 @@ class RoutedExpertsClient(_Base):
             body["layers"] = [int(x) for x in layers]
 
         def call() -> list[Frame]:
+            if self._conns is not None:
+                return self._get_many_direct(body, wait)
             decoder = FrameDecoder()
             frames: list[Frame] = []
             with self._http.stream(
@@ -478,6 +505,19 @@ class RoutedExpertsClient(_Base):
             return frames
 
         return [f.result() if f.status == 200 else f.error() for f in self._retry(call)]
+
+    def _get_many_direct(self, body: dict[str, Any], wait: float) -> list[Frame]:
+        assert self._conns is not None
+        with self._conns.request(
+            "POST",
+            "/routed_experts/batch",
+            body=orjson.dumps(body),
+            headers={"Content-Type": "application/json"},
+            timeout=self.timeout + wait,
+        ) as resp:
+            if resp.status != 200:
+                raise error_for(resp.status, _json_or_text(resp.read()))
+            return read_frames(resp)
 
     def stream(
         self, rid: str, start: int | None = None, layers: Iterable[int] | None = None, wait: float = 0

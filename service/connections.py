@@ -13,6 +13,8 @@ import http.client
 import select
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import urlencode, urlsplit
 
 import httpx
@@ -35,31 +37,49 @@ class Connections:
         self._lock = threading.Lock()
 
     def get(self, path: str, params: dict[str, str], timeout: float) -> tuple[int, httpx.Headers, bytearray]:
-        """GET `path?params`: status, headers and the whole body; one new connection if a kept one went stale."""
+        """GET `path?params`: status, headers and the whole body."""
+        with self.request("GET", path, params, timeout=timeout) as resp:
+            return resp.status, httpx.Headers(resp.getheaders()), _read_into_buffer(resp)
+
+    @contextmanager
+    def request(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, str] | None = None,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float,
+    ) -> Iterator[http.client.HTTPResponse]:
+        """A response to read inside the block; its connection is kept when the body was read to the end.
+
+        A kept connection the server closed while idle is replaced by one new connection (not a failure).
+        """
         target = self.prefix + path + (f"?{urlencode(params)}" if params else "")
+        all_headers = {**self.headers, **(headers or {})}
         conn, reused = self._take()
         try:
             try:
-                resp = self._send(conn, target, timeout)
+                resp = _send(conn, method, target, body, all_headers, timeout)
             except _STALE:
                 if not reused:
                     raise
                 conn.close()
-                conn, reused = self._connect(), False  # the server closed it while idle: not a failure
-                resp = self._send(conn, target, timeout)
-            status, headers, body = resp.status, httpx.Headers(resp.getheaders()), _read_into_buffer(resp)
+                conn = self._connect()
+                resp = _send(conn, method, target, body, all_headers, timeout)
+            yield resp
         except BaseException as exc:
             conn.close()
             mapped = _as_httpx(exc)
             if mapped is exc:
                 raise
             raise mapped from exc
-        if resp.will_close:
-            conn.close()
-        else:
+        if resp.isclosed() and not resp.will_close:
             with self._lock:
                 self._idle.append(conn)
-        return status, headers, body
+        else:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:
@@ -87,10 +107,18 @@ class Connections:
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def _send(self, conn: http.client.HTTPConnection, target: str, timeout: float) -> http.client.HTTPResponse:
-        conn.sock.settimeout(timeout)
-        conn.request("GET", target, headers=self.headers)
-        return conn.getresponse()
+
+def _send(
+    conn: http.client.HTTPConnection,
+    method: str,
+    target: str,
+    body: bytes | None,
+    headers: dict[str, str],
+    timeout: float,
+) -> http.client.HTTPResponse:
+    conn.sock.settimeout(timeout)
+    conn.request(method, target, body=body, headers=headers)
+    return conn.getresponse()
 
 
 def _idle_and_open(conn: http.client.HTTPConnection) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -32,6 +33,7 @@ from service.client import (
     Unauthorized,
     error_for,
     parse_npy,
+    read_frames,
 )
 from service.formats import frame_header
 from service.settings import Settings
@@ -471,7 +473,7 @@ def test_parse_npy_matches_numpy_load() -> None:
         parse_npy(b"not an npy payload")
 
 
-def test_frame_decoder_any_chunking() -> None:
+def two_frames() -> tuple[np.ndarray, bytes]:
     a = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
     frames = (
         frame_header(
@@ -499,17 +501,56 @@ def test_frame_decoder_any_chunking() -> None:
             }
         )
     )
+    return a, frames
+
+
+def check_two_frames(out: list, a: np.ndarray) -> None:
+    assert [f.status for f in out] == [200, 404]
+    r = out[0].result()
+    assert (r.rid, r.start, r.layers, r.final) == ("x", 4, (0, 1), True)
+    np.testing.assert_array_equal(r.array, a)
+    assert r.array.flags.writeable
+    err = out[1].error()
+    assert isinstance(err, RecordNotFound) and err.detail == "no record 'y'"
+
+
+def test_frame_decoder_any_chunking() -> None:
+    a, frames = two_frames()
     for size in (1, 3, 7, len(frames)):
         decoder = FrameDecoder()
         out = []
         for i in range(0, len(frames), size):
             out += decoder.feed(frames[i : i + size])
-        assert not decoder.pending and [f.status for f in out] == [200, 404]
-        r = out[0].result()
-        assert (r.rid, r.start, r.layers, r.final) == ("x", 4, (0, 1), True)
-        np.testing.assert_array_equal(r.array, a)
-        err = out[1].error()
-        assert isinstance(err, RecordNotFound) and err.detail == "no record 'y'"
+        assert not decoder.pending
+        check_two_frames(out, a)
+
+
+class Trickle(io.RawIOBase):
+    """A readable body that hands out at most `size` bytes per read, as a socket may."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.data, self.size, self.pos = data, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self.size, len(self.data) - self.pos)
+        b[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def test_read_frames_reads_what_the_decoder_reads() -> None:
+    a, frames = two_frames()
+    for size in (1, 3, 7, len(frames)):
+        check_two_frames(read_frames(Trickle(frames, size)), a)
+    assert read_frames(Trickle(b"", 4)) == []
+    for cut in (2, 4 + 5, len(frames) - 1):
+        with pytest.raises(httpx.RemoteProtocolError, match="inside a frame"):
+            read_frames(Trickle(frames[:cut], 5))
+    with pytest.raises(R3Error, match=r"not an application/vnd\.r3\.frames"):
+        read_frames(Trickle(b"\xff\xff\xff\x7f" + b"{}", 64))
 
 
 def test_error_for_maps_statuses() -> None:

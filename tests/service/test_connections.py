@@ -160,7 +160,7 @@ def test_the_same_answer_as_httpx_from_a_real_sidecar(tmp_path: Path) -> None:
         RoutedExpertsClient(url, token="t0ken") as fast,
         RoutedExpertsClient(url, token="t0ken", transport=httpx.HTTPTransport()) as slow,
     ):
-        assert fast._gets is not None and slow._gets is None
+        assert fast._conns is not None and slow._conns is None
         for kwargs in ({}, {"start": 20, "end": 30, "layers": [9, 3]}):
             a, b = fast.get("rid/with?odd#chars", **kwargs), slow.get("rid/with?odd#chars", **kwargs)
             np.testing.assert_array_equal(a.array, b.array)
@@ -173,3 +173,9 @@ def test_the_same_answer_as_httpx_from_a_real_sidecar(tmp_path: Path) -> None:
             )
         np.testing.assert_array_equal(fast.get("rid/with?odd#chars").array, rows)
         assert fast.fetch_bytes("rid/with?odd#chars", "raw") == rows.tobytes()
+        rids = ["rid/with?odd#chars", "absent", "rid/with?odd#chars"]
+        many, same = fast.get_many(rids, layers=[4]), slow.get_many(rids, layers=[4])
+        assert [type(r).__name__ for r in many] == ["RoutedExperts", "RecordNotFound", "RoutedExperts"]
+        assert [type(r).__name__ for r in same] == [type(r).__name__ for r in many]
+        np.testing.assert_array_equal(many[2].array, rows[:, 1:2])
+        np.testing.assert_array_equal(many[0].array, same[0].array)
