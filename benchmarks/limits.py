@@ -1,4 +1,5 @@
-"""The machine's limits for the same bytes: memcpy (numpy copy) and raw loopback TCP (a socket pair)."""
+"""The machine's limits for the same bytes: memcpy (numpy copy) and raw loopback TCP (a socket pair, streaming
+and one record per round trip)."""
 
 from __future__ import annotations
 
@@ -64,4 +65,43 @@ def loopback_gbps(message_bytes: int, messages: int, reps: int) -> dict[str, flo
         server.close()
         client.close()
     s = summary(times[1:])
+    return {"bytes": total, "gbps": total / s["p50"] / 1e9, "best_gbps": total / s["min"] / 1e9, **s}
+
+
+def loopback_round_trips_gbps(message_bytes: int, requests: int, reps: int) -> dict[str, float]:
+    """GB/s of one loopback connection used the way `get` uses it: a tiny request, then one payload back.
+
+    The server is a thread that answers each 3-byte request with `sendall(payload)`; the client
+    `recv_into`s a preallocated buffer. The ceiling for fetching records one round trip at a time.
+    """
+    payload = np.random.default_rng(1).integers(0, 255, message_bytes, dtype=np.uint8).tobytes()
+    sink = bytearray(message_bytes)
+    view = memoryview(sink)
+    times = []
+    for _ in range(reps + 1):
+        server, client = _pair()
+
+        def answer(sock: socket.socket = server) -> None:
+            for _ in range(requests):
+                if not sock.recv(3):
+                    return
+                sock.sendall(payload)
+
+        answering = threading.Thread(target=answer)
+        answering.start()
+        t0 = time.perf_counter()
+        for _ in range(requests):
+            client.sendall(b"GET")
+            received = 0
+            while received < message_bytes:
+                n = client.recv_into(view[received:][:RECV_CHUNK])
+                if n == 0:
+                    raise ConnectionError("loopback server closed early")
+                received += n
+        times.append(time.perf_counter() - t0)
+        answering.join()
+        server.close()
+        client.close()
+    s = summary(times[1:])
+    total = message_bytes * requests
     return {"bytes": total, "gbps": total / s["p50"] / 1e9, "best_gbps": total / s["min"] / 1e9, **s}

@@ -179,8 +179,12 @@ def run(config: Config, workdir: Path) -> dict:
                     "memcpy_record": limits.memcpy_gbps(record_bytes, 50),
                     "memcpy_batch": limits.memcpy_gbps(batch_bytes, reps),
                     "loopback": limits.loopback_gbps(record_bytes, len(rids), reps),
+                    "loopback_round_trips": limits.loopback_round_trips_gbps(record_bytes, len(rids), reps),
                 }
-                _log(f"limits: loopback {results['limits']['loopback']['gbps']:.2f} GB/s")
+                _log(
+                    f"limits: loopback {results['limits']['loopback']['gbps']:.2f} GB/s streaming, "
+                    f"{results['limits']['loopback_round_trips']['gbps']:.2f} GB/s one record per round trip"
+                )
 
             if "breakdown" in config.sections:
                 results["breakdown"] = {
