@@ -71,9 +71,12 @@ def _app(kind: str, directory: Path):
 
         return create_inline_app(directory)
     from service.api import create_app
+    from service.heap import keep_freed_chunks
     from service.settings import Settings
 
-    return create_app(Settings(spool_dir=directory, host="127.0.0.1"))
+    settings = Settings(spool_dir=directory, host="127.0.0.1")
+    keep_freed_chunks(settings.chunk_bytes)  # as `r3-sidecar serve` does
+    return create_app(settings)
 
 
 def main() -> None:

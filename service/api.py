@@ -695,7 +695,11 @@ def any_char_rids(app: FastAPI) -> None:
 
 def app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory service.api:app_from_env`: settings from `R3_*` variables."""
-    return create_app(Settings())
+    from service.heap import keep_freed_chunks
+
+    settings = Settings()
+    keep_freed_chunks(settings.chunk_bytes)
+    return create_app(settings)
 
 
 __all__ = ["ApiError", "SpoolFormatError", "app_from_env", "create_app"]

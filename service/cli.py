@@ -59,8 +59,10 @@ def _serve(settings: Settings, banner: str | None = None) -> None:
     import uvicorn
 
     from service.api import create_app
+    from service.heap import keep_freed_chunks
 
     settings.spool_dir.mkdir(parents=True, exist_ok=True)
+    keep_freed_chunks(settings.chunk_bytes)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(settings),
