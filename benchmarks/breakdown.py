@@ -73,7 +73,7 @@ def client_stacks(url: str, rid: str, nbytes: int, reps: int) -> dict:
 
 def compaction(shape: ModelShape, host_tokens: int, lengths: tuple[int, ...], reps: int) -> list[dict]:
     """Thread-CPU ms per finished request: gather, the plugin's compaction, and a fused numpy gather."""
-    from engine_ext.collect import to_spool_rows
+    from engine_ext.collect import gather_slots, to_spool_rows
 
     gen = torch.Generator().manual_seed(7)
     host = torch.randint(0, shape.num_experts, (host_tokens, shape.num_hidden_layers, shape.topk), generator=gen)
@@ -85,7 +85,7 @@ def compaction(shape: ModelShape, host_tokens: int, lengths: tuple[int, ...], re
     for n in lengths:
         slots = torch.randperm(host_tokens, generator=gen)[: n - 1]
         slots_np = slots.numpy()
-        plugin = to_spool_rows(host[slots], layer_slots, shape.dtype)
+        plugin = to_spool_rows(gather_slots(host, slots), layer_slots, shape.dtype)
         fused = host_np[slots_np, lo:hi].astype(shape.dtype)
         if not np.array_equal(plugin, fused):
             raise AssertionError("fused gather differs from the plugin's compaction")
@@ -96,7 +96,7 @@ def compaction(shape: ModelShape, host_tokens: int, lengths: tuple[int, ...], re
                 "tokens": n,
                 "upstream_gather_ms": _cpu_ms(lambda s=slots: host[s], r),
                 "plugin_gather_compact_ms": _cpu_ms(
-                    lambda s=slots: to_spool_rows(host[s], layer_slots, shape.dtype), r
+                    lambda s=slots: to_spool_rows(gather_slots(host, s), layer_slots, shape.dtype), r
                 ),
                 "fused_numpy_ms": _cpu_ms(lambda s=slots_np: host_np[s, lo:hi].astype(shape.dtype), r),
             }
