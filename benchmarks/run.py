@@ -37,7 +37,7 @@ class Config:
 
     models: tuple[str, ...] = tuple(SHAPES)
     tokens: tuple[int, ...] = (1024, 8192, 32768)
-    reps: dict[int, int] = field(default_factory=lambda: {1024: 30, 8192: 15, 32768: 9})
+    reps: dict[int, int] = field(default_factory=lambda: {1024: 30, 8192: 40, 32768: 15})
     batch_model: str = "Qwen3-30B-A3B"
     batch_records: int = 256
     batch_tokens: int = 8192
