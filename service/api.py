@@ -179,6 +179,8 @@ class SidecarApp(FastAPI):
             await super().__call__(scope, receive, send)
             return
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
         sending_since: float | None = None
         aborted = False
 
@@ -186,22 +188,26 @@ class SidecarApp(FastAPI):
             nonlocal watchdog, aborted
             now = loop.time()
             if sending_since is not None and now - sending_since >= timeout:
-                transport = getattr(getattr(send, "__self__", None), "transport", None)
+                aborted = True
                 if transport is not None:
-                    aborted = True
-                    transport.abort()  # the server's pending send returns; the next one raises below
-                    return
+                    transport.abort()  # the server's pending send returns; watched_send raises
+                elif task is not None:
+                    task.cancel()  # a server without a transport to abort: interrupt the pending send
+                return
             watchdog = loop.call_at((sending_since if sending_since is not None else now) + timeout, watch)
 
         async def watched_send(message: Message) -> None:
             nonlocal sending_since
-            if aborted:
-                raise OSError(f"client read nothing for {timeout}s; connection closed")
-            sending_since = loop.time()
-            try:
-                await send(message)
-            finally:
-                sending_since = None
+            if not aborted:
+                sending_since = loop.time()
+                try:
+                    await send(message)
+                except asyncio.CancelledError:
+                    if not aborted or task is None:
+                        raise
+                    task.uncancel()
+                finally:
+                    sending_since = None
             if aborted:
                 raise OSError(f"client read nothing for {timeout}s; connection closed")
 

@@ -120,3 +120,41 @@ def test_stalled_reader_is_closed_by_a_timeout(make_sidecar, spool_dir):
         for s in stalled:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+def test_send_timeout_interrupts_a_server_without_a_transport(tmp_path) -> None:
+    """Not every ASGI server exposes its transport on `send`: the watchdog then cancels the stuck send."""
+    import asyncio
+
+    from service.api import create_app
+
+    app = create_app(Settings(spool_dir=tmp_path, send_timeout_s=0.2))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/healthz",
+        "raw_path": b"/healthz",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"x")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def stalled_send(message: dict) -> None:  # a reader that never takes the body
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()
+
+    async def run() -> float:
+        t0 = time.monotonic()
+        with pytest.raises(OSError, match="client read nothing"):
+            await asyncio.wait_for(app(scope, receive, stalled_send), 5)
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 2
