@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
-from service.connections import Connections
+from service.connections import Connections, fill
 
 if TYPE_CHECKING:
     import torch
@@ -329,15 +329,12 @@ def read_frames(body: io.RawIOBase | Any) -> list[Frame]:
 
 
 def _read_exact(body: Any, buf: bytearray, eof_ok: bool = False) -> bytearray | None:
-    view, filled = memoryview(buf), 0
-    while filled < len(buf):
-        n = body.readinto(view[filled:])
-        if not n:
-            if eof_ok and filled == 0:
-                return None
-            raise httpx.RemoteProtocolError("batch response ended inside a frame")
-        filled += n
-    return buf
+    filled = fill(body, buf)
+    if filled == len(buf):
+        return buf
+    if eof_ok and filled == 0:
+        return None
+    raise httpx.RemoteProtocolError("batch response ended inside a frame")
 
 
 def _payload_size(header: dict[str, Any]) -> int:

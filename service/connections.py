@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
@@ -135,13 +136,18 @@ def _read_into_buffer(resp: http.client.HTTPResponse) -> bytearray:
     if length is None or not length.isdigit():
         return bytearray(resp.read())
     buf = bytearray(int(length))
-    view, filled = memoryview(buf), 0
-    while filled < len(buf):
-        n = resp.readinto(view[filled:])
-        if not n:
-            raise http.client.IncompleteRead(bytes(view[:filled]), len(buf) - filled)
-        filled += n
+    filled = fill(resp, buf)
+    if filled < len(buf):
+        raise http.client.IncompleteRead(bytes(buf[:filled]), len(buf) - filled)
     return buf
+
+
+def fill(body: Any, buf: bytearray) -> int:
+    """`readinto` until `buf` is full or `body` ends; the number of bytes read."""
+    view, filled = memoryview(buf), 0
+    while filled < len(buf) and (n := body.readinto(view[filled:])):
+        filled += n
+    return filled
 
 
 def _as_httpx(exc: BaseException, connecting: bool = False) -> BaseException:
