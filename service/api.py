@@ -577,17 +577,23 @@ def create_app(settings: Settings) -> FastAPI:
         }
 
         async def frames() -> AsyncIterator[bytes]:
-            sent = lo - meta.start
+            sent = lo - meta.start  # may lie past the rows written so far: the stream waits for them
+            seen = meta.rows
             current: RecordMeta | None = meta
             while True:
                 if current is None:
                     err = _missing(store, rid)
                     yield _frame(rid, err.status, None, error=err.code, detail=err.detail)
                     return
-                if current.created != meta.created or current.rows < sent:
+                if current.created != meta.created or current.rows < seen:
                     # A retracted request's record starts over under the same rid: never splice its new rows
                     # onto the old ones a reader already has.
                     yield _frame(rid, 409, current, error="record_restarted", detail=RESTARTED_DETAIL)
+                    return
+                seen = current.rows
+                if current.final and current.rows < sent:
+                    detail = f"start={lo} lies past the end ({current.end}) the record was finalized with"
+                    yield _frame(rid, 416, current, error="range_not_satisfiable", detail=detail)
                     return
                 stop = current.rows if limit is None else min(current.rows, limit)
                 while sent < stop:

@@ -86,8 +86,12 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
                     h["status"] == 200 and p == _want(h["rid"], layers=sub).tobytes() for h, p in frames
                 )
             else:
-                blocks = [b.array for b in client.stream(rid, start=lo, wait=30)]
-                ok = np.array_equal(np.concatenate(blocks), _want(rid, lo))
+                try:
+                    blocks = [b.array for b in client.stream(rid, start=lo, wait=30)]
+                    ok = np.array_equal(np.concatenate(blocks), _want(rid, lo))
+                except Exception as exc:  # counted as a mismatch with its reason, not a silently dead reader
+                    ok = False
+                    bad.append(f"stream {rid} lo={lo}: {exc!r}")
             tally[kind] += 1
             if not ok:
                 bad.append(f"{kind} {rid} lo={lo} hi={hi} layers={sub}")

@@ -67,6 +67,38 @@ def test_stream_delivers_rows_as_written_then_ends_at_final(serve, spool: Spool)
     assert sum(1 for _, _, t in frames if t < times["final"]) >= 3
 
 
+def test_stream_may_start_past_the_rows_written_so_far(serve, spool: Spool) -> None:
+    """A trainer may ask for rows the engine has not produced yet: the stream waits for them (no 409)."""
+    base = serve(rescan_s=60)
+    rows = random_rows(30, seed=3)
+    writer = spool.writer("ahead", num_experts=128, topk=8, layers=[0, 1, 2, 3])
+    writer.append(rows[:5])
+
+    def produce() -> None:
+        for lo, hi in ((5, 12), (12, 30)):
+            time.sleep(0.2)
+            writer.append(rows[lo:hi])
+        writer.finalize()
+
+    with httpx.stream("GET", f"{base}/routed_experts/ahead", params={"stream": 1, "start": 20}, timeout=30) as r:
+        threading.Thread(target=produce).start()
+        frames = read_frames(r)
+    assert all(h["status"] == 200 for h, _, _ in frames), [h for h, _, _ in frames]
+    assert b"".join(p for _, p, _ in frames) == rows[20:].astype(np.uint8).tobytes()
+    assert frames[0][0]["start"] == 20 and frames[-1][0]["final"]
+
+
+def test_stream_past_the_end_a_record_is_finalized_with_ends_in_416(serve, spool: Spool) -> None:
+    base = serve(rescan_s=60)
+    writer = spool.writer("short", num_experts=128, topk=8, layers=[0, 1, 2, 3])
+    writer.append(random_rows(4))
+    threading.Timer(0.3, writer.finalize).start()
+    with httpx.stream("GET", f"{base}/routed_experts/short", params={"stream": 1, "start": 9}, timeout=30) as r:
+        frames = read_frames(r)
+    assert [h["status"] for h, _, _ in frames] == [416]
+    assert frames[0][0]["error"] == "range_not_satisfiable" and "start=9" in frames[0][0]["detail"]
+
+
 def test_stream_of_final_record_and_layers(serve, spool: Spool) -> None:
     base = serve()
     rows = random_rows(40, layers=4, topk=2)
