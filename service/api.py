@@ -591,8 +591,8 @@ def create_app(settings: Settings) -> FastAPI:
                     yield _frame(rid, 409, current, error="record_restarted", detail=RESTARTED_DETAIL)
                     return
                 seen = current.rows
-                if current.final and current.rows < sent:
-                    detail = f"start={lo} lies past the end ({current.end}) the record was finalized with"
+                if current.final and current.status == "ok" and current.rows < max(sent, limit or 0):
+                    detail = f"start={lo}, end={end} do not fit the end ({current.end}) the record was finalized with"
                     yield _frame(rid, 416, current, error="range_not_satisfiable", detail=detail)
                     return
                 stop = current.rows if limit is None else min(current.rows, limit)

@@ -10,6 +10,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import orjson
+import pytest
 from helpers import random_rows, write_record
 
 from service import formats
@@ -88,15 +89,25 @@ def test_stream_may_start_past_the_rows_written_so_far(serve, spool: Spool) -> N
     assert frames[0][0]["start"] == 20 and frames[-1][0]["final"]
 
 
-def test_stream_past_the_end_a_record_is_finalized_with_ends_in_416(serve, spool: Spool) -> None:
+@pytest.mark.parametrize(("start", "end", "want"), [(9, None, [416]), (1, 9, [200, 416]), (1, 4, [200, 200])])
+def test_stream_past_the_end_a_record_is_finalized_with_ends_in_416(
+    serve, spool: Spool, start: int, end: int | None, want: list[int]
+) -> None:
+    """Rows asked for but never written are an error, not a silently short stream."""
     base = serve(rescan_s=60)
+    rows = random_rows(4)
     writer = spool.writer("short", num_experts=128, topk=8, layers=[0, 1, 2, 3])
-    writer.append(random_rows(4))
-    threading.Timer(0.3, writer.finalize).start()
-    with httpx.stream("GET", f"{base}/routed_experts/short", params={"stream": 1, "start": 9}, timeout=30) as r:
+    writer.append(rows)
+    params = {"stream": 1, "start": start, **({"end": end} if end is not None else {})}
+    with httpx.stream("GET", f"{base}/routed_experts/short", params=params, timeout=30) as r:
+        threading.Timer(0.3, writer.finalize).start()
         frames = read_frames(r)
-    assert [h["status"] for h, _, _ in frames] == [416]
-    assert frames[0][0]["error"] == "range_not_satisfiable" and "start=9" in frames[0][0]["detail"]
+    assert [h["status"] for h, _, _ in frames] == want
+    assert b"".join(p for _, p, _ in frames) == rows[start:end].astype(np.uint8).tobytes()
+    if want[-1] == 416:
+        assert frames[-1][0]["error"] == "range_not_satisfiable" and f"start={start}" in frames[-1][0]["detail"]
+    else:
+        assert frames[-1][1] == b"", "the range is whole: an empty closing frame"
 
 
 def test_stream_of_final_record_and_layers(serve, spool: Spool) -> None:
