@@ -52,7 +52,7 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
     rng = random.Random(seed)
     with httpx.Client(base_url=url, timeout=60) as http, RoutedExpertsClient(url, timeout=60) as client:
         for _ in range(40):
-            rid = rng.choice(rids)
+            rid, why = rng.choice(rids), ""
             rows = WRITERS[rid.split("-")[0]]
             path = f"/routed_experts/{quote(rid, safe='')}"
             kind = rng.choice(["raw", "range", "layers", "npy", "b64", "batch", "stream"])
@@ -90,11 +90,10 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
                     blocks = [b.array for b in client.stream(rid, start=lo, wait=30)]
                     ok = np.array_equal(np.concatenate(blocks), _want(rid, lo))
                 except Exception as exc:  # counted as a mismatch with its reason, not a silently dead reader
-                    ok = False
-                    bad.append(f"stream {rid} lo={lo}: {exc!r}")
+                    ok, why = False, f": {exc!r}"
             tally[kind] += 1
             if not ok:
-                bad.append(f"{kind} {rid} lo={lo} hi={hi} layers={sub}")
+                bad.append(f"{kind} {rid} lo={lo} hi={hi} layers={sub}{why}")
 
 
 def test_many_writers_many_readers_exact(make_sidecar, make_writer, spool_dir, tmp_path):
