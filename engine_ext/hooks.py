@@ -660,6 +660,11 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
                 first_pos=pos,
                 pool_idx=int(req.kv.req_pool_idx),
             )
+        elif retracted and req.is_retracted:
+            # Overlap scheduling retracts while scheduling the next batch, before this step's result is
+            # processed: SGLang drops this step's token for the request, and so do we. Its record starts
+            # over at the re-prefill; ending it here would turn a restart into a lost record.
+            continue
         elif retracted:
             live.break_record(req.rid, "retracted, and not back through a prefill")
         limit = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1

@@ -141,7 +141,9 @@ def extend(items, overlap=True):   # items: (req, prefix_len, extend_len, comple
                           out_cache_loc=loc)
     process(batch, GenerationBatchResult(), out)
 
-def decode(reqs, abort=(), overlap=True):
+def decode(reqs, abort=(), overlap=True, retract=()):
+    # retract: overlap scheduling retracts while scheduling the next batch, before this result is processed;
+    # SGLang then skips those requests' tokens (batch_result_processor: `req.finished() or req.is_retracted`)
     slots, seq = [], []
     for req in reqs:
         p = len(req.origin_input_ids) + len(req.output_ids) - 1
@@ -149,7 +151,11 @@ def decode(reqs, abort=(), overlap=True):
         seq.append(p + 1)
     out, loc = forward(slots, overlap)
     for req in reqs:
-        grow(req, 1, abort=req.rid in abort)
+        if req.rid in retract:
+            req.kv.req_pool_idx = None       # retraction releases the KV first
+            req.reset_for_retract()
+        else:
+            grow(req, 1, abort=req.rid in abort)
     batch = ScheduleBatch(reqs=list(reqs), seq_lens_cpu=torch.tensor(seq), forward_mode=ForwardMode.DECODE,
                           out_cache_loc=loc)
     process(batch, GenerationBatchResult(), out)
@@ -206,6 +212,18 @@ extend([(d, 0, fill, True)])                 # the re-prefill feeds prompt + out
 res["d_after_retract"] = meta("d")
 decode([d])
 
+# retraction in overlap order: the decode step carrying the request is processed after it was retracted
+h = make("h", 5, 5, 6)
+extend([(h, 0, 5, True)])
+decode([h]); decode([h], retract={"h"})
+res["h_after_retract_step"] = meta("h")
+h.kv.req_pool_idx = 7                        # the re-prefill gets a row again
+h.is_retracted = False
+extend([(h, 0, len(h.origin_input_ids) + len(h.output_ids), True)])
+res["h_after_reprefill"] = meta("h")
+while not h.finished():
+    decode([h])
+
 # abort: ends `aborted` with every row so far
 e = make("e", 7, 4, 9)
 extend([(e, 0, 4, True)])
@@ -217,7 +235,7 @@ extend([(z, 0, 7, True)], overlap=False)
 res["z_streaming"] = meta("z")
 decode([z], overlap=False); decode([z], overlap=False)
 
-for req in (a, b, c, g, f, d, e, z):
+for req in (a, b, c, g, f, d, h, e, z):
     m = spool.read_meta(req.rid) if meta(req.rid) else None
     rows = spool.read_array(m).astype(np.int32)
     res[req.rid] = dict(rows=m.rows, final=m.final, status=m.status, start=m.start,
@@ -237,7 +255,7 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
     assert res["b_after_prefix"] == {"rows": 8, "final": False, "status": "ok", "start": 0}
     assert res["a_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
     # every record, live or not, holds exactly SGLang's own rows (base64 path, decoded)
-    cases = [("a", 9, 0), ("b", 11, 0), ("c", 9, 2), ("g", 7, 0), ("f", 11, 0), ("d", 9, 0), ("z", 9, 0)]
+    cases = [("a", 9, 0), ("b", 11, 0), ("c", 9, 2), ("g", 7, 0), ("f", 11, 0), ("d", 9, 0), ("h", 10, 0), ("z", 9, 0)]
     for rid, n_rows, start in cases:
         assert res[rid] == {
             "rows": n_rows,
@@ -252,7 +270,10 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
     # retraction: the re-prefill started the record over (never final in between), rows from the recompute
     assert res["d_before_retract"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
     assert res["d_after_retract"] == {"rows": 8, "final": False, "status": "ok", "start": 0}
+    # overlap order: the step processed after the retraction neither feeds nor ends the record; it restarts
+    assert res["h_after_retract_step"] == {"rows": 6, "final": False, "status": "ok", "start": 0}
+    assert res["h_after_reprefill"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
     assert res["z_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
-    assert res["stats"] == {"records": 7, "completed": 7, "restarted": 1, "broken": 0}
+    assert res["stats"] == {"records": 8, "completed": 8, "restarted": 2, "broken": 0}
     assert res["open"] == []
     assert res["writer"]["queued_bytes"] == 0 and res["writer"]["fallback_inline"] == 0
