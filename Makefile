@@ -39,13 +39,15 @@ $(VENV)/.service-stamp: pyproject.toml
 	touch $@
 
 # SGLang 0.5.23 pins a CUDA torch; on CPU we install the CPU build first and sglang without its deps,
-# then the explicit list it needs (requirements/sglang-cpu.txt), then the torchvision schema shim.
-$(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt tests/sglang_cpu/_sglang_cpu_tv_shim.py
+# then the explicit list it needs (requirements/sglang-cpu.txt), then two .pth-loaded test shims: the
+# torchvision schema shim, and the CPU server shim (inert unless R3_TEST_SGLANG_CPU=1; tests/e2e sets it).
+$(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt $(wildcard tests/sglang_cpu/_sglang_cpu_*_shim.py)
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
 	$(BIN)/python -m pip install -q -r requirements/sglang-cpu.txt
-	cp tests/sglang_cpu/_sglang_cpu_tv_shim.py $(SITE)/_sglang_cpu_tv_shim.py
+	cp tests/sglang_cpu/_sglang_cpu_tv_shim.py tests/sglang_cpu/_sglang_cpu_server_shim.py $(SITE)/
 	echo "import _sglang_cpu_tv_shim" > $(SITE)/_sglang_cpu_tv_shim.pth
+	echo "import _sglang_cpu_server_shim" > $(SITE)/_sglang_cpu_server_shim.pth
 	touch $@
 
 clean:
