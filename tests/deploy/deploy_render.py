@@ -8,8 +8,11 @@ Operator kinds use the CRD schemas vendored in `schemas/` (no PyPI package carri
 from __future__ import annotations
 
 import base64
+import copy
 import functools
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,11 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule_v1.json",
 }
 
+# An offline render (this one, `helm template`, Argo CD) must say where the sidecar's token comes from: the
+# chart refuses to draw a random token it could not read back (templates/_helpers.tpl, r3.authTokenSource).
+# Values that leave `auth` out get this fixed token, as a GitOps values file would carry one.
+OFFLINE_TOKEN = "offline-render-token-0123456789"
+
 Obj = dict[str, Any]
 
 
@@ -54,19 +62,82 @@ def scenarios() -> list[str]:
     return ["defaults", *sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))]
 
 
-def render_manifests(values: dict[str, Any] | None = None) -> dict[str, str]:
-    """Template path → rendered text, as `helm template r3 … -n inference` produces it."""
-    return chart().render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+def offline(values: dict[str, Any] | None) -> dict[str, Any]:
+    """`values` plus `auth.token: OFFLINE_TOKEN` when they do not mention `auth` at all."""
+    values = copy.deepcopy(values or {})
+    if "auth" not in values:
+        values["auth"] = {"token": OFFLINE_TOKEN}
+    return values
 
 
-def render(values: dict[str, Any] | None = None) -> list[Obj]:
-    """Every Kubernetes object the chart renders (NOTES.txt excluded), in template order."""
+def render_manifests(
+    values: dict[str, Any] | None = None, *, release: str = RELEASE, raw: bool = False, chart_obj: Any = None
+) -> dict[str, str]:
+    """Template path → rendered text, as `helm template <release> … -n inference` produces it.
+
+    `raw=True` renders `values` exactly as given (no OFFLINE_TOKEN), to see what an operator without one sees.
+    """
+    c = chart_obj or chart()
+    return c.render(values or {} if raw else offline(values), name=release, namespace=NAMESPACE, is_install=True)
+
+
+def parse(manifests: dict[str, str]) -> list[Obj]:
+    """Every Kubernetes object of rendered manifests (NOTES.txt excluded), in template order."""
     objects: list[Obj] = []
-    for path, text in sorted(render_manifests(values).items()):
+    for path, text in sorted(manifests.items()):
         if not path.endswith((".yaml", ".yml")):
             continue
         objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
     return objects
+
+
+def render(values: dict[str, Any] | None = None, *, release: str = RELEASE) -> list[Obj]:
+    """Every Kubernetes object the chart renders (NOTES.txt excluded), in template order."""
+    return parse(render_manifests(values, release=release))
+
+
+# ---- a cluster `lookup` can see ------------------------------------------------------------------
+
+_LOOKUP = re.compile(r"\(lookup ((?:\"[^\"]*\"|[.$\w]+)(?: (?:\"[^\"]*\"|[.$\w]+)){3})\)")
+
+
+def chart_seeing_cluster(dest: Path, cluster: list[Obj]) -> helm.Chart:
+    """A copy of the chart whose `lookup` calls answer from `cluster` (objects), as a live API server would.
+
+    Helm's SDK renders offline only, where `lookup` returns nothing. The copy rewrites every
+    `(lookup "v1" "Kind" ns name)` into a call of a template that returns the matching object of `cluster`
+    (or an empty dict, as `lookup` does for a missing object); the chart writes every `lookup` that way, and
+    the copy asserts that none is left unrewritten.
+    """
+    copy_dir = dest / CHART.name
+    shutil.copytree(CHART, copy_dir, symlinks=False)
+    for tpl in (copy_dir / "templates").rglob("*"):
+        if tpl.suffix not in (".yaml", ".tpl", ".txt"):
+            continue
+        text = tpl.read_text()
+        text = _LOOKUP.sub(lambda m: f'(fromYaml (include "fake.lookup" (list {m.group(1)})))', text)
+        assert "lookup " not in text.replace('"fake.lookup"', ""), f"{tpl.name}: a lookup the fake cannot answer"
+        tpl.write_text(text)
+    table = {f"{o['apiVersion']}/{o['kind']}/{o['metadata']['namespace']}/{o['metadata']['name']}": o for o in cluster}
+    (copy_dir / "templates" / "_fake_lookup.tpl").write_text(
+        '{{- define "fake.lookup" -}}\n'
+        "{{- $cluster := fromJson " + json.dumps(json.dumps(table)) + " }}\n"
+        '{{- $key := printf "%s/%s/%s/%s" (index . 0) (index . 1) (index . 2) (index . 3) }}\n'
+        "{{- with get $cluster $key }}{{ toYaml . }}{{ else }}{}{{ end }}\n"
+        "{{- end }}\n"
+    )
+    return helm.Chart.load(copy_dir)
+
+
+def kube_root_ca(namespace: str = NAMESPACE) -> Obj:
+    """The ConfigMap the kube-controller-manager publishes into every namespace."""
+    meta = {"name": "kube-root-ca.crt", "namespace": namespace}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"ca.crt": "-----BEGIN…"}}
+
+
+def secret(name: str, data: dict[str, str], namespace: str = NAMESPACE) -> Obj:
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace}, "data": encoded}
 
 
 def of_kind(objects: list[Obj], kind: str) -> list[Obj]:

@@ -1,7 +1,9 @@
 """The Helm chart, rendered by Helm's Go engine, linted strictly, and checked object by object.
 
 Each scenario is a values file under `values/` (plus the chart defaults): 1 and 8 replicas, monitoring on and
-off, auth with a fixed, generated or existing token, network policy, pod-IP addressing.
+off (with and without the engine's own metrics), auth with a fixed or existing token, network policy, pod-IP
+addressing, each kind of model storage, a runtime class, name overrides. An offline render must name the
+token's source, so scenarios that leave `auth` out are rendered with `deploy_render.OFFLINE_TOKEN`.
 """
 
 from __future__ import annotations
@@ -24,20 +26,27 @@ from deploy_render import (
     DASHBOARD_FILE,
     K8S_VERSIONS,
     NAMESPACE,
+    OFFLINE_TOKEN,
     RULES_FILE,
+    chart_seeing_cluster,
     container,
     is_hook,
+    kube_root_ca,
     of_kind,
+    offline,
     one,
+    parse,
     quantity_bytes,
     render,
     render_manifests,
     resolved_env,
     scenario_values,
     scenarios,
+    secret,
     secret_value,
     validate,
 )
+from pod_security import restricted_violations
 
 from service.api import create_app
 from service.settings import Settings
@@ -53,8 +62,8 @@ def rendered(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[dict[
 
 
 def _values(values: dict[str, Any]) -> dict[str, Any]:
-    """The values Helm actually uses: chart defaults coalesced with the scenario."""
-    return helm.Chart.load(CHART).merge_values(values)
+    """The values Helm actually uses: chart defaults coalesced with the scenario (as rendered, see `offline`)."""
+    return helm.Chart.load(CHART).merge_values(offline(values))
 
 
 # ---- Helm's own checks ------------------------------------------------------------------------------
@@ -63,11 +72,22 @@ def _values(values: dict[str, Any]) -> dict[str, Any]:
 def test_scenarios_cover_the_brief() -> None:
     assert {"defaults", "replicas-8", "monitoring-on", "network-policy", "auth-fixed-token"} <= set(SCENARIOS)
     assert "replicas-1-monitoring-off-auth-off" in SCENARIOS
+    # Every option of issue 13's chart item has a values file that turns it on.
+    merged = {s: _values(scenario_values(s)) for s in SCENARIOS}
+    assert {v["modelStorage"]["type"] for v in merged.values()} == {"emptyDir", "perPod", "pvc", "existingClaim"}
+    assert any(v["modelStorage"]["readOnly"] for v in merged.values())
+    assert any(v["runtimeClassName"] for v in merged.values())
+    assert any(v["monitoringLabels"] for v in merged.values())
+    assert any(v["serviceMonitor"]["enabled"] and v["engine"]["metrics"]["enabled"] for v in merged.values())
+    assert any(not v["engine"]["metrics"]["enabled"] for v in merged.values())
+    assert any(v["fullnameOverride"] for v in merged.values())
+    assert any(v["auth"]["existingSecret"] for v in merged.values())
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_helm_lint_strict_is_clean(scenario: str) -> None:
-    report = helm.lint(CHART, scenario_values(scenario), strict=True, namespace=NAMESPACE, kube_version="v1.27.0")
+    values = offline(scenario_values(scenario))
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.27.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error; 1 is info
     assert report["errors"] == [] and problems == [], report
 
@@ -87,6 +107,17 @@ def test_values_outside_the_schema_are_rejected() -> None:
         {"serviceMonitor": {"interval": "often"}},
         {"networkPolicy": {"trainerNamespaces": "rl"}},
         {"grafanaDashboard": {"labels": {"grafana_dashboard": 1}}},
+        {"modelStorage": {"type": "hostPath"}},
+        {"modelStorage": {"sizeGiB": "200Gi"}},
+        {"modelStorage": {"type": "existingClaim"}},  # which claim?
+        {"modelStorage": {"accessModes": ["ReadWriteSometimes"]}},
+        {"modelStorage": {"mountPath": "models"}},
+        {"engine": {"ephemeralStorageGiB": -1}},
+        {"engine": {"metrics": {"enabled": "yes"}}},
+        {"runtimeClassName": "NVIDIA_Runtime"},
+        {"monitoringLabels": {"release": 1}},
+        {"serviceMonitor": {"engine": {"enabled": 1}}},
+        {"sidecar": {"readinessProbe": {"periodSeconds": 5}}},  # removed: pod readiness is the engine's
     ]
     for values in bad_values:
         with pytest.raises(helm.HelmValuesError, match="schema"):
@@ -127,8 +158,8 @@ def test_schema_validation_catches_a_bad_object() -> None:
     """The validators above are not vacuous: a misspelt field fails for each kind family."""
     objects = render(scenario_values("monitoring-on"))
     sts = json.loads(json.dumps(one(objects, "StatefulSet")))
-    sts["spec"]["template"]["spec"]["containers"][1]["readinessProbe"]["httpGet"]["paht"] = "/readyz"
-    monitor = json.loads(json.dumps(one(objects, "ServiceMonitor")))
+    sts["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/health"
+    monitor = json.loads(json.dumps(of_kind(objects, "ServiceMonitor")[0]))
     monitor["spec"]["endpoints"][0]["intervall"] = "10s"
     rule = json.loads(json.dumps(one(objects, "PrometheusRule")))
     rule["spec"]["groups"][0]["rules"][0]["for"] = "five minutes"
@@ -223,7 +254,8 @@ def test_sidecar_url_is_the_pods_own_address(rendered: tuple[dict, list]) -> Non
     sidecar_ports = {p["name"]: p["containerPort"] for p in container(objects, "sidecar")["ports"]}
     assert sidecar_ports["http-r3"] == port
 
-    headless = next(s for s in of_kind(objects, "Service") if s["spec"].get("clusterIP") == "None")
+    headless = next(s for s in of_kind(objects, "Service") if s["metadata"]["name"] == sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
     if v["sidecar"]["advertise"] == "podIP":
         assert url == f"http://$(POD_IP):{port}"
     else:
@@ -267,18 +299,10 @@ def test_the_secret_reaches_r3_auth_token(rendered: tuple[dict, list]) -> None:
     (secret,) = secrets
     assert ref["name"] == secret["metadata"]["name"]
     token = secret_value(secret, ref["key"])
-    if v["auth"]["token"]:
-        assert token == v["auth"]["token"]
-    else:
-        assert len(token) == 48 and token.isalnum()
+    # Offline, only a given token renders (the others fail: test_offline_render_without_a_token_fails_every_time).
+    assert token == (v["auth"]["token"] if "auth" in values else OFFLINE_TOKEN)
+    assert token == v["auth"]["token"] and secret["metadata"]["annotations"]["r3-sidecar.io/token-source"] == "value"
     assert "R3_AUTH_TOKEN" not in {e["name"] for e in container(objects, "engine")["env"]}
-
-
-def test_a_generated_token_is_random_per_install() -> None:
-    """Offline, `lookup` finds nothing, so each render draws a new token; in a cluster the existing one wins."""
-    tokens = {secret_value(one(render(), "Secret"), "token") for _ in range(3)}
-    assert len(tokens) == 3
-    assert 'lookup "v1" "Secret"' in (CHART / "templates" / "secret.yaml").read_text()
 
 
 # ---- probes and the helm test against the real app ----------------------------------------------
@@ -295,10 +319,8 @@ def test_probes_hit_routes_the_sidecar_serves(rendered: tuple[dict, list]) -> No
     sidecar = container(objects, "sidecar")
     ports = {p["name"] for p in sidecar["ports"]}
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    for probe in ("livenessProbe", "readinessProbe"):
-        get = sidecar[probe]["httpGet"]
-        assert ("GET", get["path"]) in routes and get["port"] in ports
+    get = sidecar["livenessProbe"]["httpGet"]
+    assert ("GET", get["path"]) in routes and get["port"] in ports
     engine = container(objects, "engine")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert engine[probe]["httpGet"]["port"] in {p["name"] for p in engine["ports"]}
@@ -314,9 +336,9 @@ def test_probe_routes_answer_200_on_a_live_sidecar(serve: Any) -> None:
     base = serve(auth_token="probe-test-token")
     objects = render()
     sidecar = container(objects, "sidecar")
-    for probe in ("livenessProbe", "readinessProbe"):
-        r = httpx.get(base + sidecar[probe]["httpGet"]["path"], timeout=5)
-        assert r.status_code == 200, (probe, r.text)
+    for path in (sidecar["livenessProbe"]["httpGet"]["path"], "/readyz"):  # /readyz: the helm test's
+        r = httpx.get(base + path, timeout=5)
+        assert r.status_code == 200, (path, r.text)
     assert httpx.get(base + "/v1/engines", timeout=5).status_code == 401
 
 
@@ -353,11 +375,6 @@ def test_security_contexts(rendered: tuple[dict, list]) -> None:
     assert pod["automountServiceAccountToken"] is False
     # A Service named `r3` would otherwise inject R3_PORT=tcp://… into both containers' settings.
     assert pod["enableServiceLinks"] is False
-    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-    for name in ("spool-init", "engine", "sidecar"):
-        ctx = container(objects, name)["securityContext"]
-        assert ctx["allowPrivilegeEscalation"] is False
-        assert ctx["capabilities"]["drop"] == ["ALL"]
     for name in ("spool-init", "sidecar"):
         ctx = container(objects, name)["securityContext"]
         assert ctx["runAsNonRoot"] is True and ctx["readOnlyRootFilesystem"] is True and ctx["runAsUser"] > 0
@@ -365,6 +382,74 @@ def test_security_contexts(rendered: tuple[dict, list]) -> None:
     assert pod["securityContext"]["fsGroup"] == container(objects, "sidecar")["securityContext"]["runAsGroup"]
     for name in ("engine", "sidecar"):
         assert container(objects, name)["resources"]["limits"]["memory"]
+
+
+def test_pods_pass_pod_security_restricted(rendered: tuple[dict, list]) -> None:
+    """Every pod the chart makes (the SGLang pods and the helm test pod) is admitted by a namespace that
+    enforces Pod Security `restricted`: the engine included, as a non-root uid."""
+    _, objects = rendered
+    sts = one(objects, "StatefulSet")
+    template = sts["spec"]["template"]
+    assert restricted_violations(template["spec"], template["metadata"].get("annotations")) == []
+    test_pod = one(objects, "Pod", hook=True)
+    assert restricted_violations(test_pod["spec"], test_pod["metadata"].get("annotations")) == []
+    engine = container(objects, "engine")["securityContext"]
+    assert engine["runAsNonRoot"] is True and engine["runAsUser"] > 0
+
+
+def test_the_engine_runs_as_non_root_with_writable_dirs_as_volumes() -> None:
+    """A uid with no passwd entry in SGLang's image: HOME and USER are given, and every place the engine
+    writes (HOME's caches, /tmp, HF_HOME, the spool, /dev/shm) is a volume, none the image's root-owned tree."""
+    objects = render()
+    engine = container(objects, "engine")
+    env = resolved_env(objects, engine)
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    volumes = {v["name"]: v for v in one(objects, "StatefulSet")["spec"]["template"]["spec"]["volumes"]}
+    assert env["USER"] and env["HOME"] == _values({})["engine"]["home"]
+    for path in (env["HOME"], "/tmp", env["HF_HOME"], env["R3_SPOOL_DIR"], "/dev/shm"):
+        assert path in mounts and not any(m.get("readOnly") for m in engine["volumeMounts"] if m["mountPath"] == path)
+        assert "emptyDir" in volumes[mounts[path]], path
+    assert (
+        engine["securityContext"]["runAsGroup"]
+        == one(objects, "StatefulSet")["spec"]["template"]["spec"]["securityContext"]["fsGroup"]
+    )
+
+
+def test_the_restricted_checks_catch_each_violation() -> None:
+    """The checks above are not vacuous: each mutation of the rendered pod breaks the control it names."""
+    import copy
+
+    template = one(render(), "StatefulSet")["spec"]["template"]
+    assert restricted_violations(template["spec"]) == []
+
+    def engine_ctx(pod: dict) -> dict:
+        return next(c for c in pod["containers"] if c["name"] == "engine")["securityContext"]
+
+    mutations = {
+        "runAsNonRoot is not true": lambda p: engine_ctx(p).update(runAsNonRoot=False),
+        "runAsUser 0": lambda p: engine_ctx(p).update(runAsUser=0),
+        "allowPrivilegeEscalation": lambda p: engine_ctx(p).pop("allowPrivilegeEscalation"),
+        "does not drop ALL": lambda p: engine_ctx(p).update(capabilities={"drop": ["NET_RAW"]}),
+        "adds ['SYS_ADMIN']": lambda p: engine_ctx(p)["capabilities"].update(add=["SYS_ADMIN"]),
+        "privileged": lambda p: engine_ctx(p).update(privileged=True),
+        "seccompProfile Unconfined": lambda p: engine_ctx(p).update(seccompProfile={"type": "Unconfined"}),
+        "hostPath": lambda p: p["volumes"].append({"name": "models", "hostPath": {"path": "/models"}}),
+        "spec.hostIPC": lambda p: p.update(hostIPC=True),
+        "hostPort 30000": lambda p: next(c for c in p["containers"] if c["name"] == "engine")["ports"][0].update(
+            hostPort=30000
+        ),
+    }
+    for expected, mutate in mutations.items():
+        pod = copy.deepcopy(template["spec"])
+        mutate(pod)
+        found = restricted_violations(pod)
+        assert any(expected in line for line in found), (expected, found)
+    # Pod-level runAsNonRoot covers containers that leave it unset; without it, each must set it.
+    pod = copy.deepcopy(template["spec"])
+    engine_ctx(pod).pop("runAsNonRoot")
+    assert restricted_violations(pod) == []
+    pod["securityContext"].pop("runAsNonRoot")
+    assert any("containers[engine]: runAsNonRoot" in line for line in restricted_violations(pod))
 
 
 def test_disruption_budget(rendered: tuple[dict, list]) -> None:
@@ -383,25 +468,85 @@ def test_disruption_budget(rendered: tuple[dict, list]) -> None:
 def test_monitoring_objects_follow_their_switches(rendered: tuple[dict, list]) -> None:
     values, objects = rendered
     v = _values(values)
-    monitors = of_kind(objects, "ServiceMonitor")
+    monitors = {m["metadata"]["labels"]["app.kubernetes.io/component"]: m for m in of_kind(objects, "ServiceMonitor")}
     rules = of_kind(objects, "PrometheusRule")
     dashboards = [c for c in of_kind(objects, "ConfigMap") if "r3-sidecar.json" in c.get("data", {})]
-    assert len(monitors) == int(v["serviceMonitor"]["enabled"])
+    sm = v["serviceMonitor"]
+    engine_sm = sm["enabled"] and sm["engine"]["enabled"] and v["engine"]["metrics"]["enabled"]
+    assert set(monitors) == ({"sidecar"} if sm["enabled"] else set()) | ({"engine"} if engine_sm else set())
     assert len(rules) == int(v["prometheusRule"]["enabled"])
     assert len(dashboards) == int(v["grafanaDashboard"]["enabled"])
-    for monitor in monitors:
+    pod = one(objects, "StatefulSet")["spec"]["template"]
+    # Each ServiceMonitor selects exactly one Service of this release, headless and listing pods that are not
+    # ready (a loading engine, a sidecar serving while its engine restarts), whose named port reaches the
+    # right container; the path is /metrics.
+    targets = {"sidecar": container(objects, "sidecar"), "engine": container(objects, "engine")}
+    for component, monitor in monitors.items():
         (endpoint,) = monitor["spec"]["endpoints"]
         wanted = monitor["spec"]["selector"]["matchLabels"].items()
-        selected = [s for s in of_kind(objects, "Service") if wanted <= s["metadata"]["labels"].items()]
-        assert len(selected) == 1 and selected[0]["spec"]["clusterIP"] == "None"
-        assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
-        assert endpoint["path"] == "/metrics" and ("GET", "/metrics") in _app_routes()
-        assert v["serviceMonitor"]["labels"].items() <= monitor["metadata"]["labels"].items()
+        (service,) = [s for s in of_kind(objects, "Service") if wanted <= s["metadata"]["labels"].items()]
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+        assert port["targetPort"] in {p["name"] for p in targets[component]["ports"]}, component
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["interval"] == sm["interval"] and endpoint["scrapeTimeout"] == sm["scrapeTimeout"]
+        assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+    if "sidecar" in monitors:
+        assert ("GET", "/metrics") in _app_routes()
     for rule in rules:
         assert rule["spec"] == yaml.safe_load(RULES_FILE.read_text())
     for dashboard in dashboards:
         assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert json.loads(dashboard["data"]["r3-sidecar.json"]) == json.loads(DASHBOARD_FILE.read_text())
+
+
+def test_monitoring_labels_reach_every_monitoring_object(rendered: tuple[dict, list]) -> None:
+    """`monitoringLabels` (e.g. kube-prometheus-stack's `release`) on both ServiceMonitors and the rule; each
+    object's own labels add to them and win a conflict."""
+    values, objects = rendered
+    v = _values(values)
+    own_labels = {"ServiceMonitor": v["serviceMonitor"]["labels"], "PrometheusRule": v["prometheusRule"]["labels"]}
+    for kind, own in own_labels.items():
+        for obj in of_kind(objects, kind):
+            expected = {**v["monitoringLabels"], **own}
+            assert expected.items() <= obj["metadata"]["labels"].items(), (kind, obj["metadata"]["labels"])
+
+
+def test_monitoring_labels_merge_and_override() -> None:
+    objects = render(
+        {
+            "monitoringLabels": {"release": "kube-prometheus-stack", "team": "rl"},
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom-sm"}},
+            "prometheusRule": {"enabled": True},
+        }
+    )
+    monitors = of_kind(objects, "ServiceMonitor")
+    assert len(monitors) == 2
+    for monitor in monitors:
+        assert monitor["metadata"]["labels"]["release"] == "prom-sm" and monitor["metadata"]["labels"]["team"] == "rl"
+    rule = one(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # Nothing else carries them: they would make other selectors pick these objects up.
+    for obj in objects:
+        if obj["kind"] not in ("ServiceMonitor", "PrometheusRule"):
+            assert "team" not in obj["metadata"].get("labels", {}), obj["kind"]
+
+
+def test_engine_metrics_are_enabled_and_scraped_by_their_own_servicemonitor() -> None:
+    objects = render({"serviceMonitor": {"enabled": True}})
+    assert "--enable-metrics" in container(objects, "engine")["args"]
+    monitors = {m["metadata"]["labels"]["app.kubernetes.io/component"]: m for m in of_kind(objects, "ServiceMonitor")}
+    engine_monitor = monitors["engine"]
+    assert engine_monitor["spec"]["endpoints"][0]["port"] == "http-engine"
+    assert engine_monitor["metadata"]["name"] != one(objects, "StatefulSet")["metadata"]["name"]
+    # Off: no flag, no engine ServiceMonitor or Service; asking for the ServiceMonitor anyway is an error.
+    metrics_off = {"engine": {"metrics": {"enabled": False}}}
+    off = render({**metrics_off, "serviceMonitor": {"enabled": True, "engine": {"enabled": False}}})
+    assert "--enable-metrics" not in container(off, "engine")["args"]
+    assert len(of_kind(off, "ServiceMonitor")) == 1 and len(of_kind(off, "Service")) == 2
+    with pytest.raises(helm.HelmRenderError, match=r"serviceMonitor\.engine\.enabled needs engine\.metrics\.enabled"):
+        render_manifests({"engine": {"metrics": {"enabled": False}}, "serviceMonitor": {"enabled": True}})
 
 
 def test_network_policy_limits_the_sidecar_port_to_trainers(rendered: tuple[dict, list]) -> None:
@@ -431,7 +576,16 @@ def test_network_policy_limits_the_sidecar_port_to_trainers(rendered: tuple[dict
     test_pod = one(objects, "Pod", hook=True)
     test_peer = next(p for p in peers if "podSelector" in p and "namespaceSelector" not in p)
     assert test_peer["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
-    assert by_port["http-engine"].get("from", []) == v["networkPolicy"]["enginePeers"]
+    engine_peers = by_port["http-engine"].get("from", [])
+    if not v["networkPolicy"]["enginePeers"]:
+        assert engine_peers == []  # open to all
+        return
+    # enginePeers, plus the monitoring namespaces for SGLang's own /metrics on the same port.
+    monitoring = []
+    if v["engine"]["metrics"]["enabled"] and netpol["monitoringNamespaces"]:
+        expr = {"key": "kubernetes.io/metadata.name", "operator": "In", "values": netpol["monitoringNamespaces"]}
+        monitoring = [{"namespaceSelector": {"matchExpressions": [expr]}}]
+    assert engine_peers == v["networkPolicy"]["enginePeers"] + monitoring
 
 
 def test_hooks_are_only_the_test_pod(rendered: tuple[dict, list]) -> None:
@@ -463,7 +617,8 @@ ServerArgs.add_cli_args(parser)
 out = {"sglang": version("sglang")}
 for scenario, argv in json.loads(sys.argv[1]).items():
     ns = parser.parse_args(argv)
-    out[scenario] = {k: getattr(ns, k) for k in ("model_path", "port", "tp_size", "enable_return_routed_experts")}
+    keys = ("model_path", "port", "tp_size", "enable_return_routed_experts", "enable_metrics")
+    out[scenario] = {k: getattr(ns, k) for k in keys}
 print(json.dumps(out))
 """
 
@@ -488,6 +643,7 @@ def test_engine_command_line_parses_with_sglang_0_5_23() -> None:
             "port": v["engine"]["port"],
             "tp_size": v["engine"]["tensorParallelSize"],
             "enable_return_routed_experts": True,
+            "enable_metrics": v["engine"]["metrics"]["enabled"],
         }, scenario
 
 
@@ -574,3 +730,235 @@ def test_selectors_pick_the_sglang_pods_and_nothing_else(rendered: tuple[dict, l
     for selector in selectors:
         assert selector.items() <= pod_labels.items(), selector
         assert not selector.items() <= test_labels.items(), selector
+
+
+# ---- names ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("release", "overrides", "fullname"),
+    [
+        ("r3", {}, "r3-sidecar"),  # the chart name already starts with `r3-`: not r3-r3-sidecar
+        ("prod", {}, "prod-r3-sidecar"),
+        ("r3-sidecar", {}, "r3-sidecar"),  # the release contains the chart name
+        ("rl-r3-sidecar-a", {}, "rl-r3-sidecar-a"),
+        ("r3", {"nameOverride": "sgl"}, "r3-sgl"),
+        ("r3", {"nameOverride": "r3-moe"}, "r3-moe"),
+        ("prod", {"fullnameOverride": "qwen-rollouts"}, "qwen-rollouts"),
+        ("a" * 53, {}, "a" * 52),  # Helm's longest release name; see r3.fullname for 52
+    ],
+)
+def test_fullname_rules(release: str, overrides: dict[str, Any], fullname: str) -> None:
+    objects = render(overrides, release=release)
+    sts = one(objects, "StatefulSet")
+    assert sts["metadata"]["name"] == fullname
+    helm.validate_release_name(release)
+    for obj in objects:
+        name = obj["metadata"]["name"]
+        assert name.startswith(fullname) and len(name) <= 63, name
+        assert f"{release}-{release}" not in name
+    # Truncation never makes two objects of a kind share a name; pod names (<sts>-<ordinal>) stay DNS labels.
+    kinds_names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(set(kinds_names)) == len(kinds_names), kinds_names
+    assert len(sts["metadata"]["name"]) <= 52
+
+
+def test_names_follow_the_fullname_everywhere_they_are_referenced(rendered: tuple[dict, list]) -> None:
+    """The Services, Secret and ConfigMap the pod names exist under those names (overrides included)."""
+    _, objects = rendered
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    sts = one(objects, "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert ("Service", sts["spec"]["serviceName"]) in names
+    for ctr in pod["containers"]:
+        for source in ctr.get("envFrom", []):
+            assert ("ConfigMap", source["configMapRef"]["name"]) in names
+    if pod.get("serviceAccountName") and _values({})["serviceAccount"]["create"]:
+        assert ("ServiceAccount", pod["serviceAccountName"]) in names
+
+
+# ---- model storage, runtime class, startup ---------------------------------------------------------
+
+
+def _models_volume(objects: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the pod's `models` volume, the StatefulSet's `models` claim template): one of the two is None."""
+    sts = one(objects, "StatefulSet")
+    volume = next((v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"), None)
+    template = next((t for t in sts["spec"].get("volumeClaimTemplates", []) if t["metadata"]["name"] == "models"), None)
+    return volume, template
+
+
+def test_model_storage_is_mounted_at_hf_home(rendered: tuple[dict, list]) -> None:
+    values, objects = rendered
+    v = _values(values)
+    models = v["modelStorage"]
+    engine = container(objects, "engine")
+    env = resolved_env(objects, engine)
+    (mount,) = [m for m in engine["volumeMounts"] if m["name"] == "models"]
+    assert mount["mountPath"] == models["mountPath"] == env["HF_HOME"]
+    assert mount.get("readOnly", False) == models["readOnly"]
+    assert (env.get("HF_HUB_OFFLINE") == "1") == models["readOnly"]
+    volume, template = _models_volume(objects)
+    assert (volume is None) == (template is not None)
+    claims = of_kind(objects, "PersistentVolumeClaim")
+    size = f"{models['sizeGiB']}Gi"
+    requests = engine["resources"]["requests"]
+    scratch = v["engine"]["ephemeralStorageGiB"]
+    if models["type"] == "emptyDir":
+        assert volume["emptyDir"] == {"sizeLimit": size} and claims == []
+        # The weights are node disk: the scheduler must find room for them and the caches.
+        assert requests["ephemeral-storage"] == f"{scratch + models['sizeGiB']}Gi"
+    else:
+        assert requests["ephemeral-storage"] == f"{scratch}Gi"
+    if models["type"] == "perPod":
+        assert claims == [] and template["spec"]["resources"]["requests"]["storage"] == size
+        assert template["spec"]["accessModes"] == models["accessModes"]
+    if models["type"] in ("pvc", "existingClaim"):
+        claim_name = volume["persistentVolumeClaim"]["claimName"]
+        assert volume["persistentVolumeClaim"].get("readOnly", False) == models["readOnly"]
+    if models["type"] == "pvc":
+        (claim,) = claims
+        assert claim["metadata"]["name"] == claim_name
+        assert claim["spec"]["resources"]["requests"]["storage"] == size
+        assert claim["spec"]["accessModes"] == models["accessModes"]
+        assert models["annotations"].items() <= claim["metadata"].get("annotations", {}).items()
+        if v["replicaCount"] > 1:
+            assert {"ReadWriteMany", "ReadOnlyMany"} & set(claim["spec"]["accessModes"])
+    if models["type"] == "existingClaim":
+        assert claims == [] and claim_name == models["existingClaim"]
+    created = [*claims, *([template] if template else [])]
+    for claim in created:
+        sc = models["storageClassName"]
+        if sc == "":
+            assert "storageClassName" not in claim["spec"]  # the cluster's default class
+        else:
+            assert claim["spec"]["storageClassName"] == ("" if sc == "-" else sc)
+
+
+def test_model_storage_options_render_as_documented() -> None:
+    """Each type, without a values file: what gets created and what fails with a message."""
+    for kind in ("perPod", "pvc"):
+        objects = render({"modelStorage": {"type": kind, "sizeGiB": 900, "storageClassName": "-"}})
+        _, template = _models_volume(objects)
+        claim = template if kind == "perPod" else one(objects, "PersistentVolumeClaim")
+        assert claim["spec"]["storageClassName"] == "" and claim["spec"]["resources"]["requests"]["storage"] == "900Gi"
+        assert resolved_env(objects, container(objects, "engine"))["HF_HOME"] == "/models"
+    explicit = render({"engine": {"resources": {"requests": {"ephemeral-storage": "1Ti"}}}})
+    assert container(explicit, "engine")["resources"]["requests"]["ephemeral-storage"] == "1Ti"
+    none = render({"engine": {"ephemeralStorageGiB": 0}, "modelStorage": {"type": "perPod"}})
+    assert "ephemeral-storage" not in container(none, "engine")["resources"]["requests"]
+    with pytest.raises(helm.HelmRenderError, match=r"shares one claim between all 3 pods.*ReadWriteMany.*perPod"):
+        render_manifests({"replicaCount": 3, "modelStorage": {"type": "pvc"}})
+    with pytest.raises(helm.HelmRenderError, match="shares one claim"):
+        render_manifests({"replicaCount": 2, "modelStorage": {"type": "pvc", "accessModes": ["ReadWriteOncePod"]}})
+    shared = render({"replicaCount": 3, "modelStorage": {"type": "pvc", "accessModes": ["ReadWriteMany"]}})
+    assert one(shared, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]
+    with pytest.raises(helm.HelmValuesError, match="existingClaim"):
+        render_manifests({"modelStorage": {"type": "existingClaim"}})
+
+
+def test_runtime_class(rendered: tuple[dict, list]) -> None:
+    values, objects = rendered
+    v = _values(values)
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    if v["runtimeClassName"]:
+        assert pod["runtimeClassName"] == v["runtimeClassName"]
+    else:
+        assert "runtimeClassName" not in pod
+
+
+def test_startup_probe_allows_a_slow_first_start(rendered: tuple[dict, list]) -> None:
+    """Liveness and readiness wait for the startup probe, which allows the configured download-and-load time
+    (an hour by default); the kubelet restarts the engine only after that."""
+    values, objects = rendered
+    v = _values(values)
+    startup = container(objects, "engine")["startupProbe"]
+    allowed = startup["periodSeconds"] * startup["failureThreshold"]
+    assert allowed == v["engine"]["startupProbe"]["periodSeconds"] * v["engine"]["startupProbe"]["failureThreshold"]
+    assert allowed >= (3600 if not values.get("engine", {}).get("startupProbe") else 1)
+    assert startup["httpGet"]["path"] == "/health"
+
+
+# ---- readiness: a sidecar fault leaves the engine in the inference Service ------------------------
+
+
+def test_only_the_engine_decides_whether_the_pod_serves_inference(rendered: tuple[dict, list]) -> None:
+    """A pod is in a Service's endpoints when every container with a readiness probe passes it. Only the
+    engine has one, so a failing sidecar does not take a healthy engine out of the inference Service;
+    trainers reach sidecars through the headless Service, which lists pods whether ready or not."""
+    _, objects = rendered
+    pod = one(objects, "StatefulSet")["spec"]["template"]["spec"]
+    gating = [c["name"] for c in [*pod["containers"], *pod.get("initContainers", [])] if "readinessProbe" in c]
+    assert gating == ["engine"]
+    assert container(objects, "engine")["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http-engine"}
+    # Restartable init containers (native sidecars) would count for readiness too: there are none.
+    assert all(c.get("restartPolicy") != "Always" for c in pod.get("initContainers", []))
+    services = of_kind(objects, "Service")
+    sidecar_services = [s for s in services if "http-r3" in {p["targetPort"] for p in s["spec"]["ports"]}]
+    assert sidecar_services and all(s["spec"].get("publishNotReadyAddresses") is True for s in sidecar_services)
+    inference = [s for s in of_kind(objects, "Service") if s["spec"].get("clusterIP") != "None"]
+    assert [p["targetPort"] for s in inference for p in s["spec"]["ports"]] == ["http-engine"]
+    assert "livenessProbe" in container(objects, "sidecar")  # a hung sidecar is still restarted
+
+
+# ---- the token under offline rendering (helm template, Argo CD) and against a cluster ----------------
+
+_TOKEN_ERROR = (
+    r"auth: set auth\.existingSecret .* or auth\.token, or auth\.enabled=false\. This render cannot see the cluster"
+)
+
+
+def test_offline_render_without_a_token_fails_every_time() -> None:
+    """No token, no Secret named, no cluster: a clear failure (twice the same), never a random token."""
+    for _ in range(2):
+        with pytest.raises(helm.HelmRenderError, match=_TOKEN_ERROR):
+            render_manifests({}, raw=True)
+    # `helm lint` renders in lint mode, where `fail` only logs: the chart still lints clean on its defaults
+    # (chart-testing, Artifact Hub), while `helm template` and `helm install --dry-run` stop.
+    report = helm.lint(CHART, {}, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == [], report
+    # Turning auth off, or naming the token's source, renders.
+    assert of_kind(parse(render_manifests({"auth": {"enabled": False}}, raw=True)), "Secret") == []
+
+
+def test_offline_renders_are_stable() -> None:
+    """What Argo CD does on every sync: render again. The token, and so every object, is identical."""
+    for values in ({"auth": {"token": "gitops-token"}}, {"auth": {"existingSecret": "r3-token"}}):
+        first, second = render_manifests(values, raw=True), render_manifests(values, raw=True)
+        assert first == second
+    objects = parse(render_manifests({"auth": {"token": "gitops-token"}}, raw=True))
+    assert secret_value(one(objects, "Secret"), "token") == "gitops-token"
+
+
+def test_against_a_cluster_the_token_is_generated_once_then_kept(tmp_path: Path) -> None:
+    """Against a cluster `lookup` can see: a first install draws a token; an upgrade reads it back unchanged."""
+    fresh = chart_seeing_cluster(tmp_path / "fresh", [kube_root_ca()])
+    installs = [render_manifests({}, raw=True, chart_obj=fresh) for _ in range(2)]
+    tokens = [secret_value(one(parse(m), "Secret"), "token") for m in installs]
+    assert all(len(t) == 48 and t.isalnum() for t in tokens) and tokens[0] != tokens[1]  # random per install
+    assert "generated now, at this install" in installs[0]["r3-sidecar/templates/NOTES.txt"]
+
+    name = one(parse(installs[0]), "Secret")["metadata"]["name"]
+    upgraded = chart_seeing_cluster(tmp_path / "upgrade", [kube_root_ca(), secret(name, {"token": tokens[0]})])
+    for _ in range(2):
+        manifests = render_manifests({}, raw=True, chart_obj=upgraded)
+        kept = one(parse(manifests), "Secret")
+        assert secret_value(kept, "token") == tokens[0]
+        assert kept["metadata"]["annotations"]["r3-sidecar.io/token-source"] == "kept"
+        assert "generated at the first install and kept" in manifests["r3-sidecar/templates/NOTES.txt"]
+    # A Secret of this name without the key (auth.secretKey changed) is not a token to keep.
+    other_key = chart_seeing_cluster(tmp_path / "key", [kube_root_ca(), secret(name, {"bearer": "x"})])
+    assert secret_value(one(parse(render_manifests({}, raw=True, chart_obj=other_key)), "Secret"), "token") != "x"
+    # The Secret lives in another namespace only: this namespace has none, and no cluster view either.
+    elsewhere = chart_seeing_cluster(tmp_path / "ns", [secret(name, {"token": tokens[0]}, namespace="other")])
+    with pytest.raises(helm.HelmRenderError, match=_TOKEN_ERROR):
+        render_manifests({}, raw=True, chart_obj=elsewhere)
+
+
+def test_notes_say_where_the_token_comes_from() -> None:
+    notes = render_manifests({"auth": {"existingSecret": "r3-token"}}, raw=True)["r3-sidecar/templates/NOTES.txt"]
+    assert "Secret r3-token" in notes and "a Secret you manage" in notes
+    notes = render_manifests({"auth": {"token": "t"}}, raw=True)["r3-sidecar/templates/NOTES.txt"]
+    assert "auth.token as given in the values" in notes
+    notes = render_manifests({"auth": {"enabled": False}}, raw=True)["r3-sidecar/templates/NOTES.txt"]
+    assert "bearer token" not in notes

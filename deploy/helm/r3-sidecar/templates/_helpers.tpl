@@ -4,15 +4,23 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/*
+Helm's usual rules (`fullnameOverride`; a release name that already contains the chart's name is used
+alone), plus one: a chart name that already starts with `<release>-` is used alone, so release `r3` of
+chart `r3-sidecar` is `r3-sidecar`, not `r3-r3-sidecar`. Truncated to 52 characters, not 63: the
+StatefulSet's pods carry the label `controller-revision-hash: <name>-<hash>`, which must fit in 63.
+*/}}
 {{- define "r3.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else if hasPrefix (printf "%s-" .Release.Name) $name }}
+{{- $name | trunc 52 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -87,4 +95,57 @@ app.kubernetes.io/part-of: r3-sidecar
 
 {{- define "r3.image" -}}
 {{- printf "%s:%s" .repository .tag }}
+{{- end }}
+
+{{/*
+Where the sidecar's token comes from; secret.yaml and NOTES.txt both ask, so they cannot disagree:
+  existingSecret  auth.existingSecret (nothing rendered)
+  value           auth.token
+  kept            the token in the Secret this release created earlier (read back with lookup)
+  generated       first install against a cluster: a new random token
+`lookup` sees the cluster when the namespace's `kube-root-ca.crt` ConfigMap (published into every namespace
+by the kube-controller-manager since Kubernetes 1.20) is visible. Offline (`helm template`, Argo CD,
+`--dry-run`) it sees nothing; a token drawn there would differ on every render, so the render fails.
+*/}}
+{{- define "r3.authTokenSource" -}}
+{{- if .Values.auth.existingSecret }}existingSecret
+{{- else if .Values.auth.token }}value
+{{- else }}
+{{- $name := include "r3.authSecretName" . }}
+{{- $existing := (lookup "v1" "Secret" .Release.Namespace $name) }}
+{{- if and $existing (hasKey ($existing.data | default dict) .Values.auth.secretKey) }}kept
+{{- else if (lookup "v1" "ConfigMap" .Release.Namespace "kube-root-ca.crt") }}generated
+{{- else }}
+{{- fail "auth: set auth.existingSecret (a Secret you manage) or auth.token, or auth.enabled=false. This render cannot see the cluster (helm template, Argo CD, --dry-run, or a namespace that does not exist yet), so the chart cannot read back the token it generated before, and a new random token on every render would lock trainers out after each sync." }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The monitoring objects' extra labels: monitoringLabels, then the object's own (which win). */}}
+{{- define "r3.monitoringLabels" -}}
+{{- $labels := merge (deepCopy (.own | default dict)) (deepCopy (.root.Values.monitoringLabels | default dict)) }}
+{{- with $labels }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The model volume's claim name for `pvc` and `existingClaim`. */}}
+{{- define "r3.modelClaimName" -}}
+{{- if eq .Values.modelStorage.type "existingClaim" }}
+{{- required "modelStorage.existingClaim is required with modelStorage.type=existingClaim" .Values.modelStorage.existingClaim }}
+{{- else }}
+{{- printf "%s-models" (include "r3.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* A PersistentVolumeClaim spec for `pvc` (the chart's claim) and `perPod` (volumeClaimTemplates). */}}
+{{- define "r3.modelClaimSpec" -}}
+accessModes:
+  {{- toYaml .Values.modelStorage.accessModes | nindent 2 }}
+{{- with .Values.modelStorage.storageClassName }}
+storageClassName: {{ if eq . "-" }}""{{ else }}{{ . }}{{ end }}
+{{- end }}
+resources:
+  requests:
+    storage: {{ printf "%dGi" (int64 .Values.modelStorage.sizeGiB) }}
 {{- end }}
