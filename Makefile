@@ -5,10 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo serve test lint fmt bench reliability env env-service clean
+.PHONY: demo demo-sglang serve test lint fmt bench reliability env env-service clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
+
+demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sidecar, a few requests
+	$(BIN)/python tests/e2e/demo_sglang.py
 
 serve: env-service
 	$(BIN)/r3-sidecar serve

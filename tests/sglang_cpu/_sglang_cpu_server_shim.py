@@ -1,15 +1,24 @@
 """Let a real SGLang 0.5.23 server run on a CPU-only torch, in every process it spawns: test support only.
 
 Loaded from a `.pth` file (installed by `make env`) so that the main, tokenizer, scheduler and detokenizer
-processes all get it; inert unless `R3_TEST_SGLANG_CPU=1`. Two patches, each applied right after its module
+processes all get it; inert unless `R3_TEST_SGLANG_CPU=1`. Three kinds of patch, each applied right after its module
 is imported (an import hook, so nothing of SGLang is imported early):
 
 1. `sglang.srt.layers.rotary_embedding.base._is_cpu = True`: otherwise `RotaryEmbedding.__init__` imports
    `vllm._custom_ops` (SGLang's own CPU engine needs sgl_kernel's CPU build, which PyPI does not carry).
 2. `sglang.srt.mem_cache.pool_host.common.ALLOC_MEMORY_FUNCS["cpu"]` → an unpinned allocation: the default
    pins through `cudaHostRegister`, which a CPU torch does not have.
+3. DP attention pads each rank's batch in `ForwardBatch.prepare_mlp_sync_batch`, which pins host memory and
+   asks the attention backend for a padding fill value unless `forward_batch_info._is_cpu` (true only under
+   SGLang's own CPU engine); `torch_native`, the backend SGLang picks here, implements neither hook. So:
+   `forward_batch_info._is_cpu = True` (touches only those two lines) and the CPU fill value 1 (as SGLang's
+   Intel AMX CPU backend returns) on `TorchNativeAttnBackend`; and the DP gather's row copy takes SGLang's
+   own CPU path (`dp_attention.memcpy_cpu`) instead of a Triton kernel, which has no CPU driver, and the
+   group collectives (`all_gather_into_tensor`, `reduce_scatter_tensor`) take SGLang's own CPU branches
+   (`parallel_state._is_cpu`: plain torch.distributed on gloo) instead of custom ops registered for
+   accelerators only.
 
-The plugin's production code carries neither: they are facts of this machine, not of SGLang on a GPU.
+The plugin's production code carries none of them: they are facts of this machine, not of SGLang on a GPU.
 """
 
 import importlib.abc
@@ -31,7 +40,27 @@ def _pool_host(module) -> None:
     module.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
 
 
+def _forward_batch_info(module) -> None:
+    module._is_cpu = True
+
+
+def _torch_native(module) -> None:
+    module.TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+
+
+def _dp_attention(module) -> None:
+    module.memcpy_func = module.memcpy_cpu
+
+
+def _parallel_state(module) -> None:
+    module._is_cpu = True
+
+
 _PATCHES = {
+    "sglang.srt.distributed.parallel_state": _parallel_state,
+    "sglang.srt.layers.dp_attention": _dp_attention,
+    "sglang.srt.model_executor.forward_batch_info": _forward_batch_info,
+    "sglang.srt.layers.attention.torch_native_backend": _torch_native,
     "sglang.srt.layers.rotary_embedding.base": _rotary,
     "sglang.srt.mem_cache.pool_host.common": _pool_host,
 }

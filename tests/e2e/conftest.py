@@ -1,0 +1,47 @@
+"""The real-engine suite's one shared resource: at most one SGLang server (and its sidecar) alive at a time.
+
+A test module asks `sglang_stack(CONFIG)`; the pool keeps the running stack when the configuration is the
+same and replaces it otherwise, so a configuration starts once per module that uses it (modules group their
+tests by configuration) and two servers never compete for this machine's two cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sglang_server import Config, Stack, start
+
+
+class _Pool:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.current: Stack | None = None
+
+    def get(self, config: Config) -> Stack:
+        if self.current is not None and self.current.config == config and self.current.server.alive():
+            return self.current
+        self.close()
+        self.current = start(config, self.root / config.name)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            stack, self.current = self.current, None
+            stack.stop()
+
+
+@pytest.fixture(scope="session")
+def _sglang_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Pool]:
+    pool = _Pool(tmp_path_factory.mktemp("sglang"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_stack(_sglang_pool: _Pool) -> Callable[[Config], Stack]:
+    """`stack = sglang_stack(Config(...))`: that configuration's running server and sidecar."""
+    return _sglang_pool.get

@@ -1,0 +1,275 @@
+"""A real SGLang 0.5.23 server on this CPU machine, with or without the plugin, and a real sidecar beside it.
+
+What the real-engine suite (`tests/e2e/test_sglang_*.py`), `make demo-sglang` and the real-server benchmark
+share: a tiny random-weight Qwen3-MoE written as a `config.json` (`--load-format dummy`: deterministic
+weights, no download; `--skip-tokenizer-init`: requests carry `input_ids`), `python -m sglang.launch_server`
+in its own process group, `r3-sidecar serve` on the same spool, free loopback ports, and teardown by pid
+(the whole group: tokenizer manager, scheduler and detokenizer go with it), also when a test fails.
+
+The plugin is loaded through its entry point; `plugin=False` sets `SGLANG_PLUGINS=__none__`, the upstream
+baseline on the same install. The two CPU workarounds are `tests/sglang_cpu/_sglang_cpu_server_shim.py`,
+armed by `R3_TEST_SGLANG_CPU=1` in the server's environment only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from service.spool import RecordMeta, Spool
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"
+START_TIMEOUT_S = 240.0
+
+# The launch every configuration starts from (sglang-cpu facts: a small KV cache, no CUDA graphs on CPU).
+BASE_ARGS: dict[str, Any] = {
+    "load-format": "dummy",
+    "skip-tokenizer-init": True,
+    "device": "cpu",
+    "dtype": "bfloat16",
+    "enable-return-routed-experts": True,
+    "max-total-tokens": 8192,
+    "max-running-requests": 16,
+    "chunked-prefill-size": 64,
+    "disable-cuda-graph": True,
+    "log-level": "info",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_model(directory: Path, **overrides: Any) -> Path:
+    """A model directory holding only `config.json`: the tiny Qwen3-MoE, 4 layers, 2048 positions by default."""
+    config = json.loads(TINY_MODEL.read_text())
+    config.update({"num_hidden_layers": 4, "max_position_embeddings": 2048} | overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def cli_args(args: dict[str, Any]) -> list[str]:
+    """`{"tp": 2, "disable-cuda-graph": True, "x": None}` → `--tp 2 --disable-cuda-graph` (None drops a flag)."""
+    out: list[str] = []
+    for name, value in args.items():
+        if value is None or value is False:
+            continue
+        out.append(f"--{name}")
+        if value is not True:
+            out.append(str(value))
+    return out
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the process group led by `proc` (its own session), then SIGKILL what is left."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
+            if sig is signal.SIGTERM:  # the leader is gone; its children may linger a moment
+                time.sleep(0.2)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            return
+
+
+def _log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Process:
+    """A child process in its own session, with its output in a log file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        _stop_group(self.proc)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_http(self, path: str, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not ready in {timeout:.0f} s:\n{_log_tail(self.log)}")
+            time.sleep(0.25)
+
+
+def spawn(cmd: list[str], env: dict[str, str], log: Path, url: str) -> Process:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    return Process(proc, log, url)
+
+
+@dataclass
+class Config:
+    """One server configuration: launch arguments over `BASE_ARGS`, plugin settings, model overrides."""
+
+    name: str
+    plugin: bool = True
+    args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # R3_* and SGLANG_* for the server's processes
+    model: dict[str, Any] = field(default_factory=dict)  # config.json overrides
+    sidecar: bool = True  # start `r3-sidecar serve` on the same spool
+
+
+@dataclass
+class Stack:
+    """A running SGLang server (and its sidecar): what a test talks to."""
+
+    config: Config
+    server: Process
+    sidecar: Process | None
+    spool: Path
+    model_dir: Path
+    num_hidden_layers: int
+    topk: int
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def sidecar_url(self) -> str:
+        assert self.sidecar is not None, f"{self.config.name} runs no sidecar"
+        return self.sidecar.url
+
+    def generate(self, input_ids: list[int], *, timeout: float = 120.0, **body: Any) -> dict[str, Any]:
+        """POST /generate; greedy unless `sampling_params` says otherwise."""
+        body.setdefault("sampling_params", {"max_new_tokens": 8, "temperature": 0.0})
+        response = httpx.post(f"{self.url}/generate", json={"input_ids": input_ids, **body}, timeout=timeout)
+        response.raise_for_status()
+        return response.json()
+
+    def inline_rows(self, response: dict[str, Any]) -> np.ndarray | None:
+        """SGLang's `meta_info["routed_experts"]` as (rows, num_hidden_layers, topk) int32, or None if absent."""
+        return decode_inline(response["meta_info"].get("routed_experts"), self.num_hidden_layers, self.topk)
+
+    def record(self, rid: str) -> tuple[RecordMeta | None, np.ndarray | None]:
+        """The spool's record of `rid` read straight from its files: (metadata, rows as stored), or Nones."""
+        spool = Spool(self.spool, create=False)
+        meta = spool.read_meta(rid)
+        return (None, None) if meta is None else (meta, spool.read_array(meta))
+
+    def final_record(self, rid: str, timeout: float = 30.0) -> tuple[RecordMeta, np.ndarray]:
+        """The record once final: the writer thread publishes it shortly after SGLang answers."""
+        deadline = time.monotonic() + timeout
+        while True:
+            meta, rows = self.record(rid)
+            if meta is not None and meta.final:
+                return meta, rows
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{rid}: no final record after {timeout:.0f} s (now {meta})")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for process in (self.sidecar, self.server):
+            if process is not None:
+                process.stop()
+
+
+def decode_inline(payload: str | None, num_layers: int, topk: int) -> np.ndarray | None:
+    """SGLang's inline layout: base64 of int32 C-order rows of `num_hidden_layers × topk`."""
+    if payload is None:
+        return None
+    return np.frombuffer(base64.b64decode(payload), dtype=np.int32).reshape(-1, num_layers, topk)
+
+
+def server_env(config: Config, spool: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "SGLANG_"))}
+    env.update(
+        {
+            "R3_TEST_SGLANG_CPU": "1",
+            "R3_SPOOL_DIR": str(spool),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+    )
+    if not config.plugin:
+        env["SGLANG_PLUGINS"] = "__none__"
+    env.update(config.env)
+    return env
+
+
+def start(config: Config, workdir: Path) -> Stack:
+    """Start the server (and sidecar) of `config` under `workdir`; raise with the log tail if it fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = write_model(workdir / "model", **config.model)
+    model = json.loads((model_dir / "config.json").read_text())
+    spool = workdir / "spool"
+    port = free_port()
+    env = server_env(config, spool)
+    sidecar = None
+    if config.sidecar:
+        sidecar_port = free_port()
+        sidecar = spawn(
+            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(sidecar_port)],
+            {**env, "R3_TEST_SGLANG_CPU": "0"},
+            workdir / "sidecar.log",
+            f"http://127.0.0.1:{sidecar_port}",
+        )
+        env.setdefault("R3_SIDECAR_URL", sidecar.url)
+    args = BASE_ARGS | {"model-path": str(model_dir), "host": "127.0.0.1", "port": port} | config.args
+    server = spawn(
+        [sys.executable, "-m", "sglang.launch_server", *cli_args(args)],
+        env,
+        workdir / "server.log",
+        f"http://127.0.0.1:{port}",
+    )
+    stack = Stack(
+        config, server, sidecar, spool, model_dir, int(model["num_hidden_layers"]), int(model["num_experts_per_tok"])
+    )
+    try:
+        if sidecar is not None:
+            sidecar.wait_http("/readyz", 60, "r3-sidecar")
+        server.wait_http("/health", START_TIMEOUT_S, f"SGLang ({config.name})")
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+@contextlib.contextmanager
+def running(config: Config, workdir: Path) -> Iterator[Stack]:
+    stack = start(config, workdir)
+    try:
+        yield stack
+    finally:
+        stack.stop()

@@ -1,0 +1,204 @@
+"""A real SGLang 0.5.23 server, plugin off and on, the same requests in the same order.
+
+Mirror mode: the plugin's records are SGLang's own inline payload byte for byte, and loading the plugin
+changes nothing SGLang returns. Sidecar mode with `R3_CAPTURE_ALL=1`: every request has a record equal to
+upstream's rows and a pointer, also those that did not ask. Spool full (a tiny `R3_SPOOL_MAX_BYTES`): every
+request that asked still gets its rows, inline when the spool refused them.
+
+Covered per request: a short prompt; a prompt four prefill chunks long; `routed_experts_start_len > 0`;
+a radix-cache prefix hit; a request that does not ask for routed experts; an abort mid-decode.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from sglang_server import Config, Stack
+
+pytestmark = pytest.mark.sglang
+
+UPSTREAM = Config("plain-upstream", plugin=False, sidecar=False)
+MIRROR = Config("plain-mirror", env={"R3_MODE": "mirror"})
+CAPTURE_ALL = Config("plain-capture-all", env={"R3_MODE": "sidecar", "R3_CAPTURE_ALL": "1"})
+SPOOL_FULL = Config("plain-spool-full", env={"R3_MODE": "sidecar", "R3_SPOOL_MAX_BYTES": "3000"})
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """`n` token ids inside the tiny model's vocabulary (256), different per seed."""
+    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
+
+
+# name → (input_ids, extra request fields); sent one after another, in this order, to each configuration
+REQUESTS: dict[str, tuple[list[int], dict]] = {
+    "short": (prompt(6, 1), {}),
+    "chunked": (prompt(200, 2), {}),  # 200 tokens at --chunked-prefill-size 64: four prefill chunks
+    "start_len": (prompt(40, 3), {"routed_experts_start_len": 17}),
+    "prefix_a": (prompt(90, 4), {}),
+    "prefix_b": (prompt(90, 4) + prompt(30, 5), {}),  # 90 cached tokens from prefix_a
+    "no_ask": (prompt(20, 6), {"return_routed_experts": False}),
+}
+
+
+def run_requests(stack: Stack) -> dict[str, dict]:
+    out = {}
+    for name, (ids, extra) in REQUESTS.items():
+        body = {"return_routed_experts": True, "rid": f"{stack.config.name}-{name}"} | extra
+        out[name] = stack.generate(ids, **body)
+    return out
+
+
+def abort_mid_decode(stack: Stack, rid: str) -> dict:
+    """Start a long greedy decode, abort it once it has produced tokens, return SGLang's response."""
+    result: dict = {}
+
+    def send() -> None:
+        params = {"max_new_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+        result["response"] = httpx.post(
+            f"{stack.url}/generate",
+            json={"input_ids": prompt(30, 7), "sampling_params": params, "return_routed_experts": True, "rid": rid},
+            timeout=300,
+        )
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(1.5)
+    httpx.post(f"{stack.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
+    thread.join(300)
+    return result["response"].json()
+
+
+@pytest.fixture(scope="module")
+def upstream(sglang_stack) -> dict:
+    stack = sglang_stack(UPSTREAM)
+    return {"stack": stack, "responses": run_requests(stack), "aborted": abort_mid_decode(stack, "up-abort")}
+
+
+@pytest.fixture(scope="module")
+def mirror(upstream, sglang_stack) -> dict:
+    stack = sglang_stack(MIRROR)
+    return {"stack": stack, "responses": run_requests(stack), "aborted": abort_mid_decode(stack, "mirror-abort")}
+
+
+@pytest.fixture(scope="module")
+def capture_all(mirror, sglang_stack) -> dict:
+    stack = sglang_stack(CAPTURE_ALL)
+    return {"stack": stack, "responses": run_requests(stack)}
+
+
+@pytest.fixture(scope="module")
+def spool_full(capture_all, sglang_stack) -> dict:
+    stack = sglang_stack(SPOOL_FULL)
+    return {"stack": stack, "responses": run_requests(stack)}
+
+
+def expected_rows(response: dict, start: int = 0) -> int:
+    meta = response["meta_info"]
+    return meta["prompt_tokens"] + meta["completion_tokens"] - 1 - start
+
+
+def test_upstream_returns_inline_rows_of_every_request_that_asks(upstream):
+    stack, responses = upstream["stack"], upstream["responses"]
+    for name, (_, extra) in REQUESTS.items():
+        rows = stack.inline_rows(responses[name])
+        if extra.get("return_routed_experts") is False:
+            assert rows is None, name
+            continue
+        assert rows.shape == (expected_rows(responses[name], extra.get("routed_experts_start_len", 0)), 4, 2), name
+        assert rows.min() >= 0 and rows.max() < 8, name
+    assert responses["prefix_b"]["meta_info"]["cached_tokens"] >= 64  # the radix cache did serve a prefix
+
+
+def test_loading_the_plugin_changes_nothing_sglang_returns(upstream, mirror):
+    for name in REQUESTS:
+        up, on = upstream["responses"][name], mirror["responses"][name]
+        assert on["output_ids"] == up["output_ids"], name
+        assert on["meta_info"].get("routed_experts") == up["meta_info"].get("routed_experts"), name
+
+
+def test_mirror_records_equal_sglang_inline_payload_byte_for_byte(mirror):
+    stack, responses = mirror["stack"], mirror["responses"]
+    with httpx.Client(base_url=stack.sidecar_url, timeout=30) as sidecar:
+        for name, (ids, extra) in REQUESTS.items():
+            if extra.get("return_routed_experts") is False:
+                continue
+            rid, response = f"{stack.config.name}-{name}", responses[name]
+            inline = stack.inline_rows(response)
+            b64 = sidecar.get(f"/routed_experts/{rid}", params={"format": "sglang_b64", "wait": 10})
+            assert b64.status_code == 200, (name, b64.text)
+            assert b64.text == response["meta_info"]["routed_experts"], name  # SGLang's own bytes
+            meta, stored = stack.final_record(rid)
+            assert (meta.final, meta.status, meta.prompt_len) == (True, "ok", len(ids)), name
+            assert meta.start == extra.get("routed_experts_start_len", 0), name
+            assert np.array_equal(stored.astype(np.int32), inline[:, list(meta.layers), :]), name
+
+
+def test_the_pointer_in_meta_info_names_the_record(mirror):
+    stack = mirror["stack"]
+    response = mirror["responses"]["chunked"]
+    url = response["meta_info"]["routed_experts_url"]
+    assert url.startswith(stack.sidecar_url)
+    fetched = httpx.get(url, params={"format": "sglang_b64"}, timeout=30)
+    assert fetched.text == response["meta_info"]["routed_experts"]
+    assert "routed_experts_url" not in mirror["responses"]["no_ask"]["meta_info"]
+
+
+def test_a_request_that_does_not_ask_leaves_no_record(mirror):
+    stack = mirror["stack"]
+    rid = f"{stack.config.name}-no_ask"
+    stack.final_record("mirror-abort")  # the writer has published what came after this request
+    assert stack.record(rid) == (None, None)
+    assert httpx.get(f"{stack.sidecar_url}/routed_experts/{rid}", timeout=10).status_code == 404
+
+
+def test_abort_mid_decode_keeps_the_rows_so_far(upstream, mirror):
+    for side in (upstream, mirror):
+        response = side["aborted"]
+        assert response["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < response["meta_info"]["completion_tokens"] < 1500
+        inline = side["stack"].inline_rows(response)
+        assert inline.shape[0] == expected_rows(response)  # SGLang returns an aborted request's rows inline
+    meta, stored = mirror["stack"].final_record("mirror-abort")
+    assert (meta.final, meta.status) == (True, "aborted")
+    inline = mirror["stack"].inline_rows(mirror["aborted"])
+    assert np.array_equal(stored.astype(np.int32), inline)
+
+
+def test_capture_all_records_every_request_as_upstream_routed_it(upstream, capture_all):
+    stack = capture_all["stack"]
+    for name in REQUESTS:
+        rid, response = f"{stack.config.name}-{name}", capture_all["responses"][name]
+        assert "routed_experts" not in response["meta_info"], name  # sidecar mode: the spool took the rows
+        fetched = httpx.get(response["meta_info"]["routed_experts_url"], params={"format": "npy"}, timeout=30)
+        assert fetched.status_code == 200, (name, fetched.text)
+        meta, stored = stack.final_record(rid)
+        reference = upstream["responses"][name]["meta_info"].get("routed_experts")
+        if reference is None:  # upstream did not capture it: compare with the plain server's own rows count
+            assert meta.rows == expected_rows(response), name
+            continue
+        rows = upstream["stack"].inline_rows(upstream["responses"][name])
+        assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
+
+
+def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full):
+    stack = spool_full["stack"]
+    inline, pointed = [], []
+    for name, (_, extra) in REQUESTS.items():
+        if extra.get("return_routed_experts") is False:
+            continue
+        response, reference = spool_full["responses"][name], upstream["responses"][name]
+        rows = upstream["stack"].inline_rows(reference)
+        if "routed_experts" in response["meta_info"]:  # the spool refused it: SGLang's own payload stays
+            assert response["meta_info"]["routed_experts"] == reference["meta_info"]["routed_experts"], name
+            inline.append(name)
+        else:
+            meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+            assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
+            pointed.append(name)
+    assert inline and pointed, (inline, pointed)  # the budget took some records and refused others
+    engine = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
+    reports = engine if isinstance(engine, list) else engine.get("engines", [])
+    assert sum(r["writer"]["fallback_inline"] for r in reports) >= len(inline)
