@@ -11,7 +11,6 @@ import hmac
 import logging
 import os
 import re
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -30,7 +29,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import formats
-from service.metrics import Metrics
+from service.metrics import CODE_ABORT, CODE_CLIENT_GONE, Fetch, Metrics
 from service.settings import Settings
 from service.spool import RecordMeta, Spool, SpoolFormatError
 from service.store import Store
@@ -94,6 +93,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(422, "invalid_parameter", _validation_detail(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        """An unexpected fault before the headers: still a JSON error (Starlette's default is plain text)."""
+        detail = f"{type(exc).__name__} while answering {request.method} {request.url.path}"
+        return error_response(500, "internal_error", detail)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -160,6 +165,10 @@ class BodyLimit:
         await error_response(413, "body_too_large", detail)(scope, receive, send)
 
 
+class ClientGone(OSError):
+    """The client closed its connection while its answer was being sent."""
+
+
 class SidecarApp(FastAPI):
     """FastAPI with a send timeout: a client that takes no body chunk for `send_timeout_s` is cut off.
 
@@ -198,6 +207,10 @@ class SidecarApp(FastAPI):
 
         async def watched_send(message: Message) -> None:
             nonlocal sending_since
+            if transport is not None and transport.is_closing() and message["type"] == "http.response.body":
+                # uvicorn drops writes to a closed connection without a word: the body would run to its end
+                # and be counted as served. Stop it here; the body counts the answer 499.
+                raise ClientGone("client closed the connection")
             if not aborted:
                 sending_since = loop.time()
                 try:
@@ -214,6 +227,8 @@ class SidecarApp(FastAPI):
         watchdog = loop.call_later(timeout, watch)
         try:
             await super().__call__(scope, receive, watched_send)
+        except ClientGone:
+            pass  # nobody to answer, nothing wrong with the server: no traceback in the log
         finally:
             watchdog.cancel()
 
@@ -293,30 +308,65 @@ def _slots(meta: RecordMeta, wanted: list[int] | None) -> list[int] | None:
         raise ApiError(422, "invalid_layers", str(exc)) from None
 
 
-def _check_bin(store: Store, meta: RecordMeta, row_hi: int) -> None:
-    """Refuse a record whose `.bin` is shorter than its metadata promises (corrupt: 410, counted)."""
-    need = row_hi * meta.row_bytes
+class OpenBin:
+    """A record's `.bin`, opened and size-checked before any header is sent (the reader contract's check).
+
+    The body reads through this fd, so what was checked is what is served. `close` is idempotent; `__del__`
+    closes a body that was never iterated (the client left before the response started).
+    """
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    __del__ = close
+
+
+def _open_bin(store: Store, meta: RecordMeta, row_hi: int) -> OpenBin:
+    """Open the record's `.bin` able to serve rows `[0, row_hi)`, or raise the answer the failure deserves.
+
+    Missing or shorter than its metadata promises: the record is gone or corrupt, 410 (counted in
+    `r3_spool_skipped_total`). Present but unreadable (a directory, no permission, an I/O error): the
+    spool is at fault, not the request: 500, so it reaches `r3_served_total{code="500"}` and the 5xx alert.
+    """
+    if row_hi * meta.row_bytes == 0:
+        return OpenBin(None)
     try:
-        size = os.stat(store.spool.bin_path(meta.rid)).st_size if need else 0
-    except FileNotFoundError:
-        size = -1
-    if size < need:
-        reason = "missing_bin" if size < 0 else "truncated_bin"
-        store.count_skip(reason, meta)
-        raise ApiError(410, reason, f"record {meta.rid!r}: .bin holds fewer than {meta.rows} rows (corrupt)")
+        return OpenBin(store.spool.open_rows(meta, row_hi))
+    except SpoolFormatError as exc:
+        store.count_skip(exc.reason, meta)
+        raise ApiError(410, exc.reason, f"record {meta.rid!r}: .bin holds fewer than {row_hi} rows (corrupt)") from None
+    except OSError as exc:
+        store.count_skip("unreadable_bin", meta)
+        log.warning("record %r: cannot read %s: %s", meta.rid, store.spool.bin_path(meta.rid), exc)
+        raise ApiError(
+            500, "unreadable_record", f"record {meta.rid!r}: its .bin cannot be read ({exc.strerror})"
+        ) from None
 
 
 def _row_chunks(
-    store: Store, meta: RecordMeta, row_lo: int, row_hi: int, slots: list[int] | None, *, rows_of_3: bool = False
+    store: Store,
+    meta: RecordMeta,
+    row_lo: int,
+    row_hi: int,
+    slots: list[int] | None,
+    *,
+    rows_of_3: bool = False,
+    bin_file: OpenBin | None = None,
 ) -> Iterator[bytes]:
-    """Rows `[row_lo, row_hi)` narrowed to `slots`, chunk by chunk (one `pread` each).
+    """Rows `[row_lo, row_hi)` narrowed to `slots`, chunk by chunk (one `pread` each, through `bin_file`'s fd).
 
     `rows_of_3` makes every chunk but the last hold a multiple of 3 rows (carry-free base64).
     """
     rows = max(1, store.settings.chunk_bytes // meta.row_bytes)
     if rows_of_3:
         rows = formats.b64_chunk_rows(rows)
-    chunks = store.spool.iter_rows(meta, row_lo, row_hi, chunk_bytes=rows * meta.row_bytes)
+    fd = bin_file.fd if bin_file is not None else None
+    chunks = store.spool.iter_rows(meta, row_lo, row_hi, chunk_bytes=rows * meta.row_bytes, fd=fd)
     return formats.select_layers(chunks, np.dtype(meta.dtype), len(meta.layers), meta.topk, slots)
 
 
@@ -391,23 +441,51 @@ def create_app(settings: Settings) -> FastAPI:
             None, min_length=1, description="Model layer indices to return (default: all of each record's)."
         )
 
-    def observe(fmt: str, code: int, t0: float, nbytes: int = 0) -> None:
-        metrics.observe(fmt, code, nbytes, time.perf_counter() - t0)
+    async def counted(
+        body: Iterator[bytes] | AsyncIterator[bytes],
+        fetch: Fetch,
+        *,
+        ok: tuple[int, str] | None = None,
+        bin_file: OpenBin | None = None,
+    ) -> AsyncIterator[bytes]:
+        """Pass the body through, counting bytes; account the answer when it ends.
 
-    async def counted(body: Iterator[bytes] | AsyncIterator[bytes], fmt: str, t0: float) -> AsyncIterator[bytes]:
-        """Pass the body through, counting bytes; observe the fetch when it ends (or the client leaves)."""
+        `ok` = (code, record status) is counted when the body ends whole; bodies of frames (`ok=None`) count
+        each rid themselves. The headers are sent by then, so a failure can no longer become an error status:
+        it propagates, and the server cuts the connection (the client sees a body shorter than promised or an
+        unterminated chunked body, never one that looks complete), counted `abort`. A client that leaves
+        first is counted `499`.
+        """
         sent = 0
+        outcome: tuple[int | str, str] | None = None
+        chunks = aiter(body) if isinstance(body, AsyncIterator) else None
+        sync = body if isinstance(body, Iterator) else None
         try:
-            if isinstance(body, Iterator):
-                for chunk in body:
-                    sent += len(chunk)
+            while True:
+                try:
+                    chunk = next(sync) if sync is not None else await anext(chunks)  # type: ignore[arg-type]
+                except (StopIteration, StopAsyncIteration):
+                    break
+                except Exception:
+                    outcome = (CODE_ABORT, "ok")
+                    log.exception("answer to a %s fetch failed after its headers; connection cut", fetch.fmt)
+                    raise
+                except BaseException:  # cancelled while waiting for rows: the client left
+                    outcome = (CODE_CLIENT_GONE, "ok")
+                    raise
+                sent += len(chunk)
+                try:
                     yield chunk
-            else:
-                async for chunk in body:
-                    sent += len(chunk)
-                    yield chunk
+                except BaseException:  # the consumer stopped: client gone, or it read nothing for too long
+                    outcome = (CODE_CLIENT_GONE, "ok")
+                    raise
+            outcome = ok
         finally:
-            observe(fmt, 200, t0, sent)
+            if bin_file is not None:
+                bin_file.close()
+            if outcome is not None:
+                fetch.count(*outcome)
+            fetch.finish(sent)
 
     # ---- POST /routed_experts/batch (registered first: `{rid:path}` would also match "batch") ---
     @app.post(
@@ -425,32 +503,39 @@ def create_app(settings: Settings) -> FastAPI:
         summary="Several records at once, as frames",
     )
     async def batch(request: BatchRequest, _auth: Auth) -> StreamingResponse:
-        t0 = time.perf_counter()
+        fetch = metrics.fetch("batch")
         wanted = request.layers
         if wanted is not None and len(set(wanted)) != len(wanted):
+            fetch.count(422)
+            fetch.finish()
             raise ApiError(422, "invalid_layers", f"layers {wanted} repeat an index")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.wait
 
         async def frames() -> AsyncIterator[bytes]:
+            """One frame per rid; each rid's outcome is counted once its frame is out."""
             for rid in request.rids:
-                meta = await store.wait_final(rid, deadline - loop.time())
+                meta = await fetch.wait(store.wait_final(rid, deadline - loop.time()))
                 if meta is None:
                     err = _missing(store, rid)
                     yield _frame(rid, err.status, None, error=err.code, detail=err.detail)
+                    fetch.count(err.status, error=err.code)
                     continue
                 if not meta.final:
                     yield _frame(rid, 202, meta, rows=meta.rows, error="not_final", detail="record is not final")
+                    fetch.count(202)
                     continue
                 if meta.status != "ok":
                     err = _gone(meta)
                     yield _frame(rid, 410, meta, error=err.code, detail=err.detail)
+                    fetch.count(410, error=err.code)
                     continue
                 try:
                     slots = _slots(meta, wanted)
-                    _check_bin(store, meta, meta.rows)
+                    bin_file = _open_bin(store, meta, meta.rows)
                 except ApiError as err:
                     yield _frame(rid, err.status, meta, error=err.code, detail=err.detail)
+                    fetch.count(err.status, error=err.code)
                     continue
                 layers = list(wanted) if wanted is not None else list(meta.layers)
                 header = {
@@ -463,11 +548,15 @@ def create_app(settings: Settings) -> FastAPI:
                     "final": True,
                     "prompt_len": meta.prompt_len,
                 }
-                yield formats.frame_header(header)
-                for chunk in _row_chunks(store, meta, 0, meta.rows, slots):
-                    yield chunk
+                try:
+                    yield formats.frame_header(header)
+                    for chunk in _row_chunks(store, meta, 0, meta.rows, slots, bin_file=bin_file):
+                        yield chunk
+                finally:
+                    bin_file.close()
+                fetch.count(200, meta.status)
 
-        return StreamingResponse(counted(frames(), "batch", t0), media_type=formats.FRAMES_MEDIA_TYPE)
+        return StreamingResponse(counted(frames(), fetch), media_type=formats.FRAMES_MEDIA_TYPE)
 
     # ---- GET /routed_experts/{rid} ---------------------------------------------------------
     @app.get(
@@ -488,29 +577,34 @@ def create_app(settings: Settings) -> FastAPI:
         wait: Wait = 0.0,
         stream: Annotated[bool, Query(description="Send frames as rows arrive, until final.")] = False,
     ) -> Response:
-        t0 = time.perf_counter()
-        if not rid or len(rid) > MAX_RID_CHARS:
-            raise ApiError(422, "invalid_rid", f"rid must be 1 … {MAX_RID_CHARS} characters")
+        fetch = metrics.fetch("frames" if stream else fmt)
         try:
-            wanted = formats.parse_layers(layers) if layers is not None else None
-        except ValueError as exc:
-            raise ApiError(422, "invalid_layers", str(exc)) from None
-        try:
+            if not rid or len(rid) > MAX_RID_CHARS:
+                raise ApiError(422, "invalid_rid", f"rid must be 1 … {MAX_RID_CHARS} characters")
+            try:
+                wanted = formats.parse_layers(layers) if layers is not None else None
+            except ValueError as exc:
+                raise ApiError(422, "invalid_layers", str(exc)) from None
             if stream:
-                return await stream_record(rid, wanted, start, end, wait, t0)
-            return await fetch_record(rid, fmt, wanted, start, end, wait, t0)
-        except ApiError as err:
-            observe("frames" if stream else fmt, err.status, t0)
+                return await stream_record(rid, wanted, start, end, wait, fetch)
+            return await fetch_record(rid, fmt, wanted, start, end, wait, fetch)
+        except Exception as exc:  # an answer before the headers: count it here (bodies count themselves)
+            if isinstance(exc, ApiError):
+                fetch.count(exc.status, error=exc.code)
+            else:
+                fetch.count(500)
+            fetch.finish()
             raise
 
     async def fetch_record(
-        rid: str, fmt: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, t0: float
+        rid: str, fmt: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, fetch: Fetch
     ) -> Response:
-        meta = await store.wait_final(rid, wait) if wait > 0 else store.lookup(rid)
+        meta = await fetch.wait(store.wait_final(rid, wait)) if wait > 0 else store.lookup(rid)
         if meta is None:
             raise _missing(store, rid)
         if not meta.final:
-            observe(fmt, 202, t0)
+            fetch.count(202)
+            fetch.finish()
             return JSONResponse({"rid": rid, "rows": meta.rows, "final": False}, status_code=202)
         if meta.status != "ok":
             raise _gone(meta)
@@ -522,7 +616,7 @@ def create_app(settings: Settings) -> FastAPI:
                 416, "range_not_satisfiable", f"[{lo}, {hi}) is not inside the record's [{meta.start}, {meta.end})"
             )
         row_lo, row_hi = lo - meta.start, hi - meta.start
-        _check_bin(store, meta, row_hi)
+        bin_file = _open_bin(store, meta, row_hi)
         out_layers = list(wanted) if wanted is not None else list(meta.layers)
         shape = (row_hi - row_lo, len(out_layers), meta.topk)
         out_dtype = formats.payload_dtype(fmt, meta.dtype)
@@ -541,17 +635,18 @@ def create_app(settings: Settings) -> FastAPI:
         head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
         body = formats.encode(
             fmt,
-            _row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64"),
+            _row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file),
             dtype=np.dtype(meta.dtype),
             shape=shape,
             head=head,
         )
-        return StreamingResponse(counted(body, fmt, t0), media_type=formats.MEDIA_TYPES[fmt], headers=headers)
+        body = counted(body, fetch, ok=(200, meta.status), bin_file=bin_file)
+        return StreamingResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)
 
     async def stream_record(
-        rid: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, t0: float
+        rid: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, fetch: Fetch
     ) -> Response:
-        meta = await store.wait_until(rid, lambda m: m is not None, wait)
+        meta = await fetch.wait(store.wait_until(rid, lambda m: m is not None, wait))
         if meta is None:
             raise _missing(store, rid)
         if meta.final and meta.status != "ok":
@@ -577,6 +672,7 @@ def create_app(settings: Settings) -> FastAPI:
         }
 
         async def frames() -> AsyncIterator[bytes]:
+            """The stream's frames; its one outcome (the last frame's status) is counted as it ends."""
             sent = lo - meta.start  # may lie past the rows written so far: the stream waits for them
             seen = meta.rows
             current: RecordMeta | None = meta
@@ -584,25 +680,29 @@ def create_app(settings: Settings) -> FastAPI:
                 if current is None:
                     err = _missing(store, rid)
                     yield _frame(rid, err.status, None, error=err.code, detail=err.detail)
+                    fetch.count(err.status, error=err.code)
                     return
                 if current.created != meta.created or current.rows < seen:
                     # A retracted request's record starts over under the same rid: never splice its new rows
                     # onto the old ones a reader already has.
                     yield _frame(rid, 409, current, error="record_restarted", detail=RESTARTED_DETAIL)
+                    fetch.count(409)
                     return
                 seen = current.rows
                 if current.final and current.status == "ok" and current.rows < max(sent, limit or 0):
                     detail = f"start={lo}, end={end} do not fit the end ({current.end}) the record was finalized with"
                     yield _frame(rid, 416, current, error="range_not_satisfiable", detail=detail)
+                    fetch.count(416)
                     return
                 stop = current.rows if limit is None else min(current.rows, limit)
                 while sent < stop:
                     upto = min(stop, sent + rows_per_frame)
                     is_last = current.final and upto == current.rows
                     try:
-                        _check_bin(store, current, upto)
+                        bin_file = _open_bin(store, current, upto)
                     except ApiError as err:
                         yield _frame(rid, err.status, current, error=err.code, detail=err.detail)
+                        fetch.count(err.status, error=err.code)
                         return
                     header = {
                         "rid": rid,
@@ -615,25 +715,32 @@ def create_app(settings: Settings) -> FastAPI:
                         "record_status": current.status,
                         "created": current.created,
                     }
-                    yield formats.frame_header(header)
-                    for chunk in _row_chunks(store, current, sent, upto, slots):
-                        yield chunk
+                    try:
+                        yield formats.frame_header(header)
+                        for chunk in _row_chunks(store, current, sent, upto, slots, bin_file=bin_file):
+                            yield chunk
+                    finally:
+                        bin_file.close()
                     sent = upto
                     if header["final"]:
+                        fetch.count(200, current.status)
                         return
                 done = current.final or (limit is not None and sent >= limit)
                 if done:
                     status = 200 if current.status == "ok" or not current.final else 410
                     extra = {} if status == 200 else {"error": f"record_{current.status}", "detail": "record ended"}
                     yield _frame(rid, status, current, record_status=current.status, **extra)
+                    fetch.count(status, current.status, error=extra.get("error"))
                     return
-                current = await store.wait_until(
-                    rid,
-                    lambda m, seen=sent: m is None or m.final or m.rows > seen or m.created != meta.created,
-                    settings.rescan_s,
+                current = await fetch.wait(
+                    store.wait_until(
+                        rid,
+                        lambda m, seen=sent: m is None or m.final or m.rows > seen or m.created != meta.created,
+                        settings.rescan_s,
+                    )
                 )
 
-        return StreamingResponse(counted(frames(), "frames", t0), media_type=formats.FRAMES_MEDIA_TYPE, headers=headers)
+        return StreamingResponse(counted(frames(), fetch), media_type=formats.FRAMES_MEDIA_TYPE, headers=headers)
 
     # ---- DELETE ------------------------------------------------------------------------------
     @app.delete(

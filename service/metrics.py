@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,9 +19,20 @@ from prometheus_client.registry import Collector
 from service.store import Store
 
 log = logging.getLogger("r3.metrics")
+T = TypeVar("T")
 
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0)
 RECORD_STATES = ("open", "ok", "aborted", "error")
+
+
+# `code` values of `r3_served_total` that are not HTTP statuses: the answer started (200 headers sent) and
+# did not finish. `abort`: the sidecar failed mid-body and cut the connection (a server fault, alerted on
+# with the 5xx). `499` (nginx's convention): the client went away or stopped reading first.
+CODE_ABORT = "abort"
+CODE_CLIENT_GONE = "499"
+# Label values created at start (at 0), so dashboards and ratios find the series before the first event.
+FORMATS = ("npy", "raw", "json", "sglang_b64", "frames", "batch")
+GONE_REASONS = ("expired", "record_aborted", "record_error", "truncated_bin", "missing_bin")
 
 
 class Metrics:
@@ -31,24 +42,89 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.served = Counter(
             "r3_served",
-            "Responses to record requests, by format and HTTP status.",
+            "Record answers, by format and outcome: one per rid (a batch counts each rid, a stream once). `code` is "
+            "the HTTP status (a frame's own status in a batch or stream), `abort` when the sidecar failed after "
+            "the headers and cut the connection, `499` when the client left first.",
             ["format", "code"],
+            registry=self.registry,
+        )
+        self.served_aborted = Counter(
+            "r3_served_aborted",
+            "200 answers that carried an aborted request's partial rows (X-R3-Status: aborted); also in r3_served.",
+            ["format"],
+            registry=self.registry,
+        )
+        self.served_gone = Counter(
+            "r3_served_gone",
+            "410 answers by why the record is gone: `expired` (fetched after R3_TTL_S; the trainer came too late), "
+            "`record_aborted`/`record_error` (the request ended so), `truncated_bin`/`missing_bin` (corrupt).",
+            ["reason"],
             registry=self.registry,
         )
         self.served_bytes = Counter("r3_served_bytes", "Body bytes of record responses.", registry=self.registry)
         self.fetch_seconds = Histogram(
             "r3_fetch_seconds",
-            "Time to serve one record request, waits included.",
+            "Time to serve one record request, waits excluded (see r3_fetch_wait_seconds).",
             buckets=FETCH_BUCKETS,
             registry=self.registry,
         )
+        self.wait_seconds = Histogram(
+            "r3_fetch_wait_seconds",
+            "Time one request spent waiting for its record (`wait=` long polls, streams waiting for rows).",
+            buckets=FETCH_BUCKETS,
+            registry=self.registry,
+        )
+        for fmt in FORMATS:
+            self.served_aborted.labels(format=fmt)
+        for reason in GONE_REASONS:
+            self.served_gone.labels(reason=reason)
         self.registry.register(SpoolCollector(store))
 
-    def observe(self, fmt: str, code: int, nbytes: int, seconds: float) -> None:
-        self.served.labels(format=fmt, code=str(code)).inc()
+    def fetch(self, fmt: str) -> Fetch:
+        """Start the accounting of one request."""
+        return Fetch(self, fmt)
+
+
+class Fetch:
+    """One request's accounting: its outcomes (one per rid) and its time, split into waiting and serving.
+
+    Why split: a long poll that waits 60 s for a record that is not written yet says nothing about how fast
+    the sidecar serves; mixed into one histogram it hides every real slowdown behind the waits.
+    """
+
+    def __init__(self, metrics: Metrics, fmt: str) -> None:
+        self.metrics, self.fmt = metrics, fmt
+        self.t0 = time.perf_counter()
+        self.waited = 0.0
+        self.waits = 0
+        self.counted = 0
+
+    async def wait(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable` (a store wait), booking its time as waiting."""
+        t = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            self.waited += time.perf_counter() - t
+            self.waits += 1
+
+    def count(self, code: int | str, record_status: str = "ok", error: str | None = None) -> None:
+        """Count one rid's outcome; a 200 of an aborted record also as served-aborted, a 410 by its `error`."""
+        self.metrics.served.labels(format=self.fmt, code=str(code)).inc()
+        if code == 200 and record_status == "aborted":
+            self.metrics.served_aborted.labels(format=self.fmt).inc()
+        elif code == 410:
+            self.metrics.served_gone.labels(reason=error or "gone").inc()
+        self.counted += 1
+
+    def finish(self, nbytes: int = 0) -> None:
+        """Observe the request's times and body bytes (once, when its answer ends)."""
+        m = self.metrics
         if nbytes:
-            self.served_bytes.inc(nbytes)
-        self.fetch_seconds.observe(seconds)
+            m.served_bytes.inc(nbytes)
+        m.fetch_seconds.observe(max(0.0, time.perf_counter() - self.t0 - self.waited))
+        if self.waits:
+            m.wait_seconds.observe(self.waited)
 
 
 def _num(value: Any) -> float:

@@ -13,9 +13,11 @@ Invariants a reader relies on (and a writer keeps):
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -277,12 +279,43 @@ class Spool:
     def write_meta(self, meta: RecordMeta) -> None:
         atomic_write(self.meta_path(meta.rid), meta.to_json())
 
+    def open_rows(self, meta: RecordMeta, row_hi: int | None = None) -> int:
+        """Open `.bin` and check it can serve rows `[0, row_hi)`; return the fd (the caller closes it).
+
+        This is the check a server makes before it promises a body: after it, only an I/O error of the
+        medium can stop the read. Raises `SpoolFormatError` `missing_bin` (gone) or `truncated_bin`
+        (shorter than `meta` promises), and `OSError` when the file cannot be read at all (not a
+        regular file, no permission): a fault of the spool, not of the record's contents.
+        """
+        hi = (meta.rows if row_hi is None else row_hi) * meta.row_bytes
+        try:
+            fd = os.open(self.bin_path(meta.rid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise SpoolFormatError("missing_bin", f"{meta.rid!r}: {meta.rows} rows promised, no .bin") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", str(self.bin_path(meta.rid)))
+            if st.st_size < hi:
+                raise SpoolFormatError("truncated_bin", f"{meta.rid!r}: .bin shorter than {hi} bytes")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def iter_rows(
-        self, meta: RecordMeta, row_lo: int = 0, row_hi: int | None = None, chunk_bytes: int = 1 << 20
+        self,
+        meta: RecordMeta,
+        row_lo: int = 0,
+        row_hi: int | None = None,
+        chunk_bytes: int = 1 << 20,
+        *,
+        fd: int | None = None,
     ) -> Iterator[bytes]:
         """Yield the bytes of rows `[row_lo, row_hi)` in chunks of whole rows, never past `meta.rows`.
 
-        Raises `SpoolFormatError("truncated_bin")` when `.bin` holds fewer bytes than `meta` promises.
+        With `fd` (from `open_rows`, still owned by the caller) the file is not opened again. Raises
+        `SpoolFormatError("truncated_bin")` when `.bin` holds fewer bytes than `meta` promises.
         """
         row_hi = meta.rows if row_hi is None else row_hi
         if not 0 <= row_lo <= row_hi <= meta.rows:
@@ -292,13 +325,10 @@ class Spool:
         step = max(row_bytes, chunk_bytes - chunk_bytes % row_bytes)
         if lo == hi:
             return
+        own = fd is None
+        if fd is None:
+            fd = self.open_rows(meta, row_hi)
         try:
-            fd = os.open(self.bin_path(meta.rid), os.O_RDONLY)
-        except FileNotFoundError:
-            raise SpoolFormatError("missing_bin", f"{meta.rid!r}: {meta.rows} rows promised, no .bin") from None
-        try:
-            if os.fstat(fd).st_size < hi:
-                raise SpoolFormatError("truncated_bin", f"{meta.rid!r}: .bin shorter than {hi} bytes")
             while lo < hi:
                 chunk = os.pread(fd, min(step, hi - lo), lo)
                 if not chunk:
@@ -306,7 +336,8 @@ class Spool:
                 lo += len(chunk)
                 yield chunk
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
 
     def read_array(self, meta: RecordMeta, row_lo: int = 0, row_hi: int | None = None) -> np.ndarray:
         """Rows `[row_lo, row_hi)` as an array of shape `(rows, layers, topk)` in the record's dtype."""

@@ -28,6 +28,10 @@ from service.spool import Spool
 
 # Labels the Prometheus Operator's ServiceMonitor puts on every sample of a target.
 TARGET_LABELS = frozenset({"namespace", "pod", "service", "endpoint", "container", "job", "instance"})
+# Series Prometheus itself writes for every target (scrape health), not the sidecar.
+SCRAPE_SERIES = {"up": frozenset(), "scrape_duration_seconds": frozenset()}
+# Series a rule may select before any component exports them: the rule must stay silent until then.
+FUTURE_SERIES = {"r3_engine_undelivered_total": frozenset({"engine", "reason"})}  # issue 12 adds it
 # Grafana variables, replaced by what Grafana would put there before the query reaches Prometheus.
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "30s", "$namespace": ".*", "$pod": ".*"}
 
@@ -116,6 +120,8 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             series.setdefault(sample.name, set()).update(sample.labels)
+    for name, labels in {**SCRAPE_SERIES, **FUTURE_SERIES}.items():
+        series.setdefault(name, set(labels))
     return series
 
 
@@ -142,7 +148,7 @@ def test_series_and_labels_exist_on_a_live_sidecar(live_metrics: dict[str, set[s
         assert use.selectors, f"{where} selects nothing"
         for sel in use.selectors:
             assert sel.name in live_metrics, f"{where}: no series {sel.name} on /metrics"
-            assert sel.name.startswith("r3_"), f"{where}: {sel.name} is not a Contract 3 name"
+            assert sel.name.startswith("r3_") or sel.name in SCRAPE_SERIES, f"{where}: {sel.name} is not an r3_ name"
             for matcher in sel.matchers.matchers:
                 known = live_metrics[sel.name] | TARGET_LABELS
                 assert matcher.name in known, f"{where}: {sel.name} has no label {matcher.name}"
@@ -175,6 +181,7 @@ def test_code_matchers_select_the_codes_the_sidecar_emits(tmp_path) -> None:
         s.labels["code"] for f in text_string_to_metric_families(text) for s in f.samples if s.name == "r3_served_total"
     }
     assert codes == {"200", "404"}
+    codes |= {"500", "abort", "410", "499"}  # what a failing spool, a cut body, a gone record, a leaving client add
     selected: dict[str, set[str]] = {}
     for where, expr in EXPRESSIONS:
         for sel in usage(expr).selectors:
@@ -182,9 +189,10 @@ def test_code_matchers_select_the_codes_the_sidecar_emits(tmp_path) -> None:
                 if m.name == "code":
                     selected[f"{where} {m.op} {m.value}"] = {c for c in codes if _matches(m, c)}
     assert selected == {
-        "alert R3FetchServerErrors MatchOp.Re 5..": set(),
-        "alert R3FetchRecordsMissing MatchOp.Re 404|410": {"404"},
-        "panel Fetch errors MatchOp.NotRe 2..": {"404"},
+        "alert R3FetchServerErrors MatchOp.Re 5..|abort": {"500", "abort"},
+        "alert R3FetchRecordsMissing MatchOp.Equal 404": {"404"},
+        "panel Fetch errors MatchOp.Re 5..|abort": {"500", "abort"},
+        "panel Fetch errors MatchOp.Re 4..": {"404", "410", "499"},
     }, selected
 
 
@@ -223,8 +231,14 @@ def test_alerts_cover_the_operational_risks() -> None:
     assert "r3_spool_capacity_bytes" in spool["expr"] and re.search(r">\s*0\.90?\b", spool["expr"])
     (fallback,) = alert_on("r3_engine_fallback_inline_total")
     assert "rate(r3_engine_fallback_inline_total[" in fallback["expr"]
-    (stale,) = alert_on("r3_engine_stale")
-    assert "== 1" in stale["expr"]
+    absent_engine, stale = sorted(alert_on("r3_engine_stale"), key=lambda r: r["alert"])
+    assert "== 1" in stale["expr"] and " unless " in absent_engine["expr"]
+    (undelivered,) = alert_on("r3_engine_undelivered_total")
+    assert "rate(r3_engine_undelivered_total[" in undelivered["expr"] and "reason" in undelivered["expr"]
+    (down,) = alert_on("up")
+    assert re.search(r"up\s*==\s*0", down["expr"]) and down["labels"]["severity"] == "critical"
+    assert any(r["expr"].startswith("absent(r3_") for r in ALERTS.values()), "no alert for sidecars gone from discovery"
+    assert "r3_budget_demand" in headroom["expr"] and "r3_budget_capacity" in headroom["expr"]
     fetch = alert_on("r3_served_total")
     assert len(fetch) == 2 and all("/" in r["expr"] for r in fetch), "fetch alerts are error ratios"
     for name, rule in ALERTS.items():
