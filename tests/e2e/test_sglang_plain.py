@@ -51,21 +51,24 @@ def run_requests(stack: Stack) -> dict[str, dict]:
     return out
 
 
-def abort_mid_decode(stack: Stack, rid: str) -> dict:
+def abort_mid_decode(
+    stack: Stack, rid: str, ids: list[int] | None = None, max_new_tokens: int = 1500, after_s: float = 1.5
+) -> dict:
     """Start a long greedy decode, abort it once it has produced tokens, return SGLang's response."""
     result: dict = {}
+    ids = ids if ids is not None else prompt(30, 7)
 
     def send() -> None:
-        params = {"max_new_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         result["response"] = httpx.post(
             f"{stack.url}/generate",
-            json={"input_ids": prompt(30, 7), "sampling_params": params, "return_routed_experts": True, "rid": rid},
+            json={"input_ids": ids, "sampling_params": params, "return_routed_experts": True, "rid": rid},
             timeout=300,
         )
 
     thread = threading.Thread(target=send)
     thread.start()
-    time.sleep(1.5)
+    time.sleep(after_s)
     httpx.post(f"{stack.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
     thread.join(300)
     return result["response"].json()
@@ -81,6 +84,26 @@ def upstream(sglang_stack) -> dict:
 def mirror(upstream, sglang_stack) -> dict:
     stack = sglang_stack(MIRROR)
     return {"stack": stack, "responses": run_requests(stack), "aborted": abort_mid_decode(stack, "mirror-abort")}
+
+
+@pytest.fixture(scope="module")
+def resumed(mirror, sglang_stack) -> dict:
+    """A partial rollout: abort mid-decode, resume with `routed_experts_start_len`; and the same uninterrupted."""
+    stack = sglang_stack(MIRROR)
+    ids, total = prompt(40, 8), 400
+    params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
+    whole = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params)
+    first = abort_mid_decode(stack, "resume-part-0", ids=ids, max_new_tokens=total, after_s=0.8)
+    done = first["output_ids"]
+    start = len(ids) + len(done) - 1  # the first row the aborted part does not hold
+    rest = stack.generate(
+        ids + done,
+        rid="resume-part-1",
+        return_routed_experts=True,
+        routed_experts_start_len=start,
+        sampling_params=params | {"max_new_tokens": total - len(done)},
+    )
+    return {"stack": stack, "whole": whole, "parts": (first, rest), "start": start}
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +188,26 @@ def test_abort_mid_decode_keeps_the_rows_so_far(upstream, mirror):
     assert (meta.final, meta.status) == (True, "aborted")
     inline = mirror["stack"].inline_rows(mirror["aborted"])
     assert np.array_equal(stored.astype(np.int32), inline)
+
+
+def test_a_resumed_partial_rollout_splices_into_the_uninterrupted_rows(resumed):
+    """Abort on weight update, resume with `routed_experts_start_len`, fetch each part with `start=`."""
+    stack, start = resumed["stack"], resumed["start"]
+    first, rest = resumed["parts"]
+    assert first["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(first["output_ids"]) < 400
+    assert first["output_ids"] + rest["output_ids"] == resumed["whole"]["output_ids"]  # greedy: same tokens
+    with httpx.Client(base_url=stack.sidecar_url, timeout=30) as sidecar:
+        head = sidecar.get("/routed_experts/resume-part-0", params={"format": "raw", "end": start, "wait": 10})
+        tail = sidecar.get("/routed_experts/resume-part-1", params={"format": "raw", "start": start, "wait": 10})
+        whole = sidecar.get("/routed_experts/resume-whole", params={"format": "raw", "wait": 10})
+    assert (head.status_code, tail.status_code, whole.status_code) == (200, 200, 200)
+    assert head.headers["X-R3-Status"] == "aborted"
+    dtype = whole.headers["X-R3-Dtype"]
+    spliced = np.concatenate([np.frombuffer(head.content, dtype), np.frombuffer(tail.content, dtype)])
+    expected = stack.inline_rows(resumed["whole"]).astype(dtype).reshape(-1)
+    assert np.array_equal(np.frombuffer(whole.content, dtype), expected)
+    assert np.array_equal(spliced, expected)
 
 
 def test_capture_all_records_every_request_as_upstream_routed_it(upstream, capture_all):
