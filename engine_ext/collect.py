@@ -205,6 +205,7 @@ class ModelShape:
     topk: int
     layers: tuple[int, ...]  # model layer index of each stored layer
     layer_slots: tuple[int, ...] | None  # host-cache layer slots to keep (None: all, = layers)
+    num_hidden_layers: int | None = None  # host-cache layer slots = the model's layers (SGLang's payload width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +279,7 @@ class Collector:
             prompt_len=fin.prompt_len,
             dtype=self.dtype,
             engine=self.engine,
+            num_hidden_layers=self.shape.num_hidden_layers,
         )
 
     def finish(self, fin: Finished, *, publisher: bool) -> str:

@@ -59,6 +59,7 @@ class RecordSpec:
     dtype: str
     engine: str = ""
     weight_version: str | int | None = None
+    num_hidden_layers: int | None = None  # the model's layer count: SGLang's payload has this many slots
 
     @property
     def row_bytes(self) -> int:
@@ -309,6 +310,7 @@ class SpoolWriter:
                     engine=s.engine,
                     dtype=s.dtype,
                     weight_version=s.weight_version,
+                    num_hidden_layers=s.num_hidden_layers,
                 )
                 self._open[op.rid] = writer
                 size, blocks = self._costs(0, True)
