@@ -20,6 +20,9 @@ import numpy as np
 
 from service.spool import RecordWriter, Spool
 
+UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
+"""The engine file's `writer.undelivered` reasons (engine_ext.writer.UNDELIVERED_REASONS; service imports no engine)."""
+
 logger = logging.getLogger("r3_sidecar.demo")
 
 
@@ -265,5 +268,6 @@ class DemoEngine:
                 "records_written": self.finished + self.aborted,
                 "fallback_inline": 0,
                 "spool_full": 0,
+                "undelivered": dict.fromkeys(UNDELIVERED_REASONS, 0),
             },
         }
