@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
 
-from engine_ext.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
 from service.spool import Spool
 
 ROWS = 64
@@ -44,8 +44,9 @@ def _spec(rid: str) -> RecordSpec:
 def _offer(writer: SpoolWriter, rid: str) -> np.ndarray | None:
     """What the scheduler hook does at request finish: the inline payload it keeps, or None when spooled."""
     rows = expected_rows(rid, ROWS)
-    if writer.reserve(rows.nbytes) is not None:
-        writer.note_fallback()
+    refusal = writer.reserve(rows.nbytes)
+    if refusal is not None:
+        writer.note_undelivered(undelivered_reason(refusal), rid=rid, inline=True)  # as Collector.finish does
         return rows  # the request keeps SGLang's inline payload
     assert writer.submit(Op(rid, spec=_spec(rid), rows=rows, status="ok"), reserved=True)
     return None
@@ -95,7 +96,7 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
     print(f"spool full: capacity {CAPACITY} B, {len(spooled)} spooled, {len(inline)} kept inline, stats {stats}")
     assert inline, "the tiny spool refused some requests"
     assert 5 <= len(spooled) < len(rids)
-    assert stats["fallback_inline"] == len(inline) == stats["spool_full"]
+    assert stats["fallback_inline"] == len(inline) == stats["spool_full"] == stats["undelivered"]["spool_full"]
     assert all(np.array_equal(kept, expected_rows(rid, ROWS)) for rid, kept in inline.items())
     assert not bad, bad[:5]
 
@@ -276,7 +277,7 @@ def test_finish_path_keeps_inline_when_the_spool_refuses(make_sidecar, spool_dir
     spooled = [rid for rid, route in routes.items() if route == Route.SPOOL]
     print(f"finish path, spool full: {len(spooled)} routed to the spool, {len(inline)} kept inline, stats {stats}")
     assert len(inline) + len(spooled) == n_req and inline and spooled
-    assert stats["fallback_inline"] == len(inline)
+    assert stats["fallback_inline"] == len(inline) == sum(stats["undelivered"].values()), stats
     with httpx.Client(base_url=side.url, timeout=10) as client:
         for rid in spooled:
             r = client.get(f"/routed_experts/{rid}", params={"format": "raw", "wait": 5})
