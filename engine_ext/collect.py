@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine_ext.settings import Mode
-from engine_ext.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
 
 
 def row_range(start_len: int, seqlen: int) -> tuple[int, int]:
@@ -205,6 +205,7 @@ class ModelShape:
     topk: int
     layers: tuple[int, ...]  # model layer index of each stored layer
     layer_slots: tuple[int, ...] | None  # host-cache layer slots to keep (None: all, = layers)
+    num_hidden_layers: int | None = None  # host-cache layer slots = the model's layers (SGLang's payload width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +263,7 @@ class Collector:
         self.dtype = dtype
         self.engine = engine
         self.gather = StepGather()
-        self.dropped = 0  # capture-all requests refused by the spool (no inline payload to keep)
+        self.dropped = 0  # requests whose rows reached neither the spool nor an inline payload (also in the writer)
         self._host_buffer: torch.Tensor | None = None
         self._ready = threading.Event()
         self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
@@ -278,6 +279,7 @@ class Collector:
             prompt_len=fin.prompt_len,
             dtype=self.dtype,
             engine=self.engine,
+            num_hidden_layers=self.shape.num_hidden_layers,
         )
 
     def finish(self, fin: Finished, *, publisher: bool) -> str:
@@ -303,10 +305,9 @@ class Collector:
             reserved=refusal is None,
         )
         if refusal is not None:
-            if route == Route.INLINE:
-                self.writer.note_fallback()
-            else:
-                self.dropped += 1
+            inline = route == Route.INLINE
+            self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
+            self.dropped += 0 if inline else 1
             return route
         status = "aborted" if fin.aborted else "ok"
         if route == Route.BOTH:
@@ -320,8 +321,11 @@ class Collector:
         spec = self.spec(fin)
         lo, hi = row_range(fin.start_len, fin.seqlen)
         nbytes = (hi - lo) * spec.row_bytes
-        if self.writer.reserve(nbytes) is not None:
-            self.dropped += 1
+        refusal = self.writer.reserve(nbytes)
+        if refusal is not None:  # the live record broke; only mirror mode built an inline payload besides
+            inline = self.mode is Mode.MIRROR and fin.wants_inline
+            self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
+            self.dropped += 0 if inline else 1
             return False
         self.gather.add(_WholeRecord(self, spec, nbytes, "aborted" if fin.aborted else "ok"), fin.pool_idx, lo, hi)
         return True
@@ -335,7 +339,9 @@ class Collector:
         spec, nbytes, status = self._mirror.pop(rid)
         if rows is None or rows.shape[0] * spec.row_bytes != nbytes:
             self.writer.release(nbytes)
-            self.dropped += 1
+            self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None)
+            if rows is None:
+                self.dropped += 1
             return
         data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
         self.writer.submit(Op(rid, spec=spec, rows=data, status=status), reserved=True)

@@ -379,6 +379,7 @@ class _Delivery:
             topk=int(capturer.topk_size),
             layers=layers,
             layer_slots=None if layers == tuple(range(num_slots)) else layers,
+            num_hidden_layers=num_slots,  # the capturer's slots are hf_text_config.num_hidden_layers
         )
         self.settings = settings
         self.host_cache = capturer.host_cache

@@ -150,6 +150,7 @@ class LiveRows:
             prompt_len=prompt_len,
             dtype=collector.dtype,
             engine=collector.engine,
+            num_hidden_layers=collector.shape.num_hidden_layers,
         )
         record = LiveRecord(spec=spec, next_pos=start, retractions=retractions, seen_step=self.step)
         if first_pos > start:

@@ -63,7 +63,21 @@ def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:
         _count(report.get("host_cache"), key, "host_cache")
     for key in WRITER_KEYS:
         _count(report.get("writer"), key, "writer")
+    undelivered = report["writer"].get("undelivered")  # per-reason counts; absent in older plugins' files
+    if undelivered is not None:
+        if not isinstance(undelivered, dict):
+            raise EngineReportError(f"writer.undelivered={undelivered!r} (an object of counts by reason)")
+        for key in undelivered:
+            _count(undelivered, key, "writer.undelivered")
     return report
+
+
+def _writer_part(writer: dict[str, Any]) -> dict[str, Any]:
+    """The writer counters as JSON integers (`undelivered` stays an object of counts by reason)."""
+    out: dict[str, Any] = {}
+    for key, value in writer.items():
+        out[key] = {k: int(v) for k, v in value.items()} if isinstance(value, dict) else int(value)
+    return out
 
 
 @dataclass
@@ -114,7 +128,7 @@ class Telemetry:
             "budget": self._budget or [],
             "occupancy": self._part("occupancy", []),
             "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
-            "writer": {k: int(v) for k, v in self._part("writer", dict.fromkeys(WRITER_KEYS, 0)).items()},
+            "writer": _writer_part(self._part("writer", dict.fromkeys(WRITER_KEYS, 0))),
         }
 
     def tick(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The spool writer: the scheduler thread reserves bytes and hands rows to one bounded background thread.
 
 Why: the scheduler must never wait on I/O or on a full queue (DESIGN.md, "Nothing lost"). Everything the
-scheduler thread calls here (`reserve`, `submit`, `release`, `note_fallback`) touches in-memory counters
+scheduler thread calls here (`reserve`, `submit`, `release`, `note_undelivered`) touches in-memory counters
 under a lock held for a few arithmetic operations; files are written only by the writer thread, through
 `service.spool` (the one definition of the spool contract). A refused reservation (spool full, queue
 full, spool not writable) is the caller's cue to keep SGLang's inline path.
@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,7 @@ class RecordSpec:
     dtype: str
     engine: str = ""
     weight_version: str | int | None = None
+    num_hidden_layers: int | None = None  # the model's layer count: SGLang's payload has this many slots
 
     @property
     def row_bytes(self) -> int:
@@ -83,6 +85,13 @@ class Op:
         self.nbytes = 0 if self.rows is None else int(self.rows.nbytes)
 
 
+UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
+"""Why a request's rows did not reach the spool (the engine file's `writer.undelivered`, and the sidecar's
+`r3_engine_undelivered_total{reason}`): refused reservations (`spool_full`, `queue_full`, `spool_not_writable`),
+a mirror-mode inline payload that did not match its reservation, or a write that failed on the writer thread."""
+UNDELIVERED_LOG_EVERY_S = 10.0
+
+
 @dataclass(slots=True)
 class WriterStats:
     """The engine file's `writer` object (Contract 1), plus counters kept for debugging."""
@@ -90,16 +99,18 @@ class WriterStats:
     queued_bytes: int = 0
     records_written: int = 0
     fallback_inline: int = 0
-    spool_full: int = 0
+    spool_full: int = 0  # refused reservations for lack of room (live appends included)
     queue_full: int = 0
     write_errors: int = 0
+    undelivered: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNDELIVERED_REASONS, 0))
 
-    def contract(self) -> dict[str, int]:
+    def contract(self) -> dict[str, Any]:
         return {
             "queued_bytes": self.queued_bytes,
             "records_written": self.records_written,
             "fallback_inline": self.fallback_inline,
             "spool_full": self.spool_full,
+            "undelivered": dict(self.undelivered),
         }
 
 
@@ -110,6 +121,12 @@ class Refusal(str):
 SPOOL_FULL = Refusal("spool_full")
 QUEUE_FULL = Refusal("queue_full")
 NOT_WRITABLE = Refusal("not_writable")
+_REFUSAL_REASON = {SPOOL_FULL: "spool_full", QUEUE_FULL: "queue_full", NOT_WRITABLE: "spool_not_writable"}
+
+
+def undelivered_reason(refusal: str) -> str:
+    """The `undelivered` reason of a refused reservation."""
+    return _REFUSAL_REASON.get(refusal, str(refusal))
 
 
 class SpoolWriter:
@@ -146,6 +163,8 @@ class SpoolWriter:
         self._thread: threading.Thread | None = None
         self._last_refresh = 0.0
         self._busy = False
+        self._undelivered_logged: dict[str, float] = {}
+        self._failed: set[str] = set()  # rids whose write failed and whose last op has not come yet (writer thread)
         self._probe()
 
     # ---- scheduler thread: in-memory counters only ---------------------------------------------------
@@ -207,7 +226,32 @@ class SpoolWriter:
         with self._lock:
             self.stats.fallback_inline += 1
 
-    def snapshot(self) -> dict[str, int]:
+    def note_undelivered(self, reason: str, *, rid: str, inline: bool) -> None:
+        """Count a request whose rows did not reach the spool; `inline`: it keeps SGLang's inline payload.
+
+        Logged at most once per reason every `UNDELIVERED_LOG_EVERY_S` (a full spool refuses every request,
+        and the scheduler thread must not format a line for each), always with the running count.
+        """
+        now = time.monotonic()
+        with self._lock:
+            counts = self.stats.undelivered
+            counts[reason] = counts.get(reason, 0) + 1
+            if inline:
+                self.stats.fallback_inline += 1
+            total = counts[reason]
+            due = now - self._undelivered_logged.get(reason, -UNDELIVERED_LOG_EVERY_S) >= UNDELIVERED_LOG_EVERY_S
+            if due:
+                self._undelivered_logged[reason] = now
+        if due:
+            logger.warning(
+                "r3-sidecar: rows of request %r not delivered to the spool (%s; %s); %d such requests so far",
+                rid,
+                reason,
+                "SGLang's inline payload kept" if inline else "no inline payload was asked for: rows lost",
+                total,
+            )
+
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return self.stats.contract()
 
@@ -309,6 +353,7 @@ class SpoolWriter:
                     engine=s.engine,
                     dtype=s.dtype,
                     weight_version=s.weight_version,
+                    num_hidden_layers=s.num_hidden_layers,
                 )
                 self._open[op.rid] = writer
                 size, blocks = self._costs(0, True)
@@ -317,6 +362,10 @@ class SpoolWriter:
                     self._free -= blocks
             if writer is None:
                 logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
+                if op.status is not None and op.rid not in self._failed:  # its rows never became a record
+                    self.note_undelivered("write_error", rid=op.rid, inline=False)
+                if op.status is not None:
+                    self._failed.discard(op.rid)
                 return
             if op.rows is not None and op.rows.shape[0]:
                 block, before = self._block, writer.meta.nbytes
@@ -337,6 +386,10 @@ class SpoolWriter:
                     self.stats.records_written += 1
         except Exception as exc:  # the writer thread must outlive any one record
             logger.error("r3-sidecar: writing record %r failed: %s", op.rid, exc)
+            if op.rid not in self._failed:  # once per request; its later ops find no open record
+                self.note_undelivered("write_error", rid=op.rid, inline=False)  # the record ends `error` (410)
+            if op.status is None:
+                self._failed.add(op.rid)
             with self._lock:
                 self.stats.write_errors += 1
                 if isinstance(exc, OSError):

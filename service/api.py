@@ -37,7 +37,6 @@ from service.store import Store
 log = logging.getLogger("r3.api")
 
 MAX_RID_CHARS = 1024
-LAYERS_PATTERN = r"^[0-9]+(,[0-9]+)*$"
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -58,6 +57,7 @@ class Pending(BaseModel):
     rid: str
     rows: int = Field(description="Rows written so far.")
     final: Literal[False]
+    detail: str = Field(description="The same, for a person: rows so far and the positions they cover.")
 
 
 class Health(BaseModel):
@@ -244,13 +244,17 @@ _X_HEADERS = {
     "X-R3-Prompt-Len": "Prompt length of the request.",
     "X-R3-Layers": "Comma list of the model layer index of each returned layer slot.",
     "X-R3-Final": "`true` when the record is complete.",
+    "X-R3-Status": "The record's status: `ok`, or `aborted` (the rows the request produced before it was aborted).",
+    "X-R3-Num-Hidden-Layers": "The model's layer count (SGLang's payload width), when the record says it.",
+    "X-R3-Clamped": "`true` when `clamp=true` cut the range asked for to the rows the record holds.",
 }
+
 _ERRORS = {
     401: "Missing or wrong bearer token (only when R3_AUTH_TOKEN is set).",
     404: "No such record.",
-    410: "The record was aborted, ended in error, was corrupt, or expired.",
-    416: "`start`/`end` outside the record's rows.",
-    422: "Malformed parameters.",
+    410: "The record ended in error, was corrupt, or expired.",
+    416: "`start`/`end` outside the record's rows (and `clamp` not set).",
+    422: "Malformed parameters, layers the record does not hold, or SGLang's layout of a record that cannot give it.",
 }
 
 
@@ -301,11 +305,66 @@ def _missing(store: Store, rid: str) -> ApiError:
     return ApiError(404, "not_found", f"no record {rid!r}")
 
 
-def _slots(meta: RecordMeta, wanted: list[int] | None) -> list[int] | None:
+def _select(meta: RecordMeta, items: list[formats.LayerItem] | None) -> tuple[list[int], list[int] | None]:
+    """(model layers to return, their slots in a stored row or None for all) for a `layers` query."""
+    if items is None:
+        return list(meta.layers), None
     try:
-        return formats.layer_slots(meta.layers, wanted)
+        wanted = formats.resolve_layers(meta.layers, items)
+        return wanted, formats.layer_slots(meta.layers, wanted)
     except ValueError as exc:
         raise ApiError(422, "invalid_layers", str(exc)) from None
+
+
+def _sglang_layers(meta: RecordMeta) -> int:
+    """SGLang's payload width for `format=sglang_b64`, or a 422 saying why this record cannot give it."""
+    width = meta.sglang_layers
+    if width is None:
+        raise ApiError(
+            422,
+            "sglang_layout_unknown",
+            f"record {meta.rid!r} holds model layers {formats.format_layer_items(list(meta.layers))} but was written "
+            "without num_hidden_layers (an older engine plugin), so SGLang's layout (every model layer, dense ones "
+            "as zeros) cannot be rebuilt: fetch npy and call RoutedExperts.to_sglang_layout(num_hidden_layers), or "
+            "pass layers= for int32 of the stored layers only",
+        )
+    return width
+
+
+def _range(meta: RecordMeta, start: int | None, end: int | None, clamp: bool) -> tuple[int, int, bool]:
+    """Token positions `[lo, hi)` to return and whether `clamp` cut them; 416 when outside and not clamping."""
+    lo = meta.start if start is None else start
+    hi = meta.end if end is None else end
+    if hi < lo:
+        raise ApiError(
+            416, "range_not_satisfiable", f"end={hi} is before start={lo} (the record holds [{meta.start}, {meta.end}))"
+        )
+    if clamp:
+        c_lo, c_hi = min(max(lo, meta.start), meta.end), max(min(hi, meta.end), meta.start)
+        c_hi = max(c_hi, c_lo)
+        return c_lo, c_hi, (c_lo, c_hi) != (lo, hi)
+    if not meta.start <= lo <= hi <= meta.end:
+        raise ApiError(
+            416,
+            "range_not_satisfiable",
+            f"[{lo}, {hi}) is not inside the record's [{meta.start}, {meta.end}) "
+            "(clamp=true returns the rows that exist)",
+        )
+    return lo, hi, False
+
+
+def _served(meta: RecordMeta) -> bool:
+    """Whether a final record's rows are served: `ok`, and `aborted` (rows so far, as SGLang returns them inline)."""
+    return meta.status != "error"
+
+
+def _pending_body(meta: RecordMeta) -> dict[str, Any]:
+    return {
+        "rid": meta.rid,
+        "rows": meta.rows,
+        "final": False,
+        "detail": f"record is not final yet: {meta.rows} rows so far (positions [{meta.start}, {meta.end}))",
+    }
 
 
 class OpenBin:
@@ -389,6 +448,25 @@ def _frame(rid: str, status: int, meta: RecordMeta | None, **extra: Any) -> byte
     return formats.frame_header(header)
 
 
+def _ok_headers(
+    meta: RecordMeta, dtype: str, shape: tuple[int, int, int], lo: int, layers: list[int], *, final: bool
+) -> dict[str, str]:
+    """The `X-R3-*` headers of a 200."""
+    headers = {
+        "X-R3-Rid": header_rid(meta.rid),
+        "X-R3-Dtype": dtype,
+        "X-R3-Shape": ",".join(map(str, shape)),
+        "X-R3-Start": str(lo),
+        "X-R3-Prompt-Len": str(meta.prompt_len),
+        "X-R3-Layers": ",".join(map(str, layers)),
+        "X-R3-Final": "true" if final else "false",
+        "X-R3-Status": meta.status,
+    }
+    if meta.sglang_layers is not None:
+        headers["X-R3-Num-Hidden-Layers"] = str(meta.sglang_layers)
+    return headers
+
+
 # ---- app --------------------------------------------------------------------------------------
 def create_app(settings: Settings) -> FastAPI:
     """The sidecar app over `settings.spool_dir`; its store starts and stops with the app's lifespan."""
@@ -433,13 +511,28 @@ def create_app(settings: Settings) -> FastAPI:
     ]
     Rid = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RID_CHARS)]
 
+    class BatchItem(BaseModel):
+        """One rid with its own token range (multi-turn and resumed requests need different starts)."""
+
+        model_config = ConfigDict(extra="forbid", strict=True)
+        rid: Rid
+        start: NonNegativeInt | None = Field(None, description="First token position (default: the record's start).")
+        end: NonNegativeInt | None = Field(None, description="One past the last token position (default: its end).")
+
     class BatchRequest(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
-        rids: list[Rid] = Field(max_length=settings.max_batch, description="Rids, answered in this order.")
-        wait: float = Field(0.0, ge=0, le=settings.max_wait_s, description="Seconds to wait for all of them.")
-        layers: list[NonNegativeInt] | None = Field(
-            None, min_length=1, description="Model layer indices to return (default: all of each record's)."
+        rids: list[Rid | BatchItem] = Field(
+            max_length=settings.max_batch,
+            description='Answered in this order; each a rid, or `{"rid", "start", "end"}` for a range of it.',
         )
+        wait: float = Field(0.0, ge=0, le=settings.max_wait_s, description="Seconds to wait for all of them.")
+        layers: list[NonNegativeInt] | str | None = Field(
+            None,
+            min_length=1,
+            description="Model layers for every rid (default: all of each record's): a list of indices, or the "
+            "GET query's text, ranges included (`0-15`).",
+        )
+        clamp: bool = Field(False, description="Cut each range to the rows its record holds instead of a 416 frame.")
 
     async def counted(
         body: Iterator[bytes] | AsyncIterator[bytes],
@@ -504,17 +597,24 @@ def create_app(settings: Settings) -> FastAPI:
     )
     async def batch(request: BatchRequest, _auth: Auth) -> StreamingResponse:
         fetch = metrics.fetch("batch")
-        wanted = request.layers
-        if wanted is not None and len(set(wanted)) != len(wanted):
+        try:
+            if isinstance(request.layers, str):
+                items: list[formats.LayerItem] | None = formats.parse_layers(request.layers)
+            else:
+                items = request.layers
+                if items is not None and len(set(items)) != len(items):
+                    raise ValueError(f"layers {items} repeat an index")
+        except ValueError as exc:
             fetch.count(422)
             fetch.finish()
-            raise ApiError(422, "invalid_layers", f"layers {wanted} repeat an index")
+            raise ApiError(422, "invalid_layers", str(exc)) from None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.wait
 
         async def frames() -> AsyncIterator[bytes]:
             """One frame per rid; each rid's outcome is counted once its frame is out."""
-            for rid in request.rids:
+            for item in request.rids:
+                rid, start, end = (item, None, None) if isinstance(item, str) else (item.rid, item.start, item.end)
                 meta = await fetch.wait(store.wait_final(rid, deadline - loop.time()))
                 if meta is None:
                     err = _missing(store, rid)
@@ -522,35 +622,40 @@ def create_app(settings: Settings) -> FastAPI:
                     fetch.count(err.status, error=err.code)
                     continue
                 if not meta.final:
-                    yield _frame(rid, 202, meta, rows=meta.rows, error="not_final", detail="record is not final")
+                    detail = _pending_body(meta)["detail"]
+                    yield _frame(rid, 202, meta, rows=meta.rows, error="not_final", detail=detail)
                     fetch.count(202)
                     continue
-                if meta.status != "ok":
+                if not _served(meta):
                     err = _gone(meta)
                     yield _frame(rid, 410, meta, error=err.code, detail=err.detail)
                     fetch.count(410, error=err.code)
                     continue
                 try:
-                    slots = _slots(meta, wanted)
-                    bin_file = _open_bin(store, meta, meta.rows)
+                    layers, slots = _select(meta, items)
+                    lo, hi, clamped = _range(meta, start, end, request.clamp)
+                    bin_file = _open_bin(store, meta, hi - meta.start)
                 except ApiError as err:
                     yield _frame(rid, err.status, meta, error=err.code, detail=err.detail)
                     fetch.count(err.status, error=err.code)
                     continue
-                layers = list(wanted) if wanted is not None else list(meta.layers)
                 header = {
                     "rid": rid,
                     "status": 200,
                     "dtype": meta.dtype,
-                    "shape": [meta.rows, len(layers), meta.topk],
-                    "start": meta.start,
+                    "shape": [hi - lo, len(layers), meta.topk],
+                    "start": lo,
                     "layers": layers,
                     "final": True,
                     "prompt_len": meta.prompt_len,
+                    "record_status": meta.status,
+                    "num_hidden_layers": meta.sglang_layers,
+                    **({"clamped": clamped} if request.clamp else {}),
                 }
                 try:
                     yield formats.frame_header(header)
-                    for chunk in _row_chunks(store, meta, 0, meta.rows, slots, bin_file=bin_file):
+                    row_lo, row_hi = lo - meta.start, hi - meta.start
+                    for chunk in _row_chunks(store, meta, row_lo, row_hi, slots, bin_file=bin_file):
                         yield chunk
                 finally:
                     bin_file.close()
@@ -572,22 +677,34 @@ def create_app(settings: Settings) -> FastAPI:
         start: Annotated[int | None, Query(ge=0, description="First token position (default: record start).")] = None,
         end: Annotated[int | None, Query(ge=0, description="One past the last token position.")] = None,
         layers: Annotated[
-            str | None, Query(pattern=LAYERS_PATTERN, max_length=65536, description="Comma list of layer indices.")
+            str | None,
+            Query(  # no `pattern=`: `formats.parse_layers` says what is wrong in words
+                max_length=65536,
+                description="Comma list of model layer indices (each must be stored) and inclusive model-layer "
+                "ranges such as `0-15` (the stored layers inside; may be none).",
+            ),
         ] = None,
         wait: Wait = 0.0,
         stream: Annotated[bool, Query(description="Send frames as rows arrive, until final.")] = False,
+        clamp: Annotated[
+            bool, Query(description="Cut `start`/`end` to the rows the record holds instead of answering 416.")
+        ] = False,
     ) -> Response:
         fetch = metrics.fetch("frames" if stream else fmt)
         try:
             if not rid or len(rid) > MAX_RID_CHARS:
                 raise ApiError(422, "invalid_rid", f"rid must be 1 … {MAX_RID_CHARS} characters")
             try:
-                wanted = formats.parse_layers(layers) if layers is not None else None
+                items = formats.parse_layers(layers) if layers is not None else None
             except ValueError as exc:
                 raise ApiError(422, "invalid_layers", str(exc)) from None
             if stream:
-                return await stream_record(rid, wanted, start, end, wait, fetch)
-            return await fetch_record(rid, fmt, wanted, start, end, wait, fetch)
+                if clamp:
+                    raise ApiError(
+                        422, "invalid_parameter", "clamp applies to whole fetches; a stream waits for its rows"
+                    )
+                return await stream_record(rid, items, start, end, wait, fetch)
+            return await fetch_record(rid, fmt, items, start, end, wait, clamp, fetch)
         except Exception as exc:  # an answer before the headers: count it here (bodies count themselves)
             if isinstance(exc, ApiError):
                 fetch.count(exc.status, error=exc.code)
@@ -597,7 +714,14 @@ def create_app(settings: Settings) -> FastAPI:
             raise
 
     async def fetch_record(
-        rid: str, fmt: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, fetch: Fetch
+        rid: str,
+        fmt: str,
+        items: list[formats.LayerItem] | None,
+        start: int | None,
+        end: int | None,
+        wait: float,
+        clamp: bool,
+        fetch: Fetch,
     ) -> Response:
         meta = await fetch.wait(store.wait_final(rid, wait)) if wait > 0 else store.lookup(rid)
         if meta is None:
@@ -605,71 +729,53 @@ def create_app(settings: Settings) -> FastAPI:
         if not meta.final:
             fetch.count(202)
             fetch.finish()
-            return JSONResponse({"rid": rid, "rows": meta.rows, "final": False}, status_code=202)
-        if meta.status != "ok":
+            return JSONResponse(_pending_body(meta), status_code=202)
+        if not _served(meta):
             raise _gone(meta)
-        slots = _slots(meta, wanted)
-        lo = meta.start if start is None else start
-        hi = meta.end if end is None else end
-        if not meta.start <= lo <= hi <= meta.end:
-            raise ApiError(
-                416, "range_not_satisfiable", f"[{lo}, {hi}) is not inside the record's [{meta.start}, {meta.end})"
-            )
+        out_layers, slots = _select(meta, items)
+        lo, hi, clamped = _range(meta, start, end, clamp)
+        sglang = fmt == "sglang_b64" and items is None  # SGLang's own payload: every model layer, dense as zeros
+        width = _sglang_layers(meta) if sglang else 0
         row_lo, row_hi = lo - meta.start, hi - meta.start
         bin_file = _open_bin(store, meta, row_hi)
-        out_layers = list(wanted) if wanted is not None else list(meta.layers)
-        shape = (row_hi - row_lo, len(out_layers), meta.topk)
-        out_dtype = formats.payload_dtype(fmt, meta.dtype)
-        headers = {
-            "X-R3-Rid": header_rid(rid),
-            "X-R3-Dtype": out_dtype,
-            "X-R3-Shape": ",".join(map(str, shape)),
-            "X-R3-Start": str(lo),
-            "X-R3-Prompt-Len": str(meta.prompt_len),
-            "X-R3-Layers": ",".join(map(str, out_layers)),
-            "X-R3-Final": "true",
-        }
-        length = formats.body_length(fmt, np.dtype(meta.dtype), shape)
+        dtype = np.dtype(meta.dtype)
+        chunks = _row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file)
+        if sglang:
+            shape = (row_hi - row_lo, width, meta.topk)
+            out_layers = list(range(width))
+            body = formats.encode_b64(formats.to_sglang_rows(chunks, dtype, meta.layers, width, meta.topk))
+        else:
+            shape = (row_hi - row_lo, len(out_layers), meta.topk)
+            head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
+            body = formats.encode(fmt, chunks, dtype=dtype, shape=shape, head=head)
+        headers = _ok_headers(meta, formats.payload_dtype(fmt, meta.dtype), shape, lo, out_layers, final=True)
+        if clamp:
+            headers["X-R3-Clamped"] = "true" if clamped else "false"
+        length = formats.body_length(fmt, dtype, shape)
         if length is not None:
             headers["Content-Length"] = str(length)
-        head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
-        body = formats.encode(
-            fmt,
-            _row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file),
-            dtype=np.dtype(meta.dtype),
-            shape=shape,
-            head=head,
-        )
         body = counted(body, fetch, ok=(200, meta.status), bin_file=bin_file)
         return StreamingResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)
 
     async def stream_record(
-        rid: str, wanted: list[int] | None, start: int | None, end: int | None, wait: float, fetch: Fetch
+        rid: str, items: list[formats.LayerItem] | None, start: int | None, end: int | None, wait: float, fetch: Fetch
     ) -> Response:
         meta = await fetch.wait(store.wait_until(rid, lambda m: m is not None, wait))
         if meta is None:
             raise _missing(store, rid)
-        if meta.final and meta.status != "ok":
+        if meta.final and not _served(meta):
             raise _gone(meta)
-        slots = _slots(meta, wanted)
+        out_layers, slots = _select(meta, items)
         lo = meta.start if start is None else start
         if lo < meta.start or (end is not None and end < lo) or (meta.final and max(lo, end or lo) > meta.end):
             raise ApiError(
                 416, "range_not_satisfiable", f"start={lo}, end={end} do not fit the record starting at {meta.start}"
             )
-        out_layers = list(wanted) if wanted is not None else list(meta.layers)
         row_bytes = len(out_layers) * meta.topk * meta.itemsize
         rows_per_frame = max(1, settings.chunk_bytes // max(1, row_bytes))
         limit = None if end is None else end - meta.start
-        headers = {
-            "X-R3-Rid": header_rid(rid),
-            "X-R3-Dtype": meta.dtype,
-            "X-R3-Shape": f"{max(0, meta.rows - (lo - meta.start))},{len(out_layers)},{meta.topk}",
-            "X-R3-Start": str(lo),
-            "X-R3-Prompt-Len": str(meta.prompt_len),
-            "X-R3-Layers": ",".join(map(str, out_layers)),
-            "X-R3-Final": "true" if meta.final else "false",
-        }
+        shape = (max(0, meta.rows - (lo - meta.start)), len(out_layers), meta.topk)
+        headers = _ok_headers(meta, meta.dtype, shape, lo, out_layers, final=meta.final)
 
         async def frames() -> AsyncIterator[bytes]:
             """The stream's frames; its one outcome (the last frame's status) is counted as it ends."""
@@ -689,7 +795,7 @@ def create_app(settings: Settings) -> FastAPI:
                     fetch.count(409)
                     return
                 seen = current.rows
-                if current.final and current.status == "ok" and current.rows < max(sent, limit or 0):
+                if current.final and _served(current) and current.rows < max(sent, limit or 0):
                     detail = f"start={lo}, end={end} do not fit the end ({current.end}) the record was finalized with"
                     yield _frame(rid, 416, current, error="range_not_satisfiable", detail=detail)
                     fetch.count(416)
@@ -711,7 +817,7 @@ def create_app(settings: Settings) -> FastAPI:
                         "shape": [upto - sent, len(out_layers), current.topk],
                         "start": current.start + sent,
                         "layers": out_layers,
-                        "final": is_last and current.status == "ok",
+                        "final": is_last and _served(current),
                         "record_status": current.status,
                         "created": current.created,
                     }
@@ -726,8 +832,8 @@ def create_app(settings: Settings) -> FastAPI:
                         fetch.count(200, current.status)
                         return
                 done = current.final or (limit is not None and sent >= limit)
-                if done:
-                    status = 200 if current.status == "ok" or not current.final else 410
+                if done:  # an aborted record ends like a finished one: a final frame, `record_status` says why
+                    status = 200 if _served(current) or not current.final else 410
                     extra = {} if status == 200 else {"error": f"record_{current.status}", "detail": "record ended"}
                     yield _frame(rid, status, current, record_status=current.status, **extra)
                     fetch.count(status, current.status, error=extra.get("error"))

@@ -109,6 +109,10 @@ def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
             f"  {python} -c 'from service.client import RoutedExpertsClient as C;"
             f' r = C("{url}"{tok}).get("{rid}", wait=30); print(r.array.shape, r.dtype, r.layers[:4])\'',
             f"  {cli} fetch {rid} --url {url}{fetch_tok} --out {rid}.npy",
+            f"  curl -s{auth} '{url}/routed_experts/dsv3-000000?wait=30&format=sglang_b64' | head -c 80"
+            "   # DeepSeek-V3 shape: 61 layer slots, dense 0-2 as zeros",
+            f"  curl -s{auth} -o /dev/null -D - '{url}/routed_experts/dsv3-000000?wait=30&layers=0-15'"
+            "   # a pipeline stage: MoE layers 3-15",
             f"  curl -s {url}/metrics | grep ^r3_",
             f"  curl -s{auth} {url}/v1/engines",
             "Ctrl-C stops.",
@@ -135,13 +139,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         temp_dir = tempfile.mkdtemp(prefix="r3-demo-", dir=shm)
         overrides["spool_dir"] = temp_dir
     settings = _settings(args, **overrides)
-    cfg = DemoConfig(max_live=args.max_live, max_records=args.max_records, step_s=args.step_ms / 1000, seed=args.seed)
-    engine = DemoEngine(Spool(settings.spool_dir), cfg).start()
+    pace = dict(max_live=args.max_live, max_records=args.max_records, step_s=args.step_ms / 1000)
+    cfg = DemoConfig(**pace, seed=args.seed)
+    engine = DemoEngine(Spool(settings.spool_dir), cfg).start()  # all-MoE (Qwen3-30B-A3B)
+    dense = DemoEngine(Spool(settings.spool_dir), DemoConfig.deepseek_v3_like(**pace, seed=args.seed + 1)).start()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     try:
         _serve(settings, demo_banner(f"http://{host}:{settings.port}", settings.spool_dir, settings.auth_token))
     finally:
         engine.stop()
+        dense.stop()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
@@ -154,7 +161,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     from service.client import R3Error, RoutedExpertsClient
 
     token = args.token or os.environ.get("R3_AUTH_TOKEN") or None
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    layers = args.layers or None  # the server's syntax: indices and inclusive ranges (0-15)
     query = {"start": args.start, "end": args.end, "layers": layers, "wait": args.wait}
     try:
         with RoutedExpertsClient(args.url, token=token, timeout=args.timeout) as client:
@@ -223,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--out", help="write the body here ('-' for stdout)")
     fetch.add_argument("--start", type=int)
     fetch.add_argument("--end", type=int)
-    fetch.add_argument("--layers", help="comma list of model layer indices")
+    fetch.add_argument("--layers", help="comma list of model layer indices and inclusive ranges, e.g. 0-15")
     fetch.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the record to be final")
     fetch.add_argument("--token", help="bearer token (default: R3_AUTH_TOKEN)")
     fetch.add_argument("--timeout", type=float, default=30.0)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncRoutedExpertsClient",
     "BadRequest",
+    "BatchItem",
     "FrameDecoder",
     "NotReady",
     "R3Error",
@@ -69,6 +70,9 @@ class RoutedExperts:
     layers: tuple[int, ...]
     final: bool
     dtype: str
+    status: str = "ok"  # the record's status: `aborted` rows are the request's rows up to its abort
+    num_hidden_layers: int | None = None  # the model's layer count, when the record says it
+    clamped: bool = False  # `clamp=True` cut the range asked for to the rows the record holds
 
     @property
     def rows(self) -> int:
@@ -87,12 +91,25 @@ class RoutedExperts:
             raise R3Error("torch is not importable; use .array (numpy)") from exc
         return torch.from_numpy(self.array)
 
-    def to_sglang_layout(self, num_hidden_layers: int) -> np.ndarray:
+    def to_sglang_layout(self, num_hidden_layers: int | None = None) -> np.ndarray:
         """`(rows, num_hidden_layers, topk)` int32 with zeros for dense layers: SGLang's inline layout.
 
-        For code that indexes routing by model layer and expects every layer present.
+        For code written against `meta_info["routed_experts"]`: `base64(to_sglang_layout().tobytes())` is the
+        server's `format=sglang_b64` body for the same rows. `num_hidden_layers` defaults to the record's
+        (records of older engine plugins do not carry it: pass the model's `num_hidden_layers` then).
         """
-        out = np.zeros((self.rows, num_hidden_layers, self.array.shape[2]), dtype=np.int32)
+        width = self.num_hidden_layers if num_hidden_layers is None else num_hidden_layers
+        if width is None:
+            raise R3Error(
+                "this record does not say the model's num_hidden_layers (an older engine plugin wrote it): "
+                "pass to_sglang_layout(num_hidden_layers=hf_config.num_hidden_layers)",
+                rid=self.rid,
+            )
+        if self.num_hidden_layers is not None and width != self.num_hidden_layers:
+            raise R3Error(f"num_hidden_layers={width}; the record's model has {self.num_hidden_layers}", rid=self.rid)
+        if self.layers and max(self.layers) >= width:
+            raise R3Error(f"layer {max(self.layers)} does not fit num_hidden_layers={width}", rid=self.rid)
+        out = np.zeros((self.rows, width, self.array.shape[2]), dtype=np.int32)
         out[:, list(self.layers), :] = self.array
         return out
 
@@ -115,9 +132,15 @@ class R3Error(Exception):
 
 
 class NotReady(R3Error):
-    """202: the record exists but is not final yet; `rows` says how many rows it has so far."""
+    """202: the record exists but is not final yet; `rows` says how many rows it has so far (also in the message)."""
 
     status = 202
+
+    def __init__(self, detail: str, *, rid: str | None = None, status: int | None = None, body: Any = None) -> None:
+        rows = body.get("rows") if isinstance(body, dict) else None
+        if rows is not None and str(rows) not in detail:  # an older server's 202 carries no detail
+            detail = f"record is not final yet: {rows} rows so far ({detail})"
+        super().__init__(detail, rid=rid, status=status, body=body)
 
     @property
     def rows(self) -> int | None:
@@ -137,7 +160,7 @@ class RecordNotFound(R3Error):
 
 
 class RecordGone(R3Error):
-    """410: the record was aborted or has expired."""
+    """410: the record ended in error, is corrupt, or has expired (an aborted record is served: `status`)."""
 
     status = 410
 
@@ -225,6 +248,9 @@ def _meta_from_headers(rid: str, headers: httpx.Headers) -> dict[str, Any]:
         "layers": tuple(int(x) for x in layers.split(",") if x.strip()),
         "final": headers.get("x-r3-final", "true").lower() in ("1", "true"),
         "dtype": headers.get("x-r3-dtype", ""),
+        "status": headers.get("x-r3-status", "ok"),
+        "num_hidden_layers": int(n) if (n := headers.get("x-r3-num-hidden-layers")) else None,
+        "clamped": headers.get("x-r3-clamped", "false").lower() == "true",
     }
 
 
@@ -252,6 +278,9 @@ class Frame:
             layers=tuple(int(x) for x in h.get("layers", ())),
             final=bool(h.get("final", True)),
             dtype=h["dtype"],
+            status=str(h.get("record_status") or "ok"),
+            num_hidden_layers=h.get("num_hidden_layers"),
+            clamped=bool(h.get("clamped", False)),
         )
 
     def error(self) -> R3Error:
@@ -343,24 +372,66 @@ def _payload_size(header: dict[str, Any]) -> int:
     return int(np.prod([int(x) for x in header["shape"]], dtype=np.int64)) * np.dtype(header["dtype"]).itemsize
 
 
+Layers = Iterable[int] | str
+"""Model layers to fetch: indices (each must be stored), or the server's text, ranges included: `"0-15"`."""
+
+
+def _layers_param(layers: Layers) -> str:
+    return layers if isinstance(layers, str) else ",".join(str(int(x)) for x in layers)
+
+
 def _params(
     *,
     start: int | None = None,
     end: int | None = None,
-    layers: Iterable[int] | None = None,
+    layers: Layers | None = None,
     wait: float = 0,
     **extra: Any,
 ) -> dict[str, str]:
-    params = {k: str(v) for k, v in extra.items() if v is not None}
+    params = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in extra.items() if v is not None}
     if start is not None:
         params["start"] = str(start)
     if end is not None:
         params["end"] = str(end)
     if layers is not None:
-        params["layers"] = ",".join(str(int(x)) for x in layers)
+        params["layers"] = _layers_param(layers)
     if wait:
         params["wait"] = str(wait)
     return params
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One rid of `get_many` with its own token range `[start, end)` (multi-turn, resumed requests)."""
+
+    rid: str
+    start: int | None = None
+    end: int | None = None
+
+
+BatchRid = str | BatchItem | tuple[str, int | None, int | None] | dict[str, Any]
+"""A rid, or a rid with a range: `BatchItem(rid, start, end)`, `(rid, start, end)` or `{"rid", "start", "end"}`."""
+
+
+def _batch_body(rids: Sequence[BatchRid], wait: float, layers: Layers | None, clamp: bool) -> dict[str, Any]:
+    """The JSON of `POST /routed_experts/batch`: plain rids stay strings, ranged ones become objects."""
+    items: list[Any] = []
+    for item in rids:
+        if isinstance(item, str):
+            items.append(item)
+            continue
+        if isinstance(item, dict):
+            item = BatchItem(**item)
+        elif isinstance(item, tuple):
+            item = BatchItem(*item)
+        ranged = {"rid": item.rid, "start": item.start, "end": item.end}
+        items.append({k: v for k, v in ranged.items() if v is not None})
+    body: dict[str, Any] = {"rids": items, "wait": wait}
+    if layers is not None:
+        body["layers"] = layers if isinstance(layers, str) else [int(x) for x in layers]
+    if clamp:
+        body["clamp"] = True
+    return body
 
 
 def _backoff(attempt: int, base: float, cap: float) -> float:
@@ -458,11 +529,16 @@ class RoutedExpertsClient(_Base):
         rid: str,
         start: int | None = None,
         end: int | None = None,
-        layers: Iterable[int] | None = None,
+        layers: Layers | None = None,
         wait: float = 0,
+        clamp: bool = False,
     ) -> RoutedExperts:
-        """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final."""
-        params = _params(start=start, end=end, layers=layers, wait=wait, format="npy")
+        """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final.
+
+        `layers`: model layer indices, or a range such as `"0-15"` (a pipeline stage: the MoE layers inside).
+        `clamp=True`: a range past the record's rows returns the rows that exist (`.clamped` says so), not a 416.
+        """
+        params = _params(start=start, end=end, layers=layers, wait=wait, format="npy", clamp=clamp or None)
         resp = self._fetch("GET", self._path(rid), rid, wait, params=params)
         return _result(rid, resp)
 
@@ -473,12 +549,13 @@ class RoutedExpertsClient(_Base):
         return bytes(resp.body)
 
     def get_many(
-        self, rids: Sequence[str], wait: float = 0, layers: Iterable[int] | None = None
+        self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
     ) -> list[RoutedExperts | R3Error]:
-        """One round trip for many records; results in request order, each a record or its error (not raised)."""
-        body: dict[str, Any] = {"rids": list(rids), "wait": wait}
-        if layers is not None:
-            body["layers"] = [int(x) for x in layers]
+        """One round trip for many records; results in request order, each a record or its error (not raised).
+
+        Each rid may carry its own range: `BatchItem(rid, start, end)` (or a `(rid, start, end)` tuple).
+        """
+        body = _batch_body(rids, wait, layers, clamp)
 
         def call() -> list[Frame]:
             if self._conns is not None:
@@ -517,13 +594,13 @@ class RoutedExpertsClient(_Base):
             return read_frames(resp)
 
     def stream(
-        self, rid: str, start: int | None = None, layers: Iterable[int] | None = None, wait: float = 0
+        self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
     ) -> Iterator[RoutedExperts]:
         """Yield blocks of rows as the engine produces them, until the record is final.
 
         A dropped connection is resumed from the next row (`start=`), so no row is yielded twice or lost.
         """
-        layer_list = list(layers) if layers is not None else None
+        layer_list = _layers_param(layers) if layers is not None else None
         next_start = start
         failures = 0
         created: list[float] = []
@@ -606,18 +683,17 @@ class AsyncRoutedExpertsClient(_Base):
         rid: str,
         start: int | None = None,
         end: int | None = None,
-        layers: Iterable[int] | None = None,
+        layers: Layers | None = None,
         wait: float = 0,
+        clamp: bool = False,
     ) -> RoutedExperts:
-        params = _params(start=start, end=end, layers=layers, wait=wait, format="npy")
+        params = _params(start=start, end=end, layers=layers, wait=wait, format="npy", clamp=clamp or None)
         return _result(rid, await self._fetch("GET", self._path(rid), rid, wait, params=params))
 
     async def get_many(
-        self, rids: Sequence[str], wait: float = 0, layers: Iterable[int] | None = None
+        self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
     ) -> list[RoutedExperts | R3Error]:
-        body: dict[str, Any] = {"rids": list(rids), "wait": wait}
-        if layers is not None:
-            body["layers"] = [int(x) for x in layers]
+        body = _batch_body(rids, wait, layers, clamp)
 
         async def call() -> list[Frame]:
             decoder = FrameDecoder()
@@ -641,9 +717,9 @@ class AsyncRoutedExpertsClient(_Base):
         return [f.result() if f.status == 200 else f.error() for f in await self._retry(call)]
 
     async def stream(
-        self, rid: str, start: int | None = None, layers: Iterable[int] | None = None, wait: float = 0
+        self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
     ) -> AsyncIterator[RoutedExperts]:
-        layer_list = list(layers) if layers is not None else None
+        layer_list = _layers_param(layers) if layers is not None else None
         next_start = start
         failures = 0
         created: list[float] = []

@@ -2,7 +2,8 @@
 
 It writes through `Spool.writer(...)`, the same writer the SGLang extension uses, so every byte the demo
 sidecar serves went through the real contract. Routing is real top-k routing of random hidden states
-through a seeded router (shapes of Qwen3-30B-A3B by default: 48 MoE layers, 128 experts, top-8, uint8).
+through a seeded router (shapes of Qwen3-30B-A3B by default: 48 MoE layers, 128 experts, top-8, uint8;
+`DemoConfig.deepseek_v3_like()` is a dense+MoE model: 61 layers, the first 3 dense, 256 experts, top-8).
 Some records stream row by row (prompt rows at once, then one row per decode step); the rest are written
 whole when they finish, as the extension does when live rows are off; a few are aborted part way.
 """
@@ -19,6 +20,9 @@ from typing import Any
 import numpy as np
 
 from service.spool import RecordWriter, Spool
+
+UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
+"""The engine file's `writer.undelivered` reasons (engine_ext.writer.UNDELIVERED_REASONS; service imports no engine)."""
 
 logger = logging.getLogger("r3_sidecar.demo")
 
@@ -43,10 +47,37 @@ class DemoConfig:
     telemetry_s: float = 1.0
     engine: str = "demo/dp0"
     seed: int = 0
+    rid_prefix: str = "demo"
+    num_hidden_layers: int | None = None  # the model's layer count; default: every layer up to the last MoE one
 
     @property
     def layers(self) -> list[int]:
+        """The MoE layers (stored); layers below `first_layer` are dense."""
         return list(range(self.first_layer, self.first_layer + self.num_layers))
+
+    @property
+    def model_layers(self) -> int:
+        return self.num_hidden_layers or self.first_layer + self.num_layers
+
+    @classmethod
+    def deepseek_v3_like(cls, **overrides: Any) -> DemoConfig:
+        """DeepSeek-V3's routing shape: 61 layers, the first 3 dense (`first_k_dense_replace`), 256 experts, top-8.
+
+        The records need SGLang's dense layers rebuilt as zero rows for `format=sglang_b64` to match SGLang.
+        """
+        shape: dict[str, Any] = dict(
+            num_layers=58,
+            first_layer=3,
+            num_hidden_layers=61,
+            num_experts=256,
+            topk=8,
+            hidden=32,
+            concurrency=2,
+            engine="demo-dsv3/dp0",
+            rid_prefix="dsv3",
+            seed=1,
+        )
+        return cls(**{**shape, **overrides})
 
 
 class Router:
@@ -186,12 +217,13 @@ class DemoEngine:
             aborted = rng.random() < cfg.abort_fraction
             req = _Request(
                 writer=self.spool.writer(
-                    f"demo-{self.created:06d}",
+                    f"{cfg.rid_prefix}-{self.created:06d}",
                     num_experts=cfg.num_experts,
                     topk=cfg.topk,
                     layers=cfg.layers,
                     prompt_len=prompt_len,
                     engine=cfg.engine,
+                    num_hidden_layers=cfg.model_layers,
                 ),
                 prompt_len=prompt_len,
                 decode_steps=decode_steps,
@@ -265,5 +297,6 @@ class DemoEngine:
                 "records_written": self.finished + self.aborted,
                 "fallback_inline": 0,
                 "spool_full": 0,
+                "undelivered": dict.fromkeys(UNDELIVERED_REASONS, 0),
             },
         }

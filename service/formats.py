@@ -40,15 +40,65 @@ _FRAME_LEN = struct.Struct("<I")
 
 
 # ---- layers -----------------------------------------------------------------------------------
-def parse_layers(text: str) -> list[int]:
-    """`"0,3,5"` → `[0, 3, 5]`; raises ValueError with a message a client can act on."""
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p.isdigit() or not p.isascii() for p in parts):
-        raise ValueError(f"layers={text!r}: want a comma list of non-negative layer indices, e.g. 0,1,5")
-    layers = [int(p) for p in parts]
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"layers={text!r}: an index repeats")
-    return layers
+LayerItem = int | tuple[int, int]
+"""One item of a `layers` query: a model layer index, or an inclusive model-layer range `(lo, hi)`."""
+
+
+def parse_layers(text: str) -> list[LayerItem]:
+    """`"0,3,5"` → `[0, 3, 5]`; `"0-15"` → `[(0, 15)]` (a pipeline stage's model-layer range, inclusive).
+
+    Raises ValueError with a message a client can act on.
+    """
+    items: list[LayerItem] = []
+    for part in (p.strip() for p in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or not lo.isascii() or (dash and (not hi.isdigit() or not hi.isascii())):
+            raise ValueError(
+                f"layers={text!r}: want a comma list of model layer indices or inclusive ranges, e.g. 0,1,5 or 0-15"
+            )
+        if not dash:
+            items.append(int(lo))
+        elif int(lo) > int(hi):
+            raise ValueError(f"layers={text!r}: range {part} is backwards (want lo-hi with lo <= hi)")
+        else:
+            items.append((int(lo), int(hi)))
+    if len(set(items)) != len(items):
+        raise ValueError(f"layers={text!r}: an item repeats")
+    return items
+
+
+def resolve_layers(record_layers: Sequence[int], items: Sequence[LayerItem]) -> list[int]:
+    """The model layers a query names in a record: each index as given, each range as the stored layers inside it.
+
+    An index must be a layer the record holds (a typo must not pass silently); a range may hold none (a pipeline
+    stage of dense layers only gets an empty answer). Raises ValueError naming what is wrong.
+    """
+    held = set(record_layers)
+    missing = [x for x in items if isinstance(x, int) and x not in held]
+    if missing:
+        raise ValueError(f"layers {missing} are not in this record (it holds {_layer_text(record_layers)})")
+    out: list[int] = []
+    for item in items:
+        out.extend([item] if isinstance(item, int) else [x for x in record_layers if item[0] <= x <= item[1]])
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers {format_layer_items(items)} name a layer twice (the items overlap)")
+    return out
+
+
+def format_layer_items(items: Sequence[LayerItem]) -> str:
+    """The query text of `items` (the inverse of `parse_layers`)."""
+    return ",".join(str(x) if isinstance(x, int) else f"{x[0]}-{x[1]}" for x in items)
+
+
+def _layer_text(layers: Sequence[int]) -> str:
+    """`[0, 1, 2, 3, 7]` → `0-3,7`: a record's layers, short enough for an error message."""
+    runs: list[list[int]] = []
+    for x in layers:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def layer_slots(record_layers: Sequence[int], wanted: Sequence[int] | None) -> list[int] | None:
@@ -103,6 +153,26 @@ def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes | memor
         return
     for chunk in chunks:
         yield np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE).data.cast("B")
+
+
+def to_sglang_rows(
+    chunks: Iterable[bytes], dtype: np.dtype, layers: Sequence[int], num_hidden_layers: int, topk: int
+) -> Iterator[bytes | memoryview]:
+    """SGLang's host-cache layout: int32 rows of `num_hidden_layers` slots, stored layers in place, zeros elsewhere.
+
+    SGLang's capturer has one slot per model layer and never writes a dense layer's slot (zero-filled), so
+    this is exactly the array its `meta_info["routed_experts"]` encodes.
+    """
+    dtype = np.dtype(dtype)
+    if tuple(layers) == tuple(range(num_hidden_layers)):
+        yield from to_int32(chunks, dtype)
+        return
+    index = np.asarray(layers, dtype=np.intp)
+    for chunk in chunks:
+        rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, len(layers), topk)
+        out = np.zeros((rows.shape[0], num_hidden_layers, topk), dtype=SGLANG_DTYPE)
+        out[:, index, :] = rows
+        yield out.data.cast("B")
 
 
 def b64_chunk_rows(rows: int) -> int:

@@ -154,6 +154,13 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
     fallback = CounterMetricFamily(
         "r3_engine_fallback_inline", "Requests that kept SGLang's inline payload (spool refused).", labels=["engine"]
     )
+    undelivered = CounterMetricFamily(
+        "r3_engine_undelivered",
+        "Requests whose rows the engine could not deliver to the spool, by reason (spool_full, queue_full, "
+        "spool_not_writable, mirror_mismatch, write_error); those that asked for routed experts kept SGLang's "
+        "inline payload (r3_engine_fallback_inline), the rest are lost.",
+        labels=["engine", "reason"],
+    )
     for report in engines:
         engine = report["engine"]
         try:
@@ -182,8 +189,10 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
             if writer:
                 rows.append(("r3_engine_queued_bytes", [engine], _num(writer["queued_bytes"])))
                 fallback_inline = _num(writer["fallback_inline"])
+                reasons = writer.get("undelivered") or {}
+                not_delivered = [(str(reason), _num(count)) for reason, count in sorted(reasons.items())]
             else:
-                fallback_inline = None
+                fallback_inline, not_delivered = None, []
             updated = _num(report.get("updated"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             log.warning("engine file of %r is malformed (%s); its gauges are left out", engine, exc)
@@ -192,8 +201,24 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
             g[name].add_metric(labels, value)
         if fallback_inline is not None:
             fallback.add_metric([engine], fallback_inline)
+        for reason, count in not_delivered:
+            undelivered.add_metric([engine, reason], count)
+        if any(count for _, count in not_delivered):
+            _log_undelivered(engine, not_delivered)
         g["r3_engine_stale"].add_metric([engine], 1.0 if now - updated > stale_after_s else 0.0)
-    return [*g.values(), fallback]
+    return [*g.values(), fallback, undelivered]
+
+
+_undelivered_seen: dict[str, tuple[tuple[str, float], ...]] = {}
+
+
+def _log_undelivered(engine: str, counts: list[tuple[str, float]]) -> None:
+    """One warning in the sidecar's log each time an engine's undelivered counts grow (seen at scrape time)."""
+    key = tuple(counts)
+    if _undelivered_seen.get(engine) != key:
+        _undelivered_seen[engine] = key
+        text = ", ".join(f"{reason}={int(count)}" for reason, count in counts if count)
+        log.warning("engine %r could not deliver some requests' rows to the spool: %s", engine, text)
 
 
 class SpoolCollector(Collector):

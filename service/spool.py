@@ -88,6 +88,18 @@ class RecordMeta:
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     v: int = VERSION
+    num_hidden_layers: int | None = None  # the model's layer count; None in records of older writers
+
+    @property
+    def sglang_layers(self) -> int | None:
+        """Layer slots of SGLang's own payload (`num_hidden_layers`, dense layers as zeros), or None if unknown.
+
+        Records of writers older than the field still know it when they hold every layer `0 … L-1` (an
+        all-MoE model, the only layout those writers produced byte-identically); otherwise it is unknown.
+        """
+        if self.num_hidden_layers is not None:
+            return self.num_hidden_layers
+        return len(self.layers) if self.layers == tuple(range(len(self.layers))) else None
 
     @property
     def itemsize(self) -> int:
@@ -128,6 +140,7 @@ class RecordMeta:
             "weight_version": self.weight_version,
             "created": self.created,
             "updated": self.updated,
+            **({} if self.num_hidden_layers is None else {"num_hidden_layers": self.num_hidden_layers}),
         }
 
     def to_json(self) -> bytes:
@@ -187,6 +200,11 @@ class RecordMeta:
         weight_version = obj.get("weight_version")
         if weight_version is not None and not isinstance(weight_version, str | int):
             raise SpoolFormatError("bad_field", f"weight_version={weight_version!r}")
+        num_hidden_layers = obj.get("num_hidden_layers")  # optional: older writers do not write it
+        if num_hidden_layers is not None:
+            num_hidden_layers = count("num_hidden_layers", max(layers) + 1)
+            if num_hidden_layers > MAX_LAYERS:
+                raise SpoolFormatError("bad_field", f"num_hidden_layers={num_hidden_layers} > {MAX_LAYERS}")
         return cls(
             rid=rid,
             dtype=dtype,
@@ -202,6 +220,7 @@ class RecordMeta:
             weight_version=weight_version,
             created=float(need("created", int | float)),
             updated=float(need("updated", int | float)),
+            num_hidden_layers=num_hidden_layers,
         )
 
 
@@ -398,8 +417,13 @@ class Spool:
         engine: str = "",
         dtype: str | None = None,
         weight_version: str | int | None = None,
+        num_hidden_layers: int | None = None,
     ) -> RecordWriter:
-        """Start a new record (replacing any old one with the same rid) and return its writer."""
+        """Start a new record (replacing any old one with the same rid) and return its writer.
+
+        `num_hidden_layers` is the model's layer count (dense layers included): pass it whenever known, so
+        the sidecar can rebuild SGLang's own payload layout for models with dense layers.
+        """
         meta = RecordMeta(
             rid=rid,
             dtype=dtype or default_dtype(num_experts),
@@ -410,6 +434,7 @@ class Spool:
             prompt_len=prompt_len,
             engine=engine,
             weight_version=weight_version,
+            num_hidden_layers=num_hidden_layers,
         )
         RecordMeta.from_dict(meta.to_dict())
         return RecordWriter(self, meta)

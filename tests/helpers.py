@@ -177,5 +177,11 @@ def engine_report(engine: str = "pod-a/dp0", *, updated: float | None = None) ->
         ],
         "occupancy": [{"buffer": "device_cache", "capacity": 8192, "peak": 2048, "window_s": 60}],
         "host_cache": {"capacity_tokens": 100000, "used_tokens": 2500},
-        "writer": {"queued_bytes": 1234, "records_written": 7, "fallback_inline": 2, "spool_full": 0},
+        "writer": {
+            "queued_bytes": 1234,
+            "records_written": 7,
+            "fallback_inline": 2,
+            "spool_full": 0,
+            "undelivered": {"spool_full": 2, "queue_full": 0, "spool_not_writable": 1, "mirror_mismatch": 0},
+        },
     }

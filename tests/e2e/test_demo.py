@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import signal
@@ -108,6 +109,14 @@ def test_demo_end_to_end(demo) -> None:
         assert sum(b.rows for b in blocks) >= after
         assert [b.start for b in blocks] == list(np.cumsum([0] + [b.rows for b in blocks[:-1]]))
         assert any(e["engine"] == "demo/dp0" for e in client.engines())
+        # the dense+MoE model (DeepSeek-V3 shape): MoE layers 3-60 stored, SGLang's 61-slot layout served
+        d = client.get("dsv3-000000", wait=30)
+        assert d.layers == tuple(range(3, 61)) and d.num_hidden_layers == 61 and d.array.shape[1:] == (58, 8)
+        b64 = client.fetch_bytes("dsv3-000000", fmt="sglang_b64")
+        sglang = np.frombuffer(base64.b64decode(b64), dtype=np.int32).reshape(d.rows, 61, 8)
+        assert not sglang[:, :3].any() and np.array_equal(sglang, d.to_sglang_layout())
+        stage = client.get("dsv3-000000", layers="0-15")
+        assert stage.layers == tuple(range(3, 16)) and np.array_equal(stage.array, d.array[:, :13])
     metrics = httpx.get(f"{url}/metrics", timeout=5).text
     assert 'r3_buffer_capacity{buffer="routed_experts_device_cache",engine="demo/dp0"}' in metrics
     assert "r3_records" in metrics

@@ -55,6 +55,19 @@ def test_records_follow_the_contract_and_stay_bounded(tmp_path: Path) -> None:
     assert {b["buffer"] for b in report["budget"]} >= {"routed_experts_device_cache", "routed_experts_host_cache"}
 
 
+def test_deepseek_v3_like_records_say_their_dense_layers(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    engine = DemoEngine(spool, DemoConfig.deepseek_v3_like(prompt_len=(4, 8), output_len=(2, 4), max_records=2))
+    for _ in range(6):
+        engine.step()
+    metas = [spool.read_meta(n) for n in sorted(spool.record_names())]
+    assert [m.rid for m in metas] == ["dsv3-000000", "dsv3-000001"]
+    for meta in metas:
+        assert meta.num_hidden_layers == 61 and meta.layers == tuple(range(3, 61)) and meta.dtype == "uint8"
+        assert spool.read_array(meta).shape == (meta.rows, 58, 8)
+    assert DemoConfig().model_layers == 48 and spool.read_meta("dsv3-000000").sglang_layers == 61
+
+
 def test_stop_closes_every_open_record(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     engine = DemoEngine(spool, DemoConfig(num_layers=2, step_s=0.005, output_len=(500, 600), abort_fraction=0)).start()

@@ -190,6 +190,13 @@ finish([f])
 results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).read_meta("f") is not None,
                     stats=hooks._delivery.writer.snapshot())
 
+# capture-all, spool full, and the request did not ask: nothing inline to keep, so the loss is counted by reason
+configure(capture_all=True, spool_max_bytes=64)
+g = run_request("g", 7, 30, 10)
+finish([g])
+results["g"] = dict(inline=g.routed_experts is not None, record=Spool(SPOOL).read_meta("g") is not None,
+                    stats=hooks._delivery.writer.snapshot(), dropped=hooks._delivery.collector.dropped)
+
 # containment: a request the delivery cannot read (no pool row) takes SGLang's own path, the scheduler goes on
 configure()
 broken = run_request("broken", 5, 4, 2, return_routed_experts=True)
@@ -264,7 +271,15 @@ def test_finish_path_against_sglang(tmp_path):
     assert a["dtype"] == "uint8" and a["prompt_len"] == 9 and a["layers"] == [0, 1] and a["nrows_up"] == 14
     assert b == {**b, "equal": True, "rows": 4, "start": 3, "status": "aborted", "inline": False}
     assert res["c_record"] is False
-    assert res["sidecar_stats"] == {"queued_bytes": 0, "records_written": 2, "fallback_inline": 0, "spool_full": 0}
+    assert res["sidecar_stats"] == {
+        "queued_bytes": 0,
+        "records_written": 2,
+        "fallback_inline": 0,
+        "spool_full": 0,
+        "undelivered": {
+            r: 0 for r in ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
+        },
+    }
     assert res["launches"] == 1  # two finished requests, one batched slot read
     assert res["d"] == {"equal": True, "inline": False}
     assert res["e"] == {"inline": True, "equal": True}
@@ -282,3 +297,7 @@ def test_finish_path_against_sglang(tmp_path):
     f = res["f"]
     assert f["inline"] is True and f["record"] is False
     assert f["stats"]["fallback_inline"] == 1 and f["stats"]["spool_full"] == 1
+    assert f["stats"]["undelivered"]["spool_full"] == 1, "a fallback is an undelivered request too"
+    g = res["g"]
+    assert g["inline"] is False and g["record"] is False and g["dropped"] == 1
+    assert g["stats"]["undelivered"]["spool_full"] == 1 and g["stats"]["fallback_inline"] == 0

@@ -46,7 +46,15 @@ def test_engine_file_is_accepted_by_the_sidecar(tmp_path):
     on_disk = Spool(tmp_path).read_engine_file(path)
     assert on_disk["v"] == 1 and on_disk["engine"] == "pod-a/dp0" and path.name.startswith("~")  # "/" is unsafe
     assert validate_engine_report(on_disk) == on_disk
+    undelivered = on_disk["writer"].pop("undelivered")
     assert on_disk["writer"] == {"queued_bytes": 0, "records_written": 1, "fallback_inline": 0, "spool_full": 0}
+    assert undelivered == {
+        "spool_full": 0,
+        "queue_full": 0,
+        "spool_not_writable": 0,
+        "mirror_mismatch": 0,
+        "write_error": 0,
+    }
     assert on_disk["host_cache"] == {"capacity_tokens": 4096, "used_tokens": 300}
     assert {"buffer": "routed_experts_device_cache", "capacity": 1024, "peak": 700, "window_s": 60} in on_disk[
         "occupancy"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -12,6 +13,7 @@ from engine_ext.writer import (
     NOT_WRITABLE,
     QUEUE_FULL,
     SPOOL_FULL,
+    UNDELIVERED_REASONS,
     Op,
     RecordSpec,
     SpoolWriter,
@@ -59,7 +61,13 @@ def test_finish_record_round_trip(tmp_path):
     assert meta is not None and meta.final and meta.status == "ok" and meta.rows == 7
     assert meta.layers == (0, 1, 3) and meta.engine == "pod/dp0"
     np.testing.assert_array_equal(Spool(tmp_path).read_array(meta).astype(np.int32), rows)
-    assert writer.snapshot() == {"queued_bytes": 0, "records_written": 1, "fallback_inline": 0, "spool_full": 0}
+    assert writer.snapshot() == {
+        "queued_bytes": 0,
+        "records_written": 1,
+        "fallback_inline": 0,
+        "spool_full": 0,
+        "undelivered": dict.fromkeys(UNDELIVERED_REASONS, 0),
+    }
     writer.close()
 
 
@@ -118,6 +126,36 @@ def test_spool_full_is_refused_and_counted(tmp_path):
     assert snap["spool_full"] == 2 and snap["fallback_inline"] == 1 and snap["queued_bytes"] == 0
     assert writer.flush()
     assert Spool(tmp_path).read_meta("big") is None
+    writer.close()
+
+
+def test_undelivered_requests_are_counted_by_reason_and_logged(tmp_path, caplog):
+    writer = SpoolWriter(tmp_path, max_bytes=64)
+    with caplog.at_level(logging.WARNING, logger="r3_sidecar.writer"):
+        for i in range(5):
+            writer.note_undelivered("spool_full", rid=f"r{i}", inline=i % 2 == 0)
+        writer.note_undelivered("mirror_mismatch", rid="m", inline=True)
+    snap = writer.snapshot()
+    assert snap["undelivered"] == {**dict.fromkeys(UNDELIVERED_REASONS, 0), "spool_full": 5, "mirror_mismatch": 1}
+    assert snap["fallback_inline"] == 4, "only requests that asked for routed experts keep an inline payload"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, "one line per reason per interval, not one per request"
+    assert "'r0'" in lines[0] and "spool_full" in lines[0] and "inline payload kept" in lines[0]
+    assert "mirror_mismatch" in lines[1]
+
+
+def test_a_failed_write_counts_its_request_once(tmp_path):
+    writer = SpoolWriter(tmp_path).start()
+    spec = _spec("doomed")
+    assert writer.submit(Op("doomed", spec=spec, rows=compact(_rows(3), spec.dtype)))
+    bad = np.zeros((2, 9, 9), dtype=spec.dtype)  # the wrong row shape: the append raises on the writer thread
+    assert writer.submit(Op("doomed", rows=bad))
+    assert writer.submit(Op("doomed", rows=compact(_rows(1), spec.dtype)))
+    assert writer.submit(Op("doomed", status="ok"))
+    assert writer.flush()
+    assert writer.snapshot()["undelivered"]["write_error"] == 1
+    meta = Spool(tmp_path).read_meta("doomed")
+    assert meta.final and meta.status == "error", "the sidecar answers 410 for it"
     writer.close()
 
 

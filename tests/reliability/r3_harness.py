@@ -29,6 +29,7 @@ CLI = Path(PYTHON).with_name("r3-sidecar")
 
 # Shape of the synthetic records: small but with every dimension > 1, so layer subsets and ranges matter.
 LAYERS = (1, 3, 4, 7, 9, 12)
+NUM_HIDDEN_LAYERS = 14  # the model: layers 0-13, the ones not in LAYERS dense (SGLang's payload has 14 slots)
 TOPK = 4
 NUM_EXPERTS = 64
 

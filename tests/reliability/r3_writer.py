@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
+from r3_harness import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK, expected_rows
 
 from service.spool import Spool
 
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             layers=LAYERS,
             prompt_len=args.rows // 2,
             engine=f"rel/{os.getpid()}",
+            num_hidden_layers=NUM_HIDDEN_LAYERS,
         )
         for lo in range(0, args.rows, args.chunk):
             w.append(rows[lo : lo + args.chunk])
@@ -111,6 +112,7 @@ def _via_engine_writer(writer, rid: str, rows, chunk: int, pace: float) -> None:
         prompt_len=len(rows) // 2,
         dtype="uint8",
         engine=writer.engine,
+        num_hidden_layers=NUM_HIDDEN_LAYERS,
     )
     ops = [Op(rid, spec=spec)] + [Op(rid, rows=rows[lo : lo + chunk]) for lo in range(0, len(rows), chunk)]
     ops.append(Op(rid, status="ok"))

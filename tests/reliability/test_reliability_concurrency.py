@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import orjson
-from r3_harness import LAYERS, expected_rows, read_ledger
+from r3_harness import LAYERS, NUM_HIDDEN_LAYERS, TOPK, expected_rows, read_ledger
 
 from service.client import RoutedExpertsClient
 
@@ -76,7 +76,9 @@ def _reader(url: str, rids: list[str], seed: int, tally: collections.Counter, ba
                 ok = r.status_code == 200 and np.array_equal(np.load(io.BytesIO(r.content)), _want(rid))
             elif kind == "b64":
                 r = http.get(path, params={"format": "sglang_b64", "wait": 30})
-                want = base64.b64encode(_want(rid).astype(np.int32).tobytes())
+                full = np.zeros((WRITERS[rid.split("-")[0]], NUM_HIDDEN_LAYERS, TOPK), dtype=np.int32)
+                full[:, list(LAYERS), :] = _want(rid)  # SGLang's layout: dense layers as zero rows
+                want = base64.b64encode(full.tobytes())
                 ok = r.status_code == 200 and r.content == want
             elif kind == "batch":
                 some = rng.sample(rids, 5)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
 
-from engine_ext.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
 from service.spool import Spool
 
 ROWS = 64
@@ -44,8 +44,9 @@ def _spec(rid: str) -> RecordSpec:
 def _offer(writer: SpoolWriter, rid: str) -> np.ndarray | None:
     """What the scheduler hook does at request finish: the inline payload it keeps, or None when spooled."""
     rows = expected_rows(rid, ROWS)
-    if writer.reserve(rows.nbytes) is not None:
-        writer.note_fallback()
+    refusal = writer.reserve(rows.nbytes)
+    if refusal is not None:
+        writer.note_undelivered(undelivered_reason(refusal), rid=rid, inline=True)  # as Collector.finish does
         return rows  # the request keeps SGLang's inline payload
     assert writer.submit(Op(rid, spec=_spec(rid), rows=rows, status="ok"), reserved=True)
     return None
@@ -95,7 +96,7 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
     print(f"spool full: capacity {CAPACITY} B, {len(spooled)} spooled, {len(inline)} kept inline, stats {stats}")
     assert inline, "the tiny spool refused some requests"
     assert 5 <= len(spooled) < len(rids)
-    assert stats["fallback_inline"] == len(inline) == stats["spool_full"]
+    assert stats["fallback_inline"] == len(inline) == stats["spool_full"] == stats["undelivered"]["spool_full"]
     assert all(np.array_equal(kept, expected_rows(rid, ROWS)) for rid, kept in inline.items())
     assert not bad, bad[:5]
 
@@ -174,7 +175,9 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
         with httpx.Client(base_url=side.url, timeout=10) as client:
             for rid in accepted:
                 r = client.get(f"/routed_experts/{rid}", params={"format": "raw"})
-                if r.status_code == 200:
+                if r.status_code == 200 and r.headers["x-r3-status"] == "aborted":
+                    lost.append((rid, "aborted"))  # served for what it is: the rows so far, flagged
+                elif r.status_code == 200:
                     (served if r.content == expected_rows(rid, ROWS).tobytes() else partial).append(rid)
                 else:
                     lost.append((rid, r.status_code))
@@ -182,7 +185,10 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
             for rid in served:
                 client.delete(f"/routed_experts/{rid}")
             time.sleep(2.0)  # with room again, the sidecar can mark the silent records aborted
-            after = {rid: client.get(f"/routed_experts/{rid}").status_code for rid, _ in lost}
+            after = {}
+            for rid, _ in lost:
+                r = client.get(f"/routed_experts/{rid}")
+                after[rid] = r.status_code if r.status_code != 200 else r.headers["x-r3-status"]
         stats = writer.stats
         writer.close()
         print(
@@ -192,14 +198,14 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
         )
         assert not partial, f"partial records served as final: {partial[:5]}"
         assert side.proc.poll() is None
-        assert set(after.values()) <= {404, 410}, f"once the spool has room, silent records end: {after}"
+        assert set(after.values()) <= {404, 410, "aborted"}, f"once the spool has room, silent records end: {after}"
         print(
             f"real ENOSPC: {len(waiting)} records stayed 202 while the spool was full; after DELETEs: "
             f"{dict(collections.Counter(after.values()))}"
         )
 
 
-def test_stale_record_on_a_full_spool_answers_410(make_sidecar, tmp_path):
+def test_stale_record_on_a_full_spool_is_served_aborted(make_sidecar, tmp_path):
     with _small_tmpfs(tmp_path / "shm", "64k") as shm:
         spool = Spool(shm / "spool")
         w = spool.writer("silent", num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS)
@@ -207,8 +213,9 @@ def test_stale_record_on_a_full_spool_answers_410(make_sidecar, tmp_path):
         with contextlib.suppress(OSError):
             (shm / "filler").write_bytes(b"\0" * (1 << 20))  # the spool's file system is now full
         side = make_sidecar(spool.root, env={"R3_STALE_S": "0.5", "R3_RESCAN_S": "0.5"})
-        r = httpx.get(f"{side.url}/routed_experts/silent", params={"wait": "4"}, timeout=10)
-        assert r.status_code == 410, f"{r.status_code} {r.text[:200]}"
+        r = httpx.get(f"{side.url}/routed_experts/silent", params={"wait": "4", "format": "raw"}, timeout=10)
+        assert r.status_code == 200 and r.headers["x-r3-status"] == "aborted", f"{r.status_code} {r.text[:200]}"
+        assert r.content == expected_rows("silent", 8).tobytes(), "the rows written before the engine fell silent"
 
 
 def test_real_enospc_loses_no_accepted_request(make_sidecar, tmp_path):
@@ -270,7 +277,7 @@ def test_finish_path_keeps_inline_when_the_spool_refuses(make_sidecar, spool_dir
     spooled = [rid for rid, route in routes.items() if route == Route.SPOOL]
     print(f"finish path, spool full: {len(spooled)} routed to the spool, {len(inline)} kept inline, stats {stats}")
     assert len(inline) + len(spooled) == n_req and inline and spooled
-    assert stats["fallback_inline"] == len(inline)
+    assert stats["fallback_inline"] == len(inline) == sum(stats["undelivered"].values()), stats
     with httpx.Client(base_url=side.url, timeout=10) as client:
         for rid in spooled:
             r = client.get(f"/routed_experts/{rid}", params={"format": "raw", "wait": 5})

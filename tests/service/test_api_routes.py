@@ -55,7 +55,7 @@ def test_npy_is_default_and_exact_with_headers(shared: tuple[str, Spool]) -> Non
         assert r.headers["x-r3-start"] == "12"
         assert r.headers["x-r3-prompt-len"] == "40"
         assert r.headers["x-r3-layers"] == "1,3,5,7"
-        assert r.headers["x-r3-final"] == "true"
+        assert r.headers["x-r3-final"] == "true" and r.headers["x-r3-status"] == "ok"
         assert int(r.headers["content-length"]) == len(r.content)
 
 
@@ -148,17 +148,28 @@ def test_202_when_not_final(shared: tuple[str, Spool]) -> None:
     base, spool = shared
     write_record(spool, "open-1", random_rows(7), final=False)
     r = httpx.get(url_for(base, "open-1"))
-    assert r.status_code == 202 and r.json() == {"rid": "open-1", "rows": 7, "final": False}
+    assert r.status_code == 202 and r.json() == {
+        "rid": "open-1",
+        "rows": 7,
+        "final": False,
+        "detail": "record is not final yet: 7 rows so far (positions [0, 7))",
+    }
     t0 = time.monotonic()
     r = httpx.get(url_for(base, "open-1"), params={"wait": 0.3})
     assert r.status_code == 202 and time.monotonic() - t0 >= 0.3
 
 
-def test_410_aborted_and_error(shared: tuple[str, Spool]) -> None:
+def test_aborted_is_served_and_error_is_410(shared: tuple[str, Spool]) -> None:
+    """An aborted request's rows so far are what SGLang returns inline for it: partial rollouts resume from them."""
     base, spool = shared
-    write_record(spool, "ab", random_rows(3), status="aborted")
+    rows = random_rows(3, seed=4)
+    write_record(spool, "ab", rows, status="aborted", start=2)
     write_record(spool, "er", random_rows(3), status="error")
-    assert httpx.get(url_for(base, "ab")).json()["error"] == "record_aborted"
+    r = httpx.get(url_for(base, "ab"), params={"format": "raw", "start": 3})
+    assert r.status_code == 200 and r.content == rows[1:].astype(np.uint8).tobytes()
+    assert r.headers["x-r3-status"] == "aborted" and r.headers["x-r3-final"] == "true"
+    assert r.headers["x-r3-start"] == "3" and r.headers["x-r3-shape"] == "2,4,8"
+    assert httpx.get(url_for(base, "ab"), params={"start": 6}).status_code == 416
     r = httpx.get(url_for(base, "er"))
     assert r.status_code == 410 and r.json()["error"] == "record_error"
 
@@ -295,7 +306,16 @@ def test_openapi_documents_every_route(shared: tuple[str, Spool]) -> None:
     assert {"application/x-npy", "application/octet-stream", "text/plain", "application/vnd.r3.frames"} <= set(
         get["responses"]["200"]["content"]
     )
-    assert {p["name"] for p in get["parameters"]} == {"rid", "format", "start", "end", "layers", "wait", "stream"}
+    assert {p["name"] for p in get["parameters"]} == {
+        "rid",
+        "format",
+        "start",
+        "end",
+        "layers",
+        "wait",
+        "stream",
+        "clamp",
+    }
     assert set(spec["paths"]["/routed_experts/{rid}"]) == {"get", "delete"}
     assert {"/routed_experts/batch", "/v1/engines", "/healthz", "/readyz", "/metrics"} <= set(spec["paths"])
 

@@ -120,7 +120,7 @@ def test_stream_of_final_record_and_layers(serve, spool: Spool) -> None:
     assert frames[0][0]["layers"] == [16, 4] and frames[-1][0]["final"]
 
 
-def test_stream_ends_with_410_frame_when_aborted(serve, spool: Spool) -> None:
+def test_stream_ends_with_final_frame_when_aborted(serve, spool: Spool) -> None:
     base = serve(rescan_s=60)
     writer = spool.writer("dies", num_experts=8, topk=1, layers=[0])
     writer.append(np.zeros((3, 1, 1)))
@@ -129,14 +129,21 @@ def test_stream_ends_with_410_frame_when_aborted(serve, spool: Spool) -> None:
         frames = read_frames(r)
     assert frames[0][0]["status"] == 200 and frames[0][1] == b"\0\0\0"
     last = frames[-1][0]
-    assert last["status"] == 410 and last["final"] and last["record_status"] == "aborted"
+    assert last["status"] == 200 and last["final"] and last["record_status"] == "aborted"
+    assert all(h["status"] == 200 for h, _, _ in frames)
 
 
 def test_stream_errors_before_it_starts(serve, spool: Spool) -> None:
     base = serve()
-    write_record(spool, "gone", random_rows(2), status="aborted")
+    write_record(spool, "gone", random_rows(2), status="error")
     assert httpx.get(f"{base}/routed_experts/nobody", params={"stream": "true"}).status_code == 404
     assert httpx.get(f"{base}/routed_experts/gone", params={"stream": "true"}).status_code == 410
+    write_record(spool, "cut", random_rows(2, seed=5), status="aborted")
+    with httpx.stream("GET", f"{base}/routed_experts/cut", params={"stream": "true"}) as r:
+        frames = read_frames(r)
+    assert r.status_code == 200 and r.headers["x-r3-status"] == "aborted"
+    assert frames[-1][0]["final"] and frames[-1][0]["record_status"] == "aborted"
+    assert b"".join(p for _, p, _ in frames) == random_rows(2, seed=5).astype(np.uint8).tobytes()
     write_record(spool, "s416", random_rows(2), start=4)
     assert httpx.get(f"{base}/routed_experts/s416", params={"stream": "true", "start": 1}).status_code == 416
 
@@ -148,12 +155,15 @@ def test_batch_keeps_request_order_with_per_rid_status(serve, spool: Spool) -> N
     write_record(spool, "b/é", b, layers=[0, 1, 2, 3])
     write_record(spool, "open", b, final=False)
     write_record(spool, "aborted", b, status="aborted")
-    rids = ["b/é", "missing", "a", "open", "aborted", "a"]
+    write_record(spool, "failed", b, status="error")
+    rids = ["b/é", "missing", "a", "open", "aborted", "a", "failed"]
     r = httpx.post(f"{base}/routed_experts/batch", json={"rids": rids, "layers": [2, 0]})
     assert r.status_code == 200 and r.headers["content-type"] == formats.FRAMES_MEDIA_TYPE
     frames = formats.parse_frames(r.content)
     assert [h["rid"] for h, _ in frames] == rids
-    assert [h["status"] for h, _ in frames] == [200, 404, 200, 202, 410, 200]
+    assert [h["status"] for h, _ in frames] == [200, 404, 200, 202, 200, 200, 410]
+    assert frames[4][0]["record_status"] == "aborted" and frames[4][1] == b[:, [2, 0]].astype(np.uint8).tobytes()
+    assert frames[0][0]["record_status"] == "ok" and "7 rows so far" in frames[3][0]["detail"]
     assert frames[0][1] == b[:, [2, 0]].astype(np.uint8).tobytes()
     assert frames[2][1] == frames[5][1] == a[:, [2, 0]].astype(np.uint8).tobytes()
     assert frames[2][0]["start"] == 3 and frames[2][0]["shape"] == [30, 2, 8] and frames[2][0]["layers"] == [2, 0]

@@ -163,10 +163,18 @@ def test_errors_carry_the_server_detail(spool: Spool, client: RoutedExpertsClien
     with pytest.raises(RecordNotFound):
         client.get("no-such-rid", wait=0.4)
     assert time.monotonic() - t0 >= 0.35
-    put(spool, "get-aborted", rows=4, status="aborted")
+    put(spool, "get-failed", rows=4, status="error")
     with pytest.raises(RecordGone) as gone:
-        client.get("get-aborted")
-    assert gone.value.status == 410
+        client.get("get-failed")
+    assert gone.value.status == 410 and "error" in gone.value.detail
+    aborted, _ = put(spool, "get-aborted", rows=4, status="aborted")
+    r = client.get("get-aborted")
+    assert r.status == "aborted" and r.final
+    np.testing.assert_array_equal(r.array, aborted)
+    put(spool, "get-open", rows=5, final=False)
+    with pytest.raises(NotReady) as pending:
+        client.get("get-open")
+    assert pending.value.rows == 5 and "5 rows so far" in str(pending.value)
     assert all(issubclass(e, R3Error) for e in (RecordNotFound, RecordGone, RangeNotSatisfiable, NotReady))
 
 
@@ -200,7 +208,7 @@ def test_rids_that_need_escaping(spool: Spool, client: RoutedExpertsClient, rid:
 def test_get_many_keeps_order_and_per_rid_status(spool: Spool, client: RoutedExpertsClient) -> None:
     a, _ = put(spool, "many-a", rows=6, seed=1)
     b, _ = put(spool, "many-b", rows=9, seed=2)
-    put(spool, "many-gone", rows=2, status="aborted")
+    put(spool, "many-gone", rows=2, status="error")
     results = client.get_many(["many-b", "many-missing", "many-a", "many-gone", "many-b"])
     assert [type(x).__name__ for x in results] == [
         "RoutedExperts",
@@ -449,7 +457,7 @@ def test_async_client(spool: Spool, url: str) -> None:
             seen = [b async for b in client.stream("async-stream")]
             thread.join()
             np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), np.concatenate([prompt, *blocks]))
-            put(spool, "async-gone", rows=1, status="aborted")
+            put(spool, "async-gone", rows=1, status="error")
             with pytest.raises(RecordGone):
                 await client.get("async-gone")
             assert await client.ack("async-a") is True

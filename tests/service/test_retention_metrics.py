@@ -29,6 +29,7 @@ CONTRACT3 = [
     "r3_host_cache_used_tokens",
     "r3_host_cache_capacity_tokens",
     "r3_engine_fallback_inline_total",
+    "r3_engine_undelivered_total",
     "r3_engine_queued_bytes",
     "r3_engine_stale",
 ]
@@ -71,8 +72,8 @@ def test_stale_record_is_aborted_then_expires(serve, spool: Spool) -> None:
     meta = spool.read_meta("stalled")
     assert meta.status == "aborted" and meta.rows == 5
     assert spool.read_array(meta).shape == (5, 4, 8), "rows so far are kept"
-    r = httpx.get(f"{base}/routed_experts/stalled")
-    assert r.status_code == 410 and r.json()["error"] == "record_aborted"
+    r = httpx.get(f"{base}/routed_experts/stalled", params={"format": "raw"})
+    assert r.status_code == 200 and r.headers["x-r3-status"] == "aborted" and len(r.content) == 5 * 4 * 8
     assert until(lambda: not spool.meta_path("stalled").exists()), "an aborted record is kept only for the TTL"
 
 
@@ -111,6 +112,8 @@ def test_metrics_expose_every_contract3_name(serve, spool: Spool) -> None:
     assert s[("r3_host_cache_used_tokens", (engine,))] == 2500
     assert s[("r3_host_cache_capacity_tokens", (engine,))] == 100000
     assert s[("r3_engine_fallback_inline_total", (engine,))] == 2
+    for reason, count in (("spool_full", 2), ("queue_full", 0), ("spool_not_writable", 1), ("mirror_mismatch", 0)):
+        assert s[("r3_engine_undelivered_total", (engine, ("reason", reason)))] == count, reason
     assert s[("r3_engine_queued_bytes", (engine,))] == 1234
     assert s[("r3_engine_stale", (engine,))] == 0
     assert s[("r3_engine_stale", (("engine", "pod-a/dp1"),))] == 1
@@ -127,7 +130,9 @@ def test_malformed_engine_file_leaves_out_only_that_engine(serve, spool: Spool) 
     base = serve()
     spool.write_engine(engine_report("good"))
     spool.write_engine({**engine_report("bad"), "occupancy": [{"buffer": "x", "capacity": "lots"}]})
+    report = engine_report("bad-writer")
+    spool.write_engine({**report, "writer": {**report["writer"], "undelivered": {"spool_full": "many"}}})
     s = scrape(base)
     assert ("r3_buffer_capacity", (("buffer", "device_cache"), ("engine", "good"))) in s
-    assert not any(dict(labels).get("engine") == "bad" for _, labels in s)
+    assert not any(dict(labels).get("engine") in ("bad", "bad-writer") for _, labels in s)
     assert httpx.get(f"{base}/healthz").status_code == 200
