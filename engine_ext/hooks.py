@@ -198,9 +198,34 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
     return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
 
 
+class _RoutedLayers:
+    """The model layers SGLang's forward routes in, as seen at the first forward that captured any.
+
+    Why not the HF config: which layers are MoE is the model class's decision, and config fields do not always
+    say it (SGLang 0.5.23's Qwen3-MoE routes every layer whatever `mlp_only_layers` says). The first forward
+    (SGLang's warmup) precedes every request, so records always know; the config is the fallback.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.known: tuple[int, ...] | None = None
+
+    def note(self, layer_id: int) -> None:
+        self.seen.add(int(layer_id))
+
+    def close(self) -> None:
+        if self.seen:
+            self.known = tuple(sorted(self.seen))
+
+
+_routed_layers = _RoutedLayers()
+
+
 def _on_forward_end_with_occupancy(original, self, forward_batch, *args, **kwargs):
     """Record the rows this forward used in the device cache (host-side shape integers only)."""
     setattr(self, _SLICE_ATTR, None)
+    if _routed_layers.known is None:
+        _routed_layers.close()
     result = original(self, forward_batch, *args, **kwargs)
     where = getattr(self, _SLICE_ATTR, None)
     occupancy = getattr(self, _OCCUPANCY_ATTR, None)
@@ -211,6 +236,8 @@ def _on_forward_end_with_occupancy(original, self, forward_batch, *args, **kwarg
 
 def _checked_device_capture(original, self, layer_id, topk_indices):
     """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
+    if _routed_layers.known is None and self.name == "routed_experts":
+        _routed_layers.note(layer_id)
     if topk_indices.shape[0] > self.buffer.shape[0]:  # the message is built only on failure: this runs per layer
         capturer.check_fits(
             topk_indices.shape[0],
@@ -368,7 +395,7 @@ class _Delivery:
             int(v) for n in ("num_experts", "n_routed_experts", "num_local_experts") if (v := getattr(hf, n, None))
         )
         num_slots = int(capturer.num_layers)
-        layers = moe_layer_ids(
+        layers = _routed_layers.known or moe_layer_ids(
             num_slots,
             first_k_dense=int(getattr(hf, "first_k_dense_replace", 0) or 0),
             sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),

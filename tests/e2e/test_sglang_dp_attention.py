@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from sglang_server import Config
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 
 DP = {"tp": 2, "dp": 2, "enable-dp-attention": True}
 BIND = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (SGLang asks for it past one NUMA node)

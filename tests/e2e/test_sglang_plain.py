@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from sglang_server import Config, Stack
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 
 UPSTREAM = Config("plain-upstream", plugin=False, sidecar=False)
 MIRROR = Config("plain-mirror", env={"R3_MODE": "mirror"})

@@ -18,7 +18,7 @@ from sglang_server import Config, Stack
 
 from service.client import RecordRestarted, RoutedExpertsClient
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 
 RETRACT = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "10"}
 LIVE = {"R3_MODE": "mirror", "R3_LIVE_ROWS": "1"}
