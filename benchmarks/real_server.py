@@ -119,6 +119,25 @@ def _log(msg: str) -> None:
     print(f"[bench-sglang {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# ---- CPU accounting ----------------------------------------------------------------------------------
+
+
+def stack_cpu_s(stack: Stack) -> float:
+    """CPU seconds used so far by every process of the stack (server, scheduler, detokenizer, sidecar).
+
+    Each was started in its own session, so the session id finds the children too. On a machine shared
+    with other jobs, wall time measures the neighbours as much as the code; CPU time per token does not."""
+    sessions = {p.proc.pid for p in (stack.server, stack.sidecar) if p is not None}
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) in sessions:  # field 6 of stat: session id (fields[0] is field 3, the state)
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / tick
+
+
 # ---- (a) throughput ----------------------------------------------------------------------------------
 
 
@@ -139,12 +158,27 @@ def throughput(stack: Stack, bench: Bench, tag: str) -> dict[str, Any]:
         meta = response.json()["meta_info"]
         return {"rid": rid, "tokens": meta["completion_tokens"], "sent": meta.get("response_sent_to_client_ts")}
 
-    t0 = time.perf_counter()
+    c0, t0 = stack_cpu_s(stack), time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(bench.streams) as pool:
         done = list(pool.map(one, range(bench.streams)))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, stack_cpu_s(stack) - c0
     tokens = sum(d["tokens"] for d in done)
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "finished": done}
+    return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "finished": done}
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one mode in one repetition: tokens over summed wall and CPU time."""
+    tokens = sum(r["tokens"] for r in rounds)
+    wall, cpu = sum(r["wall_s"] for r in rounds), sum(r["cpu_s"] for r in rounds)
+    finished = [f for r in rounds for f in r["finished"]]
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tok_s": tokens / wall,
+        "tok_per_cpu_s": tokens / cpu,
+        "finished": finished,
+    }
 
 
 # ---- (b) inter-token latency while long requests finish ----------------------------------------------
@@ -283,9 +317,13 @@ def run(bench: Bench, workdir: Path) -> dict[str, Any]:
         for rep in range(bench.reps):
             order = MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]
             row: dict[str, Any] = {"order": order, "throughput": {}, "itl": {}, "lags": {}}
+            rounds: dict[str, list] = {m: [] for m in MODES}
+            for k, mode in enumerate(order + order[::-1]):  # ABC CBA: a linear drift cancels within the rep
+                rounds[mode].append(throughput(stacks[mode], bench, f"r{rep}-{mode}-{k}"))
             for mode in order:
-                row["throughput"][mode] = throughput(stacks[mode], bench, f"r{rep}-{mode}")
-                _log(f"rep {rep} {mode}: {row['throughput'][mode]['tok_s']:.1f} tok/s")
+                row["throughput"][mode] = combine(rounds[mode])
+                t = row["throughput"][mode]
+                _log(f"rep {rep} {mode}: {t['tok_s']:.1f} tok/s, {t['tok_per_cpu_s']:.1f} tok per CPU s")
             for mode in order:
                 row["itl"][mode] = itl(stacks[mode], bench, f"r{rep}-{mode}")
                 gaps = [g["s"] for g in row["itl"][mode]["gaps"]]
@@ -294,8 +332,7 @@ def run(bench: Bench, workdir: Path) -> dict[str, Any]:
                     f"{np.percentile(gaps, 99) * 1e3:.0f} ms over {len(gaps)} gaps"
                 )
             for mode in ("sidecar", "live"):
-                finished = row["throughput"][mode]["finished"] + row["itl"][mode]["long_finished"]
-                row["lags"][mode] = finish_lags(stacks[mode], finished)
+                row["lags"][mode] = finish_lags(stacks[mode], row["throughput"][mode]["finished"])
             results["reps"].append(row)
     finally:
         for stack in stacks.values():
@@ -326,9 +363,17 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Per-mode figures: throughput ratios within each repetition; ITL and lags pooled over repetitions."""
     reps = results["reps"]
-    summary: dict[str, Any] = {"tok_s": {}, "throughput_ratio": {}, "itl": {}, "lag_s": {}}
+    summary: dict[str, Any] = {
+        "tok_s": {},
+        "tok_per_cpu_s": {},
+        "throughput_ratio": {},
+        "cpu_ratio": {},
+        "itl": {},
+        "lag_s": {},
+    }
     for mode in MODES:
         summary["tok_s"][mode] = spread([r["throughput"][mode]["tok_s"] for r in reps])
+        summary["tok_per_cpu_s"][mode] = spread([r["throughput"][mode]["tok_per_cpu_s"] for r in reps])
         gaps = [g for r in reps for g in r["itl"][mode]["gaps"]]
         pooled = percentiles([g["s"] for g in gaps])
         per_rep = []
@@ -348,6 +393,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     for mode in ("sidecar", "live"):
         summary["throughput_ratio"][mode] = spread(
             [r["throughput"][mode]["tok_s"] / r["throughput"]["upstream"]["tok_s"] for r in reps]
+        )
+        summary["cpu_ratio"][mode] = spread(
+            [r["throughput"][mode]["tok_per_cpu_s"] / r["throughput"]["upstream"]["tok_per_cpu_s"] for r in reps]
         )
         summary["lag_s"][mode] = percentiles([lag for r in reps for lag in r["lags"][mode]])
     longs = [f for r in reps for f in r["itl"]["upstream"]["long_finished"]]
@@ -386,6 +434,15 @@ def targets(s: dict[str, Any]) -> list[list[str]]:
                 f"median {r['median']:.3f}, range {r['min']:.3f}–{r['max']:.3f} over {r['n']} reps",
                 f"{r['median'] - 0.99:+.3f}",
                 _status(r["median"] >= 0.99),
+            ]
+        )
+        c = s["cpu_ratio"][mode]
+        rows.append(
+            [
+                f"output tokens per server CPU second, {label} ÷ upstream ≥ 0.99",
+                f"median {c['median']:.3f}, range {c['min']:.3f}–{c['max']:.3f} over {c['n']} reps",
+                f"{c['median'] - 0.99:+.3f}",
+                _status(c["median"] >= 0.99),
             ]
         )
     itl = s["itl"]["sidecar"]
@@ -427,7 +484,7 @@ def render_section(results: dict[str, Any]) -> str:
     after = results["environment_after"]
     load = " / ".join(f"{x:.2f}" for x in env["loadavg"])
     load_after = " / ".join(f"{x:.2f}" for x in after["loadavg"])
-    tp = [[m, _range(s["tok_s"][m], "{:.1f}")] for m in MODES]
+    tp = [[m, _range(s["tok_s"][m], "{:.1f}"), _range(s["tok_per_cpu_s"][m], "{:.1f}")] for m in MODES]
     lag = [
         [m, *(_ms(s["lag_s"][m][k]) for k in ("min", "p50", "p90", "p99", "max")), str(s["lag_s"][m]["n"])]
         for m in ("sidecar", "live")
@@ -462,7 +519,12 @@ def render_section(results: dict[str, Any]) -> str:
             f"### (a) Throughput: {b['streams']} concurrent requests, {b['prompt']} prompt + {b['output']} output "
             "tokens, greedy, `ignore_eos`",
             "",
-            _table(["mode", "output tokens/s"], tp),
+            "Each repetition runs the batch twice per mode, in the order ABC CBA; a mode's figure is its tokens "
+            "over its summed time. *Per server CPU second*: tokens over the CPU time (user + system, from "
+            "`/proc`) of every process of the stack, the sidecar's included, during the batch: on a machine "
+            "shared with other jobs this is the steadier measure of what the plugin costs.",
+            "",
+            _table(["mode", "output tokens/s (wall)", "output tokens per server CPU second"], tp),
             "",
             f"### (b) Inter-token latency of {b['streams']} streams while {b['long_requests']} long requests finish",
             "",
@@ -494,8 +556,8 @@ def render_section(results: dict[str, Any]) -> str:
             "",
             "Spool record `updated` (set when the writer thread finalises it) minus SGLang's "
             "`response_sent_to_client_ts` for the same request; both are server-side wall clocks on one host. "
-            "Negative: the record was final before SGLang sent the response. All requests of (a) and the long "
-            "requests of (b).",
+            "Negative: the record was final before SGLang sent the response. The requests of (a) "
+            "(SGLang stamps a streamed response's first chunk, not its last, so (b)'s are left out).",
             "",
             _table(["mode", "min ms", "p50 ms", "p90 ms", "p99 ms", "max ms", "requests"], lag),
             "",
@@ -505,9 +567,37 @@ def render_section(results: dict[str, Any]) -> str:
 
 
 def reading(results: dict[str, Any]) -> list[str]:
-    """Placeholder for the run's reading; the measured interpretation is written in `real_server_reading.md`."""
-    note = ROOT / "benchmarks" / "real_server_reading.md"
-    return ["", note.read_text().strip(), ""] if note.exists() else []
+    """What this run's numbers say, computed from them (no figure here comes from anywhere else)."""
+    s = results["summary"]
+    out = ["### Reading (computed from this run)", ""]
+    for mode in ("sidecar", "live"):
+        w, c = s["throughput_ratio"][mode], s["cpu_ratio"][mode]
+        out.append(
+            f"- Throughput, {mode} ÷ upstream: {w['median']:.3f} by wall time (range {w['min']:.3f}–{w['max']:.3f}), "
+            f"{c['median']:.3f} per server CPU second (range {c['min']:.3f}–{c['max']:.3f})."
+        )
+    for mode in MODES:
+        i = s["itl"][mode]
+        at, other = i["at_finish"], i["elsewhere"]
+        if not (at and other):
+            continue
+        tail = (
+            "at finishes"
+            if at["max"] >= other["p99"]
+            else "away from finishes (the machine's load, not the finish path)"
+        )
+        out.append(
+            f"- ITL, {mode}: gaps at a finish have median {_ms(at['p50'])} ms against {_ms(other['p50'])} ms elsewhere "
+            f"({at['p50'] / other['p50'] - 1:+.0%}); the largest gap at a finish is {_ms(at['max'])} ms, the p99 "
+            f"elsewhere {_ms(other['p99'])} ms, so the pooled p99 ({_ms(i['pooled']['p99'])} ms) is set {tail}."
+        )
+    for mode in ("sidecar", "live"):
+        lag = s["lag_s"][mode]
+        out.append(
+            f"- Finish → final, {mode}: p50 {_ms(lag['p50'])} ms, p99 {_ms(lag['p99'])} ms, max {_ms(lag['max'])} ms "
+            f"after SGLang sent the response ({lag['n']} requests)."
+        )
+    return out
 
 
 def splice(document: str, section: str) -> str:
