@@ -122,20 +122,26 @@ def _log(msg: str) -> None:
 # ---- CPU accounting ----------------------------------------------------------------------------------
 
 
-def stack_cpu_s(stack: Stack) -> float:
-    """CPU seconds used so far by every process of the stack (server, scheduler, detokenizer, sidecar).
+def session_cpu_s(session: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of one session.
 
-    Each was started in its own session, so the session id finds the children too. On a machine shared
-    with other jobs, wall time measures the neighbours as much as the code; CPU time per token does not."""
-    sessions = {p.proc.pid for p in (stack.server, stack.sidecar) if p is not None}
+    The harness starts the server and the sidecar each in its own session, so the session id finds the
+    server's children (scheduler, detokenizer) too. On a machine shared with other jobs, wall time measures
+    the neighbours as much as the code; CPU time per token does not."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) in sessions:  # field 6 of stat: session id (fields[0] is field 3, the state)
+            if int(fields[3]) == session:  # field 6 of stat: session id (fields[0] is field 3, the state)
                 total += int(fields[11]) + int(fields[12])  # utime + stime
     return total / tick
+
+
+def stack_cpu_s(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of the SGLang server's processes and of the sidecar's (0 when it runs none)."""
+    sidecar = session_cpu_s(stack.sidecar.proc.pid) if stack.sidecar is not None else 0.0
+    return {"server": session_cpu_s(stack.server.proc.pid), "sidecar": sidecar}
 
 
 # ---- (a) throughput ----------------------------------------------------------------------------------
@@ -161,15 +167,23 @@ def throughput(stack: Stack, bench: Bench, tag: str) -> dict[str, Any]:
     c0, t0 = stack_cpu_s(stack), time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(bench.streams) as pool:
         done = list(pool.map(one, range(bench.streams)))
-    wall, cpu = time.perf_counter() - t0, stack_cpu_s(stack) - c0
+    wall, c1 = time.perf_counter() - t0, stack_cpu_s(stack)
     tokens = sum(d["tokens"] for d in done)
-    return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "finished": done}
+    cpu = {k: c1[k] - c0[k] for k in c0}
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "cpu_s": sum(cpu.values()),
+        "sidecar_cpu_s": cpu["sidecar"],
+        "finished": done,
+    }
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Rounds of one mode in one repetition: tokens over summed wall and CPU time."""
     tokens = sum(r["tokens"] for r in rounds)
     wall, cpu = sum(r["wall_s"] for r in rounds), sum(r["cpu_s"] for r in rounds)
+    sidecar_cpu = sum(r["sidecar_cpu_s"] for r in rounds)
     finished = [f for r in rounds for f in r["finished"]]
     return {
         "tokens": tokens,
@@ -177,6 +191,8 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_s": cpu,
         "tok_s": tokens / wall,
         "tok_per_cpu_s": tokens / cpu,
+        "server_cpu_ms_per_token": (cpu - sidecar_cpu) / tokens * 1e3,
+        "sidecar_cpu_ms_per_token": sidecar_cpu / tokens * 1e3,
         "finished": finished,
     }
 
@@ -323,7 +339,10 @@ def run(bench: Bench, workdir: Path) -> dict[str, Any]:
             for mode in order:
                 row["throughput"][mode] = combine(rounds[mode])
                 t = row["throughput"][mode]
-                _log(f"rep {rep} {mode}: {t['tok_s']:.1f} tok/s, {t['tok_per_cpu_s']:.1f} tok per CPU s")
+                _log(
+                    f"rep {rep} {mode}: {t['tok_s']:.1f} tok/s, {t['tok_per_cpu_s']:.1f} tok per CPU s "
+                    f"(sidecar process {t['sidecar_cpu_ms_per_token']:.2f} ms per token)"
+                )
             for mode in order:
                 row["itl"][mode] = itl(stacks[mode], bench, f"r{rep}-{mode}")
                 gaps = [g["s"] for g in row["itl"][mode]["gaps"]]
@@ -374,6 +393,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     for mode in MODES:
         summary["tok_s"][mode] = spread([r["throughput"][mode]["tok_s"] for r in reps])
         summary["tok_per_cpu_s"][mode] = spread([r["throughput"][mode]["tok_per_cpu_s"] for r in reps])
+        for key in ("server_cpu_ms_per_token", "sidecar_cpu_ms_per_token"):
+            summary.setdefault(key, {})[mode] = spread([r["throughput"][mode][key] for r in reps])
         gaps = [g for r in reps for g in r["itl"][mode]["gaps"]]
         pooled = percentiles([g["s"] for g in gaps])
         per_rep = []
@@ -484,7 +505,16 @@ def render_section(results: dict[str, Any]) -> str:
     after = results["environment_after"]
     load = " / ".join(f"{x:.2f}" for x in env["loadavg"])
     load_after = " / ".join(f"{x:.2f}" for x in after["loadavg"])
-    tp = [[m, _range(s["tok_s"][m], "{:.1f}"), _range(s["tok_per_cpu_s"][m], "{:.1f}")] for m in MODES]
+    tp = [
+        [
+            m,
+            _range(s["tok_s"][m], "{:.1f}"),
+            _range(s["tok_per_cpu_s"][m], "{:.1f}"),
+            _range(s["server_cpu_ms_per_token"][m], "{:.2f}"),
+            _range(s["sidecar_cpu_ms_per_token"][m], "{:.2f}"),
+        ]
+        for m in MODES
+    ]
     lag = [
         [m, *(_ms(s["lag_s"][m][k]) for k in ("min", "p50", "p90", "p99", "max")), str(s["lag_s"][m]["n"])]
         for m in ("sidecar", "live")
@@ -524,7 +554,16 @@ def render_section(results: dict[str, Any]) -> str:
             "`/proc`) of every process of the stack, the sidecar's included, during the batch: on a machine "
             "shared with other jobs this is the steadier measure of what the plugin costs.",
             "",
-            _table(["mode", "output tokens/s (wall)", "output tokens per server CPU second"], tp),
+            _table(
+                [
+                    "mode",
+                    "output tokens/s (wall)",
+                    "output tokens per CPU second (server + sidecar)",
+                    "SGLang processes CPU ms per token",
+                    "sidecar process CPU ms per token",
+                ],
+                tp,
+            ),
             "",
             f"### (b) Inter-token latency of {b['streams']} streams while {b['long_requests']} long requests finish",
             "",

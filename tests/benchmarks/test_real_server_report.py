@@ -40,7 +40,12 @@ def _synthetic_results() -> dict:
     for rep in range(3):
         row: dict = {"order": real_server.MODES, "throughput": {}, "itl": {}, "lags": {}}
         for k, mode in enumerate(real_server.MODES):
-            row["throughput"][mode] = {"tok_s": 100.0 + rep + k, "tok_per_cpu_s": 50.0 + k}
+            row["throughput"][mode] = {
+                "tok_s": 100.0 + rep + k,
+                "tok_per_cpu_s": 50.0 + k,
+                "server_cpu_ms_per_token": 5.0,
+                "sidecar_cpu_ms_per_token": 0.1,
+            }
             gaps = [{"s": 0.05 + 0.001 * i, "at_finish": i % 10 == 0} for i in range(100)]
             long_done = [{"tokens": 4120, "inline_b64_bytes": 1_400_000}]
             row["itl"][mode] = {"gaps": gaps, "finishes": [1.0, 2.0], "long_finished": long_done}
