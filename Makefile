@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench reliability env env-service clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -28,6 +28,9 @@ fmt: env-service
 
 bench: env
 	$(BIN)/python -m benchmarks.run
+
+bench-sglang: env ## real SGLang servers, plugin vs upstream (~10 min): the "Real SGLang server" section of BENCHMARKS.md
+	$(BIN)/python -m benchmarks.real_server
 
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests

@@ -16,6 +16,8 @@ import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ".venv/bin/python -m benchmarks.run"
+# The real-server section has its own run (`make bench-sglang`); both writers keep it between these markers.
+REAL_SERVER_BEGIN, REAL_SERVER_END = "<!-- real-server:begin -->", "<!-- real-server:end -->"
 
 
 def _ms(seconds: float) -> str:
@@ -572,6 +574,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
         ]
     if "breakdown" in results:
         out += ["## 6. Where the time goes", "", breakdown_section(results["breakdown"]), ""]
+    real_server = ROOT / "benchmarks" / "real_server.md"
+    if real_server.exists():  # written by `make bench-sglang` (benchmarks/real_server.py), kept here as is
+        out += [REAL_SERVER_BEGIN, real_server.read_text().strip(), REAL_SERVER_END, ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]
