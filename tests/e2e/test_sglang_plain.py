@@ -242,6 +242,10 @@ def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full)
             assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
             pointed.append(name)
     assert inline and pointed, (inline, pointed)  # the budget took some records and refused others
-    engine = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
-    reports = engine if isinstance(engine, list) else engine.get("engines", [])
-    assert sum(r["writer"]["fallback_inline"] for r in reports) >= len(inline)
+    deadline, counted = time.monotonic() + 15, 0  # the engine file is rewritten about once a second
+    while counted < len(inline) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        engine = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
+        reports = engine if isinstance(engine, list) else engine.get("engines", [])
+        counted = sum(r["writer"]["fallback_inline"] for r in reports)
+    assert counted == len(inline)
