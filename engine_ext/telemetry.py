@@ -86,6 +86,7 @@ class Telemetry:
     sources: Sources
     interval_s: float = 1.0
     sglang: str = ""
+    delivery: dict[str, Any] | None = None  # `frontdoors.delivery_report`: the mode in effect and why
     writes: int = 0
     _failed: set[str] = field(default_factory=set)
     _budget: list[dict[str, Any]] | None = None
@@ -115,7 +116,7 @@ class Telemetry:
             "occupancy": self._part("occupancy", []),
             "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
             "writer": {k: int(v) for k, v in self._part("writer", dict.fromkeys(WRITER_KEYS, 0)).items()},
-        }
+        } | ({"delivery": self.delivery} if self.delivery is not None else {})
 
     def tick(self) -> dict[str, Any]:
         """Build and write one report (atomically replaced); returns it."""
