@@ -218,6 +218,14 @@ class Finished:
     seqlen: int
     pool_idx: int
     aborted: bool
+    # First token position this server's forwards routed: 0, or the prompt length on a PD decode server,
+    # which receives the prompt's KV, never routes the prompt, and so holds no prompt rows.
+    first_pos: int = 0
+
+    def rows(self) -> tuple[int, int]:
+        """Positions `[lo, hi)` of the record: upstream's `[start_len, seqlen - 1)` from `first_pos` on."""
+        lo, hi = row_range(self.start_len, self.seqlen)
+        return max(lo, min(self.first_pos, hi)), hi
 
 
 class Ticket(Protocol):
@@ -268,7 +276,7 @@ class Collector:
         self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
 
     def spec(self, fin: Finished) -> RecordSpec:
-        lo, _ = row_range(fin.start_len, fin.seqlen)
+        lo, _ = fin.rows()
         return RecordSpec(
             rid=fin.rid,
             num_experts=self.shape.num_experts,
@@ -292,7 +300,7 @@ class Collector:
         if route != Route.SPOOL:
             return route
         spec = self.spec(fin)
-        lo, hi = row_range(fin.start_len, fin.seqlen)
+        lo, hi = fin.rows()
         nbytes = (hi - lo) * spec.row_bytes
         refusal = self.writer.reserve(nbytes)
         route = choose_route(
@@ -309,8 +317,8 @@ class Collector:
                 self.dropped += 1
             return route
         status = "aborted" if fin.aborted else "ok"
-        if route == Route.BOTH:
-            self._mirror[fin.rid] = (spec, nbytes, status)
+        if route == Route.BOTH:  # SGLang's inline rows start at start_len: skip those this server did not route
+            self._mirror[fin.rid] = (spec, nbytes, status, lo - row_range(fin.start_len, fin.seqlen)[0])
         else:
             self.gather.add(_WholeRecord(self, spec, nbytes, status), fin.pool_idx, lo, hi)
         return route
@@ -318,7 +326,7 @@ class Collector:
     def spool_whole(self, fin: Finished) -> bool:
         """Write the whole record of a finished request from the host cache (live rows' fallback)."""
         spec = self.spec(fin)
-        lo, hi = row_range(fin.start_len, fin.seqlen)
+        lo, hi = fin.rows()
         nbytes = (hi - lo) * spec.row_bytes
         if self.writer.reserve(nbytes) is not None:
             self.dropped += 1
@@ -332,7 +340,9 @@ class Collector:
 
     def mirror(self, rid: str, rows: torch.Tensor | None) -> None:
         """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather)."""
-        spec, nbytes, status = self._mirror.pop(rid)
+        spec, nbytes, status, skip = self._mirror.pop(rid)
+        if rows is not None and skip:
+            rows = rows[skip:]
         if rows is None or rows.shape[0] * spec.row_bytes != nbytes:
             self.writer.release(nbytes)
             self.dropped += 1

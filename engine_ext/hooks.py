@@ -587,7 +587,25 @@ def _finished_of(req):
         seqlen=prompt_len + len(req.output_ids_through_stop),
         pool_idx=int(req.kv.req_pool_idx),
         aborted=isinstance(req.finished_reason, FINISH_ABORT),
+        first_pos=prompt_len if _pd_decode_server() else 0,
     )
+
+
+_pd_mode: list[bool] = []
+
+
+def _pd_decode_server() -> bool:
+    """A PD decode server: the prompt's KV arrives by transfer, so its host cache never holds prompt rows.
+
+    0.5.23 still returns `[start_len, seqlen-1)` from the decode server's host cache (its prompt slots hold
+    whatever an earlier request left there, zeros at first); the prompt's rows are on the prefill server,
+    collected at `disaggregation/prefill.py:1223-1224`.
+    """
+    if not _pd_mode:
+        from sglang.srt.runtime_context import get_disagg
+
+        _pd_mode.append(str(get_disagg().disaggregation_mode) in ("decode", "DisaggregationMode.DECODE"))
+    return _pd_mode[0]
 
 
 class _Contained:
