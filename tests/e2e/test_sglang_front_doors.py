@@ -190,7 +190,7 @@ def multi_tokenizer(sidecar, sglang_stack) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dp2(multi_tokenizer, sglang_stack) -> dict:
+def dp2(mirror, sglang_stack) -> dict:
     stack = sglang_stack(DP2)
     return {"stack": stack, "answers": knock(stack)}
 
