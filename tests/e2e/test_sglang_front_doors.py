@@ -259,21 +259,26 @@ def test_dp_controller_with_two_schedulers_points_to_mirrors_rows(mirror, dp2):
 
 ENGINE_SCRIPT = textwrap.dedent(
     """
-    import base64, json, sys
+    import json, sys
     import sglang
-    engine = sglang.Engine(
-        model_path=sys.argv[1], load_format="dummy", device="cpu", dtype="bfloat16",
-        enable_return_routed_experts=True, max_total_tokens=8192, max_running_requests=16,
-        chunked_prefill_size=64, disable_cuda_graph=True, log_level="warning",
-    )
-    try:
-        out = engine.generate(
-            prompt=sys.argv[2], return_routed_experts=True,
-            sampling_params={"max_new_tokens": int(sys.argv[3]), "temperature": 0.0, "ignore_eos": True},
+
+    def main():  # SGLang spawns its scheduler and detokenizer: this module is re-imported in them
+        engine = sglang.Engine(
+            model_path=sys.argv[1], load_format="dummy", device="cpu", dtype="bfloat16",
+            enable_return_routed_experts=True, max_total_tokens=8192, max_running_requests=16,
+            chunked_prefill_size=64, disable_cuda_graph=True, log_level="warning",
         )
-        print("R3RESULT " + json.dumps(out["meta_info"]), flush=True)
-    finally:
-        engine.shutdown()
+        try:
+            out = engine.generate(
+                prompt=sys.argv[2], return_routed_experts=True,
+                sampling_params={"max_new_tokens": int(sys.argv[3]), "temperature": 0.0, "ignore_eos": True},
+            )
+            print("R3RESULT " + json.dumps(out["meta_info"]), flush=True)
+        finally:
+            engine.shutdown()
+
+    if __name__ == "__main__":
+        main()
     """
 )
 

@@ -120,7 +120,8 @@ def test_every_pointer_names_the_pod_holding_the_record(two_pods):
         other = next(p for p in pods if p is not pod)
         gone = httpx.get(f"{other.sidecar_url}/routed_experts/{rid}", timeout=10)
         assert gone.status_code == 404, rid  # the other pod's sidecar does not have it
-    assert served == {"gw-pod-a": 6, "gw-pod-b": 6}, served  # round robin: both pods served
+    # round robin over both pods (smg's counter also advances on routed GETs such as /v1/models)
+    assert set(served) == {"gw-pod-a", "gw-pod-b"} and min(served.values()) >= 3, served
 
 
 def test_a_pointer_to_a_pod_that_is_gone_fails_loudly(two_pods):
