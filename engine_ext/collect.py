@@ -219,6 +219,14 @@ class Finished:
     seqlen: int
     pool_idx: int
     aborted: bool
+    # First token position this server's forwards routed: 0, or the prompt length on a PD decode server,
+    # which receives the prompt's KV, never routes the prompt, and so holds no prompt rows.
+    first_pos: int = 0
+
+    def rows(self) -> tuple[int, int]:
+        """Positions `[lo, hi)` of the record: upstream's `[start_len, seqlen - 1)` from `first_pos` on."""
+        lo, hi = row_range(self.start_len, self.seqlen)
+        return max(lo, min(self.first_pos, hi)), hi
 
 
 class Ticket(Protocol):
@@ -269,7 +277,7 @@ class Collector:
         self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
 
     def spec(self, fin: Finished) -> RecordSpec:
-        lo, _ = row_range(fin.start_len, fin.seqlen)
+        lo, _ = fin.rows()
         return RecordSpec(
             rid=fin.rid,
             num_experts=self.shape.num_experts,
@@ -294,7 +302,7 @@ class Collector:
         if route != Route.SPOOL:
             return route
         spec = self.spec(fin)
-        lo, hi = row_range(fin.start_len, fin.seqlen)
+        lo, hi = fin.rows()
         nbytes = (hi - lo) * spec.row_bytes
         refusal = self.writer.reserve(nbytes)
         route = choose_route(
@@ -310,8 +318,8 @@ class Collector:
             self.dropped += 0 if inline else 1
             return route
         status = "aborted" if fin.aborted else "ok"
-        if route == Route.BOTH:
-            self._mirror[fin.rid] = (spec, nbytes, status)
+        if route == Route.BOTH:  # SGLang's inline rows start at start_len: skip those this server did not route
+            self._mirror[fin.rid] = (spec, nbytes, status, lo - row_range(fin.start_len, fin.seqlen)[0])
         else:
             self.gather.add(_WholeRecord(self, spec, nbytes, status), fin.pool_idx, lo, hi)
         return route
@@ -319,7 +327,7 @@ class Collector:
     def spool_whole(self, fin: Finished) -> bool:
         """Write the whole record of a finished request from the host cache (live rows' fallback)."""
         spec = self.spec(fin)
-        lo, hi = row_range(fin.start_len, fin.seqlen)
+        lo, hi = fin.rows()
         nbytes = (hi - lo) * spec.row_bytes
         refusal = self.writer.reserve(nbytes)
         if refusal is not None:  # the live record broke; only mirror mode built an inline payload besides
@@ -336,7 +344,9 @@ class Collector:
 
     def mirror(self, rid: str, rows: torch.Tensor | None) -> None:
         """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather)."""
-        spec, nbytes, status = self._mirror.pop(rid)
+        spec, nbytes, status, skip = self._mirror.pop(rid)
+        if rows is not None and skip:
+            rows = rows[skip:]
         if rows is None or rows.shape[0] * spec.row_bytes != nbytes:
             self.writer.release(nbytes)
             self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None)

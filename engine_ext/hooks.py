@@ -10,7 +10,7 @@ from contextvars import ContextVar
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from engine_ext import capturer, slicing
+from engine_ext import capturer, frontdoors, slicing
 from engine_ext.settings import EngineSettings, Mode
 
 
@@ -322,6 +322,44 @@ def _check_budget_at_resolution(settings: EngineSettings, server_args, previous)
     log.log(logging.WARNING if blocking else logging.INFO, "r3-sidecar buffer budget:\n%s", format_table(rows))
     if blocking and settings.budget is BudgetPolicy.ENFORCE:
         raise ValueError(refusal_message(rows))
+    _check_layout(settings, server_args)
+
+
+def _check_layout(settings: EngineSettings, server_args) -> None:
+    """Refuse (under enforce) or warn about a process layout where no rows and no pointer can reach a trainer."""
+    import logging
+
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from engine_ext.frontdoors import layout_refusal
+    from engine_ext.settings import BudgetPolicy
+
+    workers = int(getattr(resolving_view(server_args), "tokenizer_worker_num", 1) or 1)
+    refusal = layout_refusal(
+        mode=settings.mode, capture_all=settings.capture_all, unreachable=_pointer_unreachable(settings, workers)
+    )
+    if refusal is None:
+        return
+    if settings.budget is BudgetPolicy.ENFORCE:
+        raise ValueError(refusal)
+    logging.getLogger("r3_sidecar").warning("%s (R3_BUDGET=warn: starting anyway)", refusal)
+
+
+def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | None = None) -> str | None:
+    """Why this launch's responses cannot carry `routed_experts_url` (None: they can, or none is configured)."""
+    from engine_ext.frontdoors import pointer_unreachable
+
+    if not settings.sidecar_url:  # no pointer anywhere: trainers fetch by rid from a sidecar they know
+        return None
+    if tokenizer_worker_num is None:
+        from sglang.srt.runtime_context import get_serving
+
+        tokenizer_worker_num = int(get_serving().tokenizer_worker_num or 1)
+    from sglang.srt.environ import envs
+
+    return pointer_unreachable(
+        tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(envs.SGLANG_RUST_SERVER.get())
+    )
 
 
 def budget_table(server_args) -> list:
@@ -357,6 +395,13 @@ _DELIVERY_TARGETS = {
     "handle_output": "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
     "meta_info": "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
 }
+_OPENAI = "sglang.srt.entrypoints.openai"
+_OPENAI_TARGETS = {  # where SGLang builds `sglext` from meta_info["routed_experts"] only
+    "completion": f"{_OPENAI}.serving_completions.OpenAIServingCompletion._build_completion_response",
+    "chat": f"{_OPENAI}.serving_chat.OpenAIServingChat._build_chat_response",
+    "completion_stream": f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+    "chat_stream": f"{_OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream",
+}
 
 
 def install_delivery_hooks(settings: EngineSettings) -> None:
@@ -378,6 +423,11 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
     if settings.sidecar_url:
         HookRegistry.register(t["handle_output"], _around_handle_batch_output, HookType.AROUND)
         HookRegistry.register(t["meta_info"], _around_build_out_dict, HookType.AROUND)
+        o = _OPENAI_TARGETS
+        HookRegistry.register(o["completion"], _around_openai_response, HookType.AROUND)
+        HookRegistry.register(o["chat"], _around_openai_response, HookType.AROUND)
+        HookRegistry.register(o["completion_stream"], _around_openai_stream, HookType.AROUND)
+        HookRegistry.register(o["chat_stream"], _around_openai_stream, HookType.AROUND)
 
 
 class _Delivery:
@@ -409,6 +459,8 @@ class _Delivery:
             num_hidden_layers=num_slots,  # the capturer's slots are hf_text_config.num_hidden_layers
         )
         self.settings = settings
+        self.unreachable = _pointer_unreachable(settings)
+        self.mode = frontdoors.effective_mode(settings.mode, self.unreachable)
         self.host_cache = capturer.host_cache
         self.publisher, dp_rank = _attention_ranks()
         self.engine = settings.engine_name(dp_rank)
@@ -422,7 +474,7 @@ class _Delivery:
         self.collector = Collector(
             self.writer,
             shape,
-            mode=settings.mode,
+            mode=self.mode,
             capture_all=settings.capture_all,
             dtype=spool_dtype(settings.dtype, num_experts),
             engine=self.engine,
@@ -434,6 +486,15 @@ class _Delivery:
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
         ).start()
+        if self.mode is not settings.mode and self.publisher:
+            import logging
+
+            logging.getLogger("r3_sidecar").warning(
+                "r3-sidecar: %s; requests that ask for routed experts keep SGLang's inline payload (R3_MODE=%s "
+                "acts as mirror: the spool still gets every record)",
+                self.unreachable,
+                settings.mode,
+            )
         self.telemetry = _telemetry(settings, self, processor.token_to_kv_pool_allocator)
         if self.publisher:  # one engine file per DP group, like the records
             self.telemetry.start()
@@ -485,6 +546,7 @@ def _telemetry(settings: EngineSettings, delivery: _Delivery, allocator):
         sources=Sources(budget=budget, occupancy=occupancy, host_cache=host_tokens, writer=delivery.writer.snapshot),
         interval_s=settings.telemetry_interval_s,
         sglang=version("sglang"),
+        delivery=frontdoors.delivery_report(settings.mode, delivery.unreachable),
     )
 
 
@@ -553,7 +615,25 @@ def _finished_of(req):
         seqlen=prompt_len + len(req.output_ids_through_stop),
         pool_idx=int(req.kv.req_pool_idx),
         aborted=isinstance(req.finished_reason, FINISH_ABORT),
+        first_pos=prompt_len if _pd_decode_server() else 0,
     )
+
+
+_pd_mode: list[bool] = []
+
+
+def _pd_decode_server() -> bool:
+    """A PD decode server: the prompt's KV arrives by transfer, so its host cache never holds prompt rows.
+
+    0.5.23 still returns `[start_len, seqlen-1)` from the decode server's host cache (its prompt slots hold
+    whatever an earlier request left there, zeros at first); the prompt's rows are on the prefill server,
+    collected at `disaggregation/prefill.py:1223-1224`.
+    """
+    if not _pd_mode:
+        from sglang.srt.runtime_context import get_disagg
+
+        _pd_mode.append(str(get_disagg().disaggregation_mode) in ("decode", "DisaggregationMode.DECODE"))
+    return _pd_mode[0]
 
 
 class _Contained:
@@ -611,7 +691,7 @@ def _route_finished(processor, req, settings: EngineSettings) -> str:
     fin = _finished_of(req)
     if delivery.live.note_finish(req.rid, fin):
         # The live record ends this request after the step's rows; mirror mode still builds the inline payload.
-        return Route.INLINE if req.return_routed_experts and settings.mode is Mode.MIRROR else Route.SKIP
+        return Route.INLINE if req.return_routed_experts and delivery.mode is Mode.MIRROR else Route.SKIP
     return delivery.collector.finish(fin, publisher=delivery.publisher)
 
 
@@ -781,3 +861,74 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
         with _Contained("pointer"):
             meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
+
+
+# ---- delivery, main process: the pointer in the OpenAI-compatible responses' `sglext` -------------------
+
+_sglext_models: dict[type, type] = {}
+
+
+def _with_pointer_model(response_cls: type) -> type:
+    """`response_cls` whose `sglext` also has `routed_experts_url(s)` (SGLang's `SglExt` drops unknown fields)."""
+    cls = _sglext_models.get(response_cls)
+    if cls is None:
+        from typing import Optional
+
+        from pydantic import create_model
+        from sglang.srt.entrypoints.openai.protocol import SglExt
+
+        ext = _sglext_models.get(SglExt)
+        if ext is None:
+            ext = create_model(
+                "SglExt",
+                __base__=SglExt,
+                routed_experts_url=(Optional[str], None),  # noqa: UP045 (pydantic field spelling)
+                routed_experts_urls=(Optional[list[Optional[str]]], None),  # noqa: UP045
+            )
+            _sglext_models[SglExt] = ext
+        cls = create_model(response_cls.__name__, __base__=response_cls, sglext=(Optional[ext], None))  # noqa: UP045
+        _sglext_models[response_cls] = cls
+    return cls
+
+
+def _around_openai_response(original, self, request, ret, *args, **kwargs):
+    """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`."""
+    response = original(self, request, ret, *args, **kwargs)
+    with _Contained("openai pointer"):
+        from sglang.srt.entrypoints.openai.protocol import SglExt
+
+        urls = [(item.get("meta_info") or {}).get("routed_experts_url") for item in ret]
+        pointer = frontdoors.sglext_pointer(urls)
+        if pointer is None or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
+            return response
+        cls = _with_pointer_model(type(response))
+        ext_cls = _sglext_models[SglExt]
+        old = response.sglext
+        fields = {name: getattr(old, name) for name in SglExt.model_fields} if old is not None else {}
+        values = {name: getattr(response, name) for name in type(response).model_fields}
+        values["sglext"] = ext_cls(**fields, **pointer)
+        return cls.model_construct(**values)
+    return response
+
+
+async def _around_openai_stream(original, self, adapted_request, request, raw_request, *args, **kwargs):
+    """Streaming `/v1/completions`, `/v1/chat/completions`: the choices' pointers in an `sglext` chunk."""
+    settings = _delivery_settings
+    stream = None
+    with _Contained("openai pointer"):
+        if settings is not None and (getattr(request, "return_routed_experts", False) or settings.capture_all):
+            stream = frontdoors.PointerStream(
+                base_url=settings.sidecar_url,
+                n=int(getattr(request, "n", 1) or 1),
+                object_name="chat.completion.chunk" if hasattr(request, "messages") else "text_completion",
+                model=getattr(request, "model", None),
+            )
+    async for chunk in original(self, adapted_request, request, raw_request, *args, **kwargs):
+        if stream is None:
+            yield chunk
+            continue
+        out = [chunk]
+        with _Contained("openai pointer"):
+            out = stream.feed(chunk)
+        for piece in out:
+            yield piece

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from engine_ext.collect import Finished, row_range, to_spool_rows
+from engine_ext.collect import Finished, to_spool_rows
 from engine_ext.writer import Op, RecordSpec
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ class LiveRows:
                 self.writer.submit(Op(rid, status="aborted"))
             return
         status = "aborted" if fin.aborted else "ok"
-        lo, hi = row_range(fin.start_len, fin.seqlen)
+        lo, hi = fin.rows()
         if record.broken is None and not record.waiting and record.spec.start == lo and record.next_pos == hi:
             self.writer.submit(Op(rid, spec=None if record.opened else record.spec, status=status))
             self.stats.completed += 1

@@ -100,6 +100,7 @@ class Telemetry:
     sources: Sources
     interval_s: float = 1.0
     sglang: str = ""
+    delivery: dict[str, Any] | None = None  # `frontdoors.delivery_report`: the mode in effect and why
     writes: int = 0
     _failed: set[str] = field(default_factory=set)
     _budget: list[dict[str, Any]] | None = None
@@ -129,7 +130,7 @@ class Telemetry:
             "occupancy": self._part("occupancy", []),
             "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
             "writer": _writer_part(self._part("writer", dict.fromkeys(WRITER_KEYS, 0))),
-        }
+        } | ({"delivery": self.delivery} if self.delivery is not None else {})
 
     def tick(self) -> dict[str, Any]:
         """Build and write one report (atomically replaced); returns it."""

@@ -45,3 +45,14 @@ def _sglang_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Pool]:
 def sglang_stack(_sglang_pool: _Pool) -> Callable[[Config], Stack]:
     """`stack = sglang_stack(Config(...))`: that configuration's running server and sidecar."""
     return _sglang_pool.get
+
+
+@pytest.fixture(scope="session")
+def sglang_exclusive(_sglang_pool: _Pool) -> Callable[[], Path]:
+    """`root = sglang_exclusive()`: stop the pool's stack, for a test that starts its own processes under `root`."""
+
+    def take() -> Path:
+        _sglang_pool.close()
+        return _sglang_pool.root
+
+    return take

@@ -66,6 +66,45 @@ def write_model(directory: Path, **overrides: Any) -> Path:
     return directory
 
 
+# The tiny model's 256 ids as a word-level tokenizer: text and chat endpoints run without --skip-tokenizer-init.
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4; bos 1, eos 2 as config.json
+ROLE_WORDS = ["system", "user", "assistant"]  # ids 5-7, so the chat template's roles are real tokens
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def word(token_id: int) -> str:
+    """The word of a plain (non-special) id: `w8` … `w255`."""
+    return f"w{token_id}"
+
+
+def write_tokenizer(directory: Path, vocab_size: int = 256) -> Path:
+    """`tokenizer.json` + `tokenizer_config.json` (with a chat template) over `vocab_size` ids, built here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    names = SPECIAL_TOKENS + ROLE_WORDS
+    vocab = {name: i for i, name in enumerate(names)} | {word(i): i for i in range(len(names), vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 2048,
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<unk>",
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
 def cli_args(args: dict[str, Any]) -> list[str]:
     """`{"tp": 2, "disable-cuda-graph": True, "x": None}` → `--tp 2 --disable-cuda-graph` (None drops a flag)."""
     out: list[str] = []
@@ -148,6 +187,7 @@ class Config:
     env: dict[str, str] = field(default_factory=dict)  # R3_* and SGLANG_* for the server's processes
     model: dict[str, Any] = field(default_factory=dict)  # config.json overrides
     sidecar: bool = True  # start `r3-sidecar serve` on the same spool
+    tokenizer: bool = False  # write `write_tokenizer` into the model dir and drop --skip-tokenizer-init
 
 
 @dataclass
@@ -232,6 +272,8 @@ def start(config: Config, workdir: Path) -> Stack:
     """Start the server (and sidecar) of `config` under `workdir`; raise with the log tail if it fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(workdir / "model", **config.model)
+    if config.tokenizer:
+        write_tokenizer(model_dir, int(json.loads((model_dir / "config.json").read_text())["vocab_size"]))
     model = json.loads((model_dir / "config.json").read_text())
     spool = workdir / "spool"
     port = free_port()
@@ -247,6 +289,8 @@ def start(config: Config, workdir: Path) -> Stack:
         )
         env.setdefault("R3_SIDECAR_URL", sidecar.url)
     args = BASE_ARGS | {"model-path": str(model_dir), "host": "127.0.0.1", "port": port} | config.args
+    if config.tokenizer:
+        args["skip-tokenizer-init"] = None
     server = spawn(
         [sys.executable, "-m", "sglang.launch_server", *cli_args(args)],
         env,

@@ -1,0 +1,143 @@
+"""Every way a trainer reaches SGLang gets its rows inline or a pointer to them: plain values, no SGLang.
+
+- Where the pointer can be attached (one tokenizer process that loads the plugin: `/generate`, the
+  OpenAI-compatible endpoints, offline `sglang.Engine`, several DP schedulers behind the DP controller),
+  sidecar mode drops the inline payload and the response carries `routed_experts_url` instead: in
+  `meta_info`, and in the OpenAI responses' `sglext` object (`sglext_pointer`, `PointerStream`).
+- Where it cannot (`pointer_unreachable`: SGLang does not load plugins in its multi-tokenizer HTTP
+  workers, nor do those workers have a hook point), sidecar mode keeps SGLang's inline payload, as mirror
+  mode does (`effective_mode`): the trainer gets its rows inline, and the spool still gets the record.
+- Where neither can work (`layout_refusal`: capture-all for requests that do not ask, when no pointer can
+  reach them) the launch is refused under `R3_BUDGET=enforce`, naming the setting to change.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from engine_ext.collect import routed_experts_url
+from engine_ext.settings import Mode
+
+MULTI_TOKENIZER = (
+    "--tokenizer-worker-num {n} > 1: SGLang does not load plugins in its tokenizer worker processes, which "
+    "build the responses, so no pointer can be attached there"
+)
+RUST_SERVER = "SGLANG_RUST_SERVER=1: responses are built outside SGLang's Python tokenizer manager"
+
+
+def pointer_unreachable(*, tokenizer_worker_num: int, rust_server: bool = False) -> str | None:
+    """Why responses of this layout cannot carry `routed_experts_url` (None: they can)."""
+    if tokenizer_worker_num > 1:
+        return MULTI_TOKENIZER.format(n=tokenizer_worker_num)
+    if rust_server:
+        return RUST_SERVER
+    return None
+
+
+def effective_mode(mode: Mode, unreachable: str | None) -> Mode:
+    """Sidecar mode keeps SGLang's inline payload (mirror) where no pointer can reach the trainer."""
+    return Mode.MIRROR if mode is Mode.SIDECAR and unreachable else mode
+
+
+def layout_refusal(*, mode: Mode, capture_all: bool, unreachable: str | None) -> str | None:
+    """A layout that cannot work at all: requests that do not ask get neither rows nor a pointer."""
+    if mode is Mode.OFF or not capture_all or not unreachable:
+        return None
+    return (
+        f"r3-sidecar: R3_CAPTURE_ALL=1 cannot deliver here: {unreachable}, and a request that does not carry "
+        "return_routed_experts gets no inline rows either. Set --tokenizer-worker-num 1 (and unset "
+        "SGLANG_RUST_SERVER), or unset R3_CAPTURE_ALL and have trainers send return_routed_experts=true "
+        "(their rows then come inline)."
+    )
+
+
+def delivery_report(configured: Mode, unreachable: str | None) -> dict[str, str | None]:
+    """The engine file's `delivery` part: the mode asked for, the mode in effect, and why they differ."""
+    return {
+        "mode": str(effective_mode(configured, unreachable)),
+        "configured_mode": str(configured),
+        "inline_kept": unreachable if effective_mode(configured, unreachable) is not configured else None,
+    }
+
+
+# ---- the OpenAI-compatible endpoints: `sglext.routed_experts_url(s)` ------------------------------
+
+
+def sglext_pointer(urls: list[str | None]) -> dict[str, object] | None:
+    """The `sglext` fields for the choices' pointers (choice order), or None when no choice has one.
+
+    `routed_experts_url` is the first choice's, beside upstream's `routed_experts` (the first choice's
+    rows); `routed_experts_urls` holds one per choice, for `n > 1`.
+    """
+    if not any(urls):
+        return None
+    return {"routed_experts_url": next(u for u in urls if u), "routed_experts_urls": list(urls)}
+
+
+@dataclass
+class PointerStream:
+    """Adds the pointers to an OpenAI-compatible SSE stream (`data: {json}\\n\\n` chunks, then `[DONE]`).
+
+    Each chunk's `id` is the rid of the choice (`choices[].index`) it carries, so the stream itself says which
+    rid each choice has. The pointers go into the response-level `sglext` chunk when SGLang sends one (mirror
+    mode: the inline rows), else into a chunk of their own, `choices: []`, right before `data: [DONE]`.
+    """
+
+    base_url: str
+    n: int
+    object_name: str  # "text_completion" | "chat.completion.chunk"
+    model: str | None
+    rids: dict[int, str] = field(default_factory=dict)
+    done: bool = False
+    _last: dict | None = None
+
+    def urls(self) -> list[str | None]:
+        count = max(self.n, max(self.rids, default=-1) + 1)
+        return [routed_experts_url(self.base_url, self.rids[i]) if i in self.rids else None for i in range(count)]
+
+    def feed(self, chunk: str) -> list[str]:
+        """The chunks to send for one chunk of SGLang's stream."""
+        if self.done or not isinstance(chunk, str):
+            return [chunk]
+        if chunk.startswith("data: [DONE]"):
+            self.done = True
+            extra = self._pointer_chunk()
+            return [extra, chunk] if extra else [chunk]
+        if not chunk.startswith("data: {"):
+            return [chunk]
+        wants_ids = len(self.rids) < self.n
+        has_sglext = '"sglext"' in chunk
+        if not (wants_ids or has_sglext):
+            return [chunk]
+        try:
+            obj = json.loads(chunk[len("data: ") :])
+        except ValueError:
+            return [chunk]
+        self._last = obj
+        rid = obj.get("id")
+        for choice in obj.get("choices") or ():
+            if isinstance(rid, str) and isinstance(choice, dict) and isinstance(choice.get("index"), int):
+                self.rids.setdefault(choice["index"], rid)
+        if has_sglext and isinstance(obj.get("sglext"), dict) and not obj.get("choices"):
+            pointer = sglext_pointer(self.urls())
+            if pointer:
+                obj["sglext"].update(pointer)
+                self.done = True  # the pointers went out with SGLang's own sglext chunk
+                return [f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"]
+        return [chunk]
+
+    def _pointer_chunk(self) -> str | None:
+        pointer = sglext_pointer(self.urls())
+        if pointer is None:
+            return None
+        last = self._last or {}
+        obj = {
+            "id": self.rids.get(0) or last.get("id"),
+            "object": self.object_name,
+            "created": last.get("created"),
+            "model": self.model if self.model is not None else last.get("model"),
+            "choices": [],
+            "sglext": pointer,
+        }
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

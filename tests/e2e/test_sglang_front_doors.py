@@ -1,0 +1,329 @@
+"""Every front door of a real SGLang 0.5.23 server, in mirror and sidecar mode: rows inline or a pointer, never nothing.
+
+The model directory carries a word-level tokenizer built by the harness (`write_tokenizer`, a chat template in
+`tokenizer_config.json`), so `/generate` with text, `/v1/completions` and `/v1/chat/completions` run without
+`--skip-tokenizer-init`. The same requests (greedy, fixed lengths) go to each configuration in the same order:
+
+- mirror: SGLang's inline rows at every door (`meta_info["routed_experts"]`, `sglext.routed_experts`), and a
+  pointer beside them; the reference rows.
+- sidecar: no inline rows; the pointer (`meta_info["routed_experts_url"]`, `sglext.routed_experts_url(s)`) leads
+  to rows equal to the mirror run's inline rows, for every choice of `n > 1`.
+- `--tokenizer-worker-num 2` (no plugin in SGLang's tokenizer workers): sidecar mode keeps the inline rows,
+  says so in the engine file, and the spool still gets the record.
+- `--dp-size 2` (two schedulers behind SGLang's DP controller): pointers, rows equal to mirror's.
+- offline `sglang.Engine`: the pointer in `meta_info`.
+- `R3_CAPTURE_ALL=1` with several tokenizer workers under `R3_BUDGET=enforce`: refused at launch.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import textwrap
+
+import httpx
+import numpy as np
+import pytest
+from sglang_server import Config, Stack, free_port, server_env, spawn, write_model, write_tokenizer
+
+pytestmark = pytest.mark.sglang
+
+TOK = {"tokenizer": True}
+MIRROR = Config("doors-mirror", env={"R3_MODE": "mirror"}, **TOK)
+SIDECAR = Config("doors-sidecar", env={"R3_MODE": "sidecar"}, **TOK)
+# uvicorn kills a worker that does not answer its health ping within this many seconds (SGLang's default 10):
+# importing SGLang in a fresh worker takes longer than that on a busy two-core machine
+SLOW_WORKERS = {"SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "300"}
+MULTI_TOKENIZER = Config(
+    "doors-multi-tok", args={"tokenizer-worker-num": 2}, env={"R3_MODE": "sidecar"} | SLOW_WORKERS, **TOK
+)
+BIND = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}  # one core per scheduler (SGLang asks for it past one NUMA node)
+DP2 = Config("doors-dp2", args={"dp-size": 2}, env={"R3_MODE": "sidecar"} | BIND, **TOK)
+REFUSED = Config(
+    "doors-refused",
+    args={"tokenizer-worker-num": 2},
+    env={"R3_MODE": "sidecar", "R3_CAPTURE_ALL": "1", "R3_BUDGET": "enforce"},
+    **TOK,
+)
+
+MAX_NEW = 6
+PROMPT = "w10 w11 w12 w40 w41 w90 w91 w92 w93"
+MESSAGES = [{"role": "user", "content": "w20 w21 w22 w23 w24"}]
+
+
+def sampling() -> dict:
+    return {"max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, "return_routed_experts": True}
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    """The JSON objects of an SSE body (`data: {...}` lines), `[DONE]` left out."""
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            out.append(json.loads(line[len("data: ") :]))
+    assert response.text.rstrip().endswith("data: [DONE]"), response.text[-200:]
+    return out
+
+
+def door_generate(stack: Stack, model: str) -> list[dict]:
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
+    meta = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()["meta_info"]
+    return [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
+
+
+def door_generate_stream(stack: Stack, model: str) -> list[dict]:
+    body = {
+        "text": PROMPT,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+        "return_routed_experts": True,
+    }
+    chunks = sse(httpx.post(f"{stack.url}/generate", json=body, timeout=120))
+    meta = chunks[-1]["meta_info"]
+    assert meta["finish_reason"] is not None
+    return [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
+
+
+def _openai(stack: Stack, route: str, body: dict, n: int) -> list[dict]:
+    """Per choice: SGLang's inline rows (first choice only, as upstream), the pointer, the rid."""
+    body = body | sampling() | {"n": n}
+    if not body.get("stream"):
+        response = httpx.post(f"{stack.url}{route}", json=body, timeout=120).json()
+        sglext = response.get("sglext") or {}
+        urls = sglext.get("routed_experts_urls") or [None] * n
+        assert len(response["choices"]) == n
+        if sglext.get("routed_experts_url"):
+            assert sglext["routed_experts_url"] == urls[0]
+        return [{"inline": sglext.get("routed_experts") if i == 0 else None, "url": urls[i]} for i in range(n)]
+    chunks = sse(httpx.post(f"{stack.url}{route}", json=body, timeout=120))
+    rids = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            rids.setdefault(choice["index"], chunk["id"])
+    sglexts = [c["sglext"] for c in chunks if c.get("sglext")]
+    assert len(sglexts) <= 1, sglexts  # one response-level sglext chunk, SGLang's own or ours
+    sglext = sglexts[0] if sglexts else {}
+    urls = sglext.get("routed_experts_urls") or [None] * n
+    out = []
+    for i in range(n):
+        if urls[i] is not None:  # the pointer names the rid the stream showed for that choice
+            assert urls[i].endswith(f"/routed_experts/{rids[i]}"), (urls[i], rids)
+        out.append({"inline": sglext.get("routed_experts") if i == 0 else None, "url": urls[i], "rid": rids[i]})
+    return out
+
+
+def door_completions(stack, model):
+    return _openai(stack, "/v1/completions", {"model": model, "prompt": PROMPT}, 1)
+
+
+def door_completions_stream(stack, model):
+    return _openai(stack, "/v1/completions", {"model": model, "prompt": PROMPT, "stream": True}, 1)
+
+
+def door_completions_n2_stream(stack, model):
+    return _openai(stack, "/v1/completions", {"model": model, "prompt": PROMPT, "stream": True}, 2)
+
+
+def door_chat(stack, model):
+    return _openai(stack, "/v1/chat/completions", {"model": model, "messages": MESSAGES}, 1)
+
+
+def door_chat_stream(stack, model):
+    return _openai(stack, "/v1/chat/completions", {"model": model, "messages": MESSAGES, "stream": True}, 1)
+
+
+def door_chat_n2(stack, model):
+    return _openai(stack, "/v1/chat/completions", {"model": model, "messages": MESSAGES}, 2)
+
+
+DOORS = {
+    "generate": door_generate,
+    "generate_stream": door_generate_stream,
+    "completions": door_completions,
+    "completions_stream": door_completions_stream,
+    "completions_n2_stream": door_completions_n2_stream,
+    "chat": door_chat,
+    "chat_stream": door_chat_stream,
+    "chat_n2": door_chat_n2,
+}
+
+
+def knock(stack: Stack) -> dict[str, list[dict]]:
+    """Every door once, in DOORS order; returns per door the per-choice answers."""
+    model = httpx.get(f"{stack.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    return {name: door(stack, model) for name, door in DOORS.items()}
+
+
+def rows_of(stack: Stack, answer: dict) -> np.ndarray:
+    """The rows an answer gives a trainer: inline if present, else fetched through the pointer (SGLang's layout)."""
+    if answer["inline"] is not None:
+        payload = answer["inline"]
+    else:
+        assert answer["url"], answer
+        fetched = httpx.get(answer["url"], params={"format": "sglang_b64", "wait": 30}, timeout=60)
+        assert fetched.status_code == 200, (answer, fetched.text)
+        payload = fetched.text
+    return np.frombuffer(base64.b64decode(payload), dtype=np.int32).reshape(-1, stack.num_hidden_layers, stack.topk)
+
+
+@pytest.fixture(scope="module")
+def mirror(sglang_stack) -> dict:
+    stack = sglang_stack(MIRROR)
+    return {"stack": stack, "answers": knock(stack)}
+
+
+@pytest.fixture(scope="module")
+def sidecar(mirror, sglang_stack) -> dict:
+    stack = sglang_stack(SIDECAR)
+    return {"stack": stack, "answers": knock(stack)}
+
+
+@pytest.fixture(scope="module")
+def multi_tokenizer(sidecar, sglang_stack) -> dict:
+    stack = sglang_stack(MULTI_TOKENIZER)
+    return {"stack": stack, "answers": knock(stack)}
+
+
+@pytest.fixture(scope="module")
+def dp2(mirror, sglang_stack) -> dict:
+    stack = sglang_stack(DP2)
+    return {"stack": stack, "answers": knock(stack)}
+
+
+def reference(mirror) -> dict[str, np.ndarray]:
+    """Mirror's inline rows per door (first choice), the rows every other configuration must match."""
+    return {name: rows_of(mirror["stack"], answers[0]) for name, answers in mirror["answers"].items()}
+
+
+def expected_rows(prompt_tokens: int) -> int:
+    return prompt_tokens + MAX_NEW - 1
+
+
+def test_mirror_every_door_returns_inline_rows_and_a_pointer_to_the_same_rows(mirror):
+    stack = mirror["stack"]
+    for name, answers in mirror["answers"].items():
+        assert answers[0]["inline"] is not None, name  # upstream's own payload stays in mirror mode
+        inline = rows_of(stack, answers[0])
+        assert inline.shape[1:] == (4, 2) and inline.shape[0] > MAX_NEW, name
+        for i, answer in enumerate(answers):
+            assert answer["url"] and answer["url"].startswith(stack.sidecar_url), (name, i)
+            pointed = rows_of(stack, answer | {"inline": None})
+            assert np.array_equal(pointed, inline), (name, i)  # greedy: every choice routed the same tokens
+
+
+def test_sidecar_every_door_drops_inline_rows_and_points_to_mirrors_rows(mirror, sidecar):
+    ref = reference(mirror)
+    stack = sidecar["stack"]
+    for name, answers in sidecar["answers"].items():
+        for i, answer in enumerate(answers):
+            assert answer["inline"] is None, (name, i)  # the spool took them
+            assert answer["url"] and answer["url"].startswith(stack.sidecar_url), (name, i, answer)
+            assert np.array_equal(rows_of(stack, answer), ref[name]), (name, i)
+    urls = [a["url"] for answers in sidecar["answers"].values() for a in answers]
+    assert len(set(urls)) == len(urls)  # one record per request and per choice
+
+
+def test_several_tokenizer_workers_keep_inline_rows_and_say_so(mirror, multi_tokenizer):
+    ref = reference(mirror)
+    stack = multi_tokenizer["stack"]
+    for name, answers in multi_tokenizer["answers"].items():
+        answer = answers[0]
+        assert answer["url"] is None, name  # SGLang's tokenizer workers run no plugin: no pointer
+        assert answer["inline"] is not None, name  # so the rows stay inline, never nothing
+        assert np.array_equal(rows_of(stack, answer), ref[name]), name
+    reports = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()["engines"]
+    assert reports and all(r["delivery"]["mode"] == "mirror" for r in reports), reports
+    assert all("--tokenizer-worker-num" in r["delivery"]["inline_kept"] for r in reports)
+    assert all(r["delivery"]["configured_mode"] == "sidecar" for r in reports)
+    assert stack.server.log_text().count("requests that ask for routed experts keep SGLang's inline payload") == 1
+    rid = multi_tokenizer["answers"]["generate"][0]["rid"]
+    meta, stored = stack.final_record(rid)  # the spool still has the record
+    assert np.array_equal(stored.astype(np.int32), ref["generate"][:, list(meta.layers), :])
+
+
+def test_dp_controller_with_two_schedulers_points_to_mirrors_rows(mirror, dp2):
+    ref = reference(mirror)
+    stack = dp2["stack"]
+    for name, answers in dp2["answers"].items():
+        for i, answer in enumerate(answers):
+            assert answer["inline"] is None and answer["url"], (name, i, answer)
+            assert np.array_equal(rows_of(stack, answer), ref[name]), (name, i)
+    engines = {r["engine"] for r in httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()["engines"]}
+    assert {e.rsplit("/", 1)[1] for e in engines} == {"dp0", "dp1"}, engines  # both schedulers ran the plugin
+
+
+ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import sglang
+
+    def main():  # SGLang spawns its scheduler and detokenizer: this module is re-imported in them
+        engine = sglang.Engine(
+            model_path=sys.argv[1], load_format="dummy", device="cpu", dtype="bfloat16",
+            enable_return_routed_experts=True, max_total_tokens=8192, max_running_requests=16,
+            chunked_prefill_size=64, disable_cuda_graph=True, log_level="warning",
+        )
+        try:
+            out = engine.generate(
+                prompt=sys.argv[2], return_routed_experts=True,
+                sampling_params={"max_new_tokens": int(sys.argv[3]), "temperature": 0.0, "ignore_eos": True},
+            )
+            print("R3RESULT " + json.dumps(out["meta_info"]), flush=True)
+        finally:
+            engine.shutdown()
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+@pytest.mark.timeout(600)
+def test_offline_engine_returns_the_pointer(mirror, sglang_exclusive):
+    """`sglang.Engine` in a process of its own (sidecar mode), with a sidecar on its spool; no server beside it."""
+    root = sglang_exclusive() / "doors-engine"
+    model_dir = write_tokenizer(write_model(root / "model"))
+    spool = root / "spool"
+    env = server_env(SIDECAR, spool)
+    port = free_port()
+    sidecar = spawn(
+        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env | {"R3_TEST_SGLANG_CPU": "0"},
+        root / "sidecar.log",
+        f"http://127.0.0.1:{port}",
+    )
+    script = root / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    engine = spawn(
+        [sys.executable, str(script), str(model_dir), PROMPT, str(MAX_NEW)],
+        env | {"R3_SIDECAR_URL": sidecar.url},
+        root / "engine.log",
+        "",
+    )
+    try:
+        sidecar.wait_http("/readyz", 60, "r3-sidecar")
+        engine.proc.wait(400)
+        text = engine.log_text()
+        lines = [line for line in text.splitlines() if line.startswith("R3RESULT ")]
+        assert engine.proc.returncode == 0 and lines, text[-3000:]
+        meta = json.loads(lines[-1][len("R3RESULT ") :])
+        assert "routed_experts" not in meta  # sidecar mode: the spool took the rows
+        assert meta["routed_experts_url"].startswith(sidecar.url)
+        rows = rows_of(mirror["stack"], {"inline": None, "url": meta["routed_experts_url"]})
+        assert np.array_equal(rows, reference(mirror)["generate"])
+    finally:
+        engine.stop()
+        sidecar.stop()
+
+
+def test_capture_all_with_several_tokenizer_workers_is_refused_under_enforce(sglang_stack):
+    with pytest.raises(RuntimeError) as failed:
+        sglang_stack(REFUSED)
+    message = str(failed.value)
+    assert "exited with" in message
+    assert "R3_CAPTURE_ALL=1 cannot deliver here" in message and "--tokenizer-worker-num 1" in message

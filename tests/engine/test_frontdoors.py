@@ -1,0 +1,81 @@
+"""Front doors, plain values: which layouts can carry a pointer, and the pointers in an OpenAI SSE stream."""
+
+from __future__ import annotations
+
+import json
+
+from engine_ext.frontdoors import (
+    PointerStream,
+    delivery_report,
+    effective_mode,
+    layout_refusal,
+    pointer_unreachable,
+    sglext_pointer,
+)
+from engine_ext.settings import Mode
+
+
+def chunk(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def test_layouts_without_a_pointer_keep_inline_rows_and_refuse_capture_all():
+    assert pointer_unreachable(tokenizer_worker_num=1) is None
+    why = pointer_unreachable(tokenizer_worker_num=2)
+    assert "--tokenizer-worker-num 2" in why
+    assert "SGLANG_RUST_SERVER" in pointer_unreachable(tokenizer_worker_num=1, rust_server=True)
+    assert effective_mode(Mode.SIDECAR, why) is Mode.MIRROR
+    assert effective_mode(Mode.SIDECAR, None) is Mode.SIDECAR
+    assert effective_mode(Mode.OFF, why) is Mode.OFF
+    assert delivery_report(Mode.SIDECAR, why) == {"mode": "mirror", "configured_mode": "sidecar", "inline_kept": why}
+    assert delivery_report(Mode.MIRROR, why)["inline_kept"] is None  # mirror is what was asked for
+    assert layout_refusal(mode=Mode.SIDECAR, capture_all=False, unreachable=why) is None
+    assert layout_refusal(mode=Mode.SIDECAR, capture_all=True, unreachable=None) is None
+    refusal = layout_refusal(mode=Mode.MIRROR, capture_all=True, unreachable=why)
+    assert "--tokenizer-worker-num 1" in refusal and "R3_CAPTURE_ALL" in refusal
+
+
+def test_sglext_pointer_lists_every_choice():
+    assert sglext_pointer([None, None]) is None
+    assert sglext_pointer(["u0", "u1"]) == {"routed_experts_url": "u0", "routed_experts_urls": ["u0", "u1"]}
+
+
+def test_stream_pointers_go_before_done_when_sglang_sends_no_sglext():
+    stream = PointerStream(base_url="http://sc:1/", n=2, object_name="text_completion", model="m")
+    sent = []
+    for piece in [
+        chunk({"id": "r1", "created": 5, "model": "m", "choices": [{"index": 1, "text": "a"}]}),
+        chunk({"id": "r0", "created": 5, "model": "m", "choices": [{"index": 0, "text": "b"}]}),
+        chunk({"id": "r0", "created": 5, "model": "m", "choices": [], "usage": {"total_tokens": 3}}),
+        "data: [DONE]\n\n",
+    ]:
+        sent.extend(stream.feed(piece))
+    assert sent[-1] == "data: [DONE]\n\n" and len(sent) == 5
+    extra = json.loads(sent[-2][len("data: ") :])
+    assert extra["choices"] == [] and extra["object"] == "text_completion" and extra["id"] == "r0"
+    assert extra["sglext"]["routed_experts_urls"] == ["http://sc:1/routed_experts/r0", "http://sc:1/routed_experts/r1"]
+    assert extra["sglext"]["routed_experts_url"] == "http://sc:1/routed_experts/r0"
+
+
+def test_stream_pointers_join_sglangs_own_sglext_chunk():
+    stream = PointerStream(base_url="http://sc:1", n=1, object_name="chat.completion.chunk", model="m")
+    sent = []
+    for piece in [
+        chunk({"id": "a/b", "choices": [{"index": 0, "delta": {"content": "x"}}]}),
+        chunk({"id": "a/b", "choices": [], "sglext": {"routed_experts": "AAAA"}}),
+        "data: [DONE]\n\n",
+    ]:
+        sent.extend(stream.feed(piece))
+    assert len(sent) == 3  # no chunk of our own: the pointers went into SGLang's
+    merged = json.loads(sent[1][len("data: ") :])
+    assert merged["sglext"] == {
+        "routed_experts": "AAAA",
+        "routed_experts_url": "http://sc:1/routed_experts/a%2Fb",
+        "routed_experts_urls": ["http://sc:1/routed_experts/a%2Fb"],
+    }
+
+
+def test_stream_without_choices_gets_no_pointer():
+    stream = PointerStream(base_url="http://sc:1", n=1, object_name="text_completion", model="m")
+    assert stream.feed('data: {"error": "boom"}\n\n') == ['data: {"error": "boom"}\n\n']
+    assert stream.feed("data: [DONE]\n\n") == ["data: [DONE]\n\n"]
