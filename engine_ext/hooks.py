@@ -1,17 +1,115 @@
 """The one module that names SGLang 0.5.23 internals: hook targets, private attributes, argument names.
 
-Everything it calls is plain functions of plain values (`capturer`, `slicing`, `budget`, `writer`, …), so
-those stay testable without SGLang. Hooks are registered with `HookRegistry`; SGLang applies them.
+How it works. SGLang's `HookRegistry` (`srt/plugins/hook_registry.py`) patches a dotted target in every
+process that loads plugins: an AROUND hook is called as `hook(original, *args, **kwargs)` and decides when to
+call `original`; a REPLACE hook takes the target's place. `install(settings)` registers the rows of `HOOKS`
+below that the settings ask for, one hook per target; SGLang applies them right after (`register()` in
+`engine_ext/__init__.py` is the entry point). Everything the hooks compute is plain functions of plain values
+(`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`, `frontdoors`), testable without SGLang.
+
+Usage, e.g. to see what a launch registers:
+
+    from engine_ext import hooks
+    for hook in hooks.HOOKS: print(hook.groups, hook.type.name, hook.target)
+
+The budget check is not a `HookRegistry` target: it runs at the last ServerArgs resolution step
+(`register_resolution_hook`, see `install_budget_hooks`).
 """
 
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from engine_ext import capturer, frontdoors, slicing
 from engine_ext.settings import EngineSettings, Mode
+
+_RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
+_BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_OPENAI = "sglang.srt.entrypoints.openai"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One row of the table: where, what (a function of this module, by name), how, and when it is wanted."""
+
+    target: str
+    function: str
+    type: HookType
+    groups: tuple[str, ...]  # capture: always · hip: ROCm only · delivery: R3_MODE not off · pointer: R3_SIDECAR_URL
+
+
+AROUND, REPLACE = HookType.AROUND, HookType.REPLACE
+HOOKS: tuple[Hook, ...] = (
+    # capture: sizing, sync-free DP slicing, overflow checks, occupancy (scheduler)
+    Hook(f"{_RE}.create", "_create_sized_capturer", AROUND, ("capture",)),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
+        "_record_forward_extent",
+        AROUND,
+        ("capture",),
+    ),
+    Hook(f"{_RE}._get_local_slice", "_get_local_slice", REPLACE, ("capture",)),
+    Hook(f"{_RE}.on_forward_end", "_around_forward_end", AROUND, ("capture", "delivery")),  # occupancy; host rows
+    Hook("sglang.srt.state_capturer.base.BaseDeviceCache.capture", "_checked_device_capture", AROUND, ("capture",)),
+    Hook("sglang.srt.runtime_context.cutedsl_moe_max_num_tokens", "_cutedsl_moe_max_num_tokens", REPLACE, ("capture",)),
+    Hook(
+        "sglang.srt.layers.attention.triton_backend.TritonMultiStepDraftBackend.common_template",
+        "_checked_draft_kv_indices",
+        AROUND,
+        ("capture",),
+    ),
+    Hook(  # aiter_backend imports only where aiter is installed
+        "sglang.srt.layers.attention.aiter_backend.AiterMultiStepDraftBackend.common_template",
+        "_checked_draft_kv_indices",
+        AROUND,
+        ("hip",),
+    ),
+    # delivery: finished and live rows to the spool, off the scheduler thread (scheduler)
+    Hook(f"{_BRP}._maybe_collect_routed_experts", "_around_collect", AROUND, ("delivery",)),
+    Hook(f"{_BRP}.process_batch_result_prefill", "_around_process_result", AROUND, ("delivery",)),
+    Hook(f"{_BRP}.process_batch_result_decode", "_around_process_result", AROUND, ("delivery",)),
+    Hook(
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
+        "_around_disagg_prefill_done",
+        AROUND,
+        ("delivery",),
+    ),
+    Hook("sglang.srt.state_capturer.base.TopkCaptureOutput.finalize", "_around_finalize", AROUND, ("delivery",)),
+    # pointer: `routed_experts_url` in meta_info and in the OpenAI responses' `sglext` (main process)
+    Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
+        "_around_handle_batch_output",
+        AROUND,
+        ("pointer",),
+    ),
+    Hook(
+        "sglang.srt.beam_search.output.try_build_beam_search_out_dict", "_around_build_out_dict", AROUND, ("pointer",)
+    ),
+    Hook(
+        f"{_OPENAI}.serving_completions.OpenAIServingCompletion._build_completion_response",
+        "_around_openai_response",
+        AROUND,
+        ("pointer",),
+    ),
+    Hook(
+        f"{_OPENAI}.serving_chat.OpenAIServingChat._build_chat_response",
+        "_around_openai_response",
+        AROUND,
+        ("pointer",),
+    ),
+    Hook(
+        f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+        "_around_openai_stream",
+        AROUND,
+        ("pointer",),
+    ),
+    Hook(
+        f"{_OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream", "_around_openai_stream", AROUND, ("pointer",)
+    ),
+)
 
 
 def install(settings: EngineSettings) -> None:
@@ -22,38 +120,29 @@ def install(settings: EngineSettings) -> None:
         install_delivery_hooks(settings)
 
 
-# ---- capture: capturer sizing, DP slicing, runtime assertions, occupancy (owner: capture work) ----------
+_registered: set[Hook] = set()  # a row wanted by two groups (on_forward_end) is registered once
 
-_RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
-_MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
-_DECODE_EXTENT_ATTR = "r3_decode_graph_extent"  # set on each ForwardBatch by _record_forward_extent
-_SLICE_ATTR = "_r3_last_slice"  # the capturer's LocalSlice of the current forward, for occupancy
-_GATHERED_ATTR = "_r3_gathered"  # on capturers built by _create_sized_capturer: MoE sees the DP-gathered batch
-_OCCUPANCY_ATTR = "_r3_occupancy"  # … and their device-cache Occupancy
+
+def _register(*groups: str) -> None:
+    for hook in HOOKS:
+        if hook not in _registered and set(hook.groups) & set(groups):
+            HookRegistry.register(hook.target, globals()[hook.function], hook.type)
+            _registered.add(hook)
 
 
 def install_capture_hooks(settings: EngineSettings) -> None:
     """Correct capturer sizing and sync-free DP slicing, check writes against capacities, track occupancy."""
     from sglang.srt.utils import is_hip
 
-    register = HookRegistry.register
-    register(f"{_RE}.create", _create_sized_capturer, HookType.AROUND)
-    register(f"{_MODEL_RUNNER}._forward_raw", _record_forward_extent, HookType.AROUND)
-    register(f"{_RE}._get_local_slice", _get_local_slice, HookType.REPLACE)
-    register(f"{_RE}.on_forward_end", _on_forward_end_with_occupancy, HookType.AROUND)
-    register("sglang.srt.state_capturer.base.BaseDeviceCache.capture", _checked_device_capture, HookType.AROUND)
-    register("sglang.srt.runtime_context.cutedsl_moe_max_num_tokens", _cutedsl_moe_max_num_tokens, HookType.REPLACE)
-    register(
-        "sglang.srt.layers.attention.triton_backend.TritonMultiStepDraftBackend.common_template",
-        _checked_draft_kv_indices,
-        HookType.AROUND,
-    )
-    if is_hip():  # aiter_backend imports only where aiter is installed
-        register(
-            "sglang.srt.layers.attention.aiter_backend.AiterMultiStepDraftBackend.common_template",
-            _checked_draft_kv_indices,
-            HookType.AROUND,
-        )
+    _register("capture", *(("hip",) if is_hip() else ()))
+
+
+# ---- capture: capturer sizing, DP slicing, runtime assertions, occupancy (owner: capture work) ----------
+
+_DECODE_EXTENT_ATTR = "r3_decode_graph_extent"  # set on each ForwardBatch by _record_forward_extent
+_SLICE_ATTR = "_r3_last_slice"  # the capturer's LocalSlice of the current forward, for occupancy
+_GATHERED_ATTR = "_r3_gathered"  # on capturers built by _create_sized_capturer: MoE sees the DP-gathered batch
+_OCCUPANCY_ATTR = "_r3_occupancy"  # … and their device-cache Occupancy
 
 
 def capture_limits(model_config, max_running_requests: int):
@@ -221,19 +310,6 @@ class _RoutedLayers:
 _routed_layers = _RoutedLayers()
 
 
-def _on_forward_end_with_occupancy(original, self, forward_batch, *args, **kwargs):
-    """Record the rows this forward used in the device cache (host-side shape integers only)."""
-    setattr(self, _SLICE_ATTR, None)
-    if _routed_layers.known is None:
-        _routed_layers.close()
-    result = original(self, forward_batch, *args, **kwargs)
-    where = getattr(self, _SLICE_ATTR, None)
-    occupancy = getattr(self, _OCCUPANCY_ATTR, None)
-    if occupancy is not None:
-        occupancy.record(where.gathered_rows if where is not None else forward_batch.out_cache_loc.shape[0])
-    return result
-
-
 def _checked_device_capture(original, self, layer_id, topk_indices):
     """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
     if _routed_layers.known is None and self.name == "routed_experts":
@@ -383,51 +459,16 @@ def _budget_model_config(server_args):
 # ---- delivery: collection, writer, live rows, telemetry, pointer (owner: delivery work) ------------------
 
 
-_BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
-_DELIVERY_TARGETS = {
-    "collect": f"{_BRP}._maybe_collect_routed_experts",
-    "prefill": f"{_BRP}.process_batch_result_prefill",
-    "decode": f"{_BRP}.process_batch_result_decode",
-    "disagg_prefill": "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
-    ".process_disagg_prefill_inflight_queue",
-    "finalize": "sglang.srt.state_capturer.base.TopkCaptureOutput.finalize",
-    "forward_end": "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer.on_forward_end",
-    "handle_output": "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
-    "meta_info": "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
-}
-_OPENAI = "sglang.srt.entrypoints.openai"
-_OPENAI_TARGETS = {  # where SGLang builds `sglext` from meta_info["routed_experts"] only
-    "completion": f"{_OPENAI}.serving_completions.OpenAIServingCompletion._build_completion_response",
-    "chat": f"{_OPENAI}.serving_chat.OpenAIServingChat._build_chat_response",
-    "completion_stream": f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
-    "chat_stream": f"{_OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream",
-}
-
-
 def install_delivery_hooks(settings: EngineSettings) -> None:
     """Deliver finished (and, when asked, live) rows to the spool without blocking the scheduler.
 
     Scheduler process: finish-time collection (`collect.Collector`), live rows (`live.LiveRows`), the writer
     and telemetry threads, started lazily at the first batch result (other processes never start them).
-    Main process: the `routed_experts_url` pointer in `meta_info` when `R3_SIDECAR_URL` is set.
+    Main process: the `routed_experts_url` pointer in `meta_info` and `sglext` when `R3_SIDECAR_URL` is set.
     """
     global _delivery_settings
     _delivery_settings = settings
-    t = _DELIVERY_TARGETS
-    HookRegistry.register(t["collect"], _around_collect, HookType.AROUND)
-    HookRegistry.register(t["prefill"], _around_process_result, HookType.AROUND)
-    HookRegistry.register(t["decode"], _around_process_result, HookType.AROUND)
-    HookRegistry.register(t["disagg_prefill"], _around_disagg_prefill_done, HookType.AROUND)
-    HookRegistry.register(t["finalize"], _around_finalize, HookType.AROUND)
-    HookRegistry.register(t["forward_end"], _around_forward_end, HookType.AROUND)
-    if settings.sidecar_url:
-        HookRegistry.register(t["handle_output"], _around_handle_batch_output, HookType.AROUND)
-        HookRegistry.register(t["meta_info"], _around_build_out_dict, HookType.AROUND)
-        o = _OPENAI_TARGETS
-        HookRegistry.register(o["completion"], _around_openai_response, HookType.AROUND)
-        HookRegistry.register(o["chat"], _around_openai_response, HookType.AROUND)
-        HookRegistry.register(o["completion_stream"], _around_openai_stream, HookType.AROUND)
-        HookRegistry.register(o["chat_stream"], _around_openai_stream, HookType.AROUND)
+    _register("delivery", *(("pointer",) if settings.sidecar_url else ()))
 
 
 class _Delivery:
@@ -802,14 +843,27 @@ def _around_finalize(original, self):
 
 
 def _around_forward_end(original, self, *args, **kwargs):
-    """Non-overlap path: gather finished rows before the host-cache write, and keep this forward's host rows.
+    """Occupancy of the device cache; under delivery, the finished rows' gather and this forward's host rows.
 
-    Upstream writes the host cache inline here (`.cpu()` of `out_cache_loc` and of the slice: its own syncs).
-    This runs the same write through `TopkCaptureOutput` so the host rows stay at hand for live rows; the
-    batch result that follows picks them up by its `out_cache_loc` (no match: no live rows for that step).
+    Non-overlap scheduling: upstream writes the host cache inline here (`.cpu()` of `out_cache_loc` and of the
+    slice: its own syncs). Delivery runs the same write through `TopkCaptureOutput` so the host rows stay at
+    hand for live rows; the batch result that follows picks them up by its `out_cache_loc` (no match: no live
+    rows for that step). Occupancy reads host-side shape integers only.
     """
     params = dict(zip(("forward_batch", "can_run_graph", "cuda_graph_batch", "no_copy_to_cpu"), args, strict=False))
     params.update(kwargs)
+    setattr(self, _SLICE_ATTR, None)
+    if _routed_layers.known is None:
+        _routed_layers.close()
+    out = _forward_end_rows(original, self, params)
+    where = getattr(self, _SLICE_ATTR, None)
+    occupancy = getattr(self, _OCCUPANCY_ATTR, None)
+    if occupancy is not None:
+        occupancy.record(where.gathered_rows if where is not None else params["forward_batch"].out_cache_loc.shape[0])
+    return out
+
+
+def _forward_end_rows(original, self, params: dict):
     delivery = _delivery
     if delivery is None or params.get("no_copy_to_cpu", False):
         return original(self, **params)

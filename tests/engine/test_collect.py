@@ -91,7 +91,8 @@ SPOOL = os.environ["R3_TEST_SPOOL"]
 publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
 hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL, sidecar_url="http://sc:8000"))
 HookRegistry.apply_hooks()
-unpatched = [t for t in hooks._DELIVERY_TARGETS.values() if t not in HookRegistry._patched]
+wanted = [h.target for h in hooks.HOOKS if {"delivery", "pointer"} & set(h.groups)]
+unpatched = [t for t in wanted if t not in HookRegistry._patched]
 
 mc = tiny_model_config()
 mc.hf_text_config.num_experts = 8

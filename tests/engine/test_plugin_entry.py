@@ -67,7 +67,8 @@ def test_load_plugins_discovers_and_applies_capture_hooks(tmp_path) -> None:
     (result,) = run_sglang(_load_plugins_child(CAPTURE_TARGETS), env={"R3_SPOOL_DIR": str(tmp_path / "spool")})
     assert result["patched"] == sorted(CAPTURE_TARGETS)
     assert result["wrapped"] == sorted(CAPTURE_TARGETS)
-    assert all("r3_sidecar" in sources for sources in result["sources"].values()), result["sources"]
+    # one hook per target (two AROUND hooks on one target made SGLang warn at every start)
+    assert all(sources.count("r3_sidecar") == 1 for sources in result["sources"].values()), result["sources"]
 
 
 @pytest.mark.sglang
@@ -82,3 +83,16 @@ md.version = lambda name: "0.5.22" if name == "sglang" else _real(name)
     assert result["patched"] == [] and result["wrapped"] == []
     (line,) = result["log"]
     assert line[0] == "ERROR" and "0.5.23" in line[1] and "0.5.22" in line[1] and "no hooks" in line[1]
+
+
+@pytest.mark.sglang
+def test_the_hook_table_has_one_row_per_target_each_naming_a_hook_of_this_module() -> None:
+    (rows,) = run_sglang(
+        "from engine_ext import hooks\n"
+        "emit([[h.target, h.function, list(h.groups), callable(getattr(hooks, h.function, None))]\n"
+        "      for h in hooks.HOOKS])"
+    )
+    targets = [target for target, *_ in rows]
+    assert len(targets) == len(set(targets))
+    for target, function, groups, found in rows:
+        assert found and groups and set(groups) <= {"capture", "hip", "delivery", "pointer"}, (target, function)
