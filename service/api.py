@@ -29,6 +29,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import formats
+from service.frames import FRAMES_MEDIA_TYPE, frame_header
 from service.metrics import CODE_ABORT, CODE_CLIENT_GONE, Fetch, Metrics
 from service.settings import Settings
 from service.spool import RecordMeta, Spool, SpoolFormatError
@@ -283,7 +284,7 @@ _RECORD_OK: dict[int | str, dict[str, Any]] = {
             "application/octet-stream": _BINARY,
             "application/json": {"schema": {"type": "object"}},
             "text/plain": {"schema": _TEXT},
-            formats.FRAMES_MEDIA_TYPE: _BINARY,
+            FRAMES_MEDIA_TYPE: _BINARY,
         },
     },
     202: {"model": Pending, "description": "The record exists but is not final after `wait`."},
@@ -445,7 +446,7 @@ def _frame(rid: str, status: int, meta: RecordMeta | None, **extra: Any) -> byte
         "final": bool(meta and meta.final),
         **extra,
     }
-    return formats.frame_header(header)
+    return frame_header(header)
 
 
 def _ok_headers(
@@ -587,7 +588,7 @@ def create_app(settings: Settings) -> FastAPI:
         responses={
             200: {
                 "description": "One frame per rid in request order, each header with its own `status`.",
-                "content": {formats.FRAMES_MEDIA_TYPE: _BINARY},
+                "content": {FRAMES_MEDIA_TYPE: _BINARY},
             },
             413: {"model": ErrorBody, "description": "Request body too large."},
             **SERVER_400,
@@ -653,7 +654,7 @@ def create_app(settings: Settings) -> FastAPI:
                     **({"clamped": clamped} if request.clamp else {}),
                 }
                 try:
-                    yield formats.frame_header(header)
+                    yield frame_header(header)
                     row_lo, row_hi = lo - meta.start, hi - meta.start
                     for chunk in _row_chunks(store, meta, row_lo, row_hi, slots, bin_file=bin_file):
                         yield chunk
@@ -661,7 +662,7 @@ def create_app(settings: Settings) -> FastAPI:
                     bin_file.close()
                 fetch.count(200, meta.status)
 
-        return StreamingResponse(counted(frames(), fetch), media_type=formats.FRAMES_MEDIA_TYPE)
+        return StreamingResponse(counted(frames(), fetch), media_type=FRAMES_MEDIA_TYPE)
 
     # ---- GET /routed_experts/{rid} ---------------------------------------------------------
     @app.get(
@@ -822,7 +823,7 @@ def create_app(settings: Settings) -> FastAPI:
                         "created": current.created,
                     }
                     try:
-                        yield formats.frame_header(header)
+                        yield frame_header(header)
                         for chunk in _row_chunks(store, current, sent, upto, slots, bin_file=bin_file):
                             yield chunk
                     finally:
@@ -846,7 +847,7 @@ def create_app(settings: Settings) -> FastAPI:
                     )
                 )
 
-        return StreamingResponse(counted(frames(), fetch), media_type=formats.FRAMES_MEDIA_TYPE, headers=headers)
+        return StreamingResponse(counted(frames(), fetch), media_type=FRAMES_MEDIA_TYPE, headers=headers)
 
     # ---- DELETE ------------------------------------------------------------------------------
     @app.delete(
