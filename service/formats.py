@@ -2,7 +2,7 @@
 
 Every encoder takes an iterator of whole-row chunks (C order, the record's dtype, already narrowed to
 the requested layers) and yields body chunks, so a large record is never held whole in memory. The
-callers (`service.api`) own the I/O; nothing here touches a file or a socket.
+callers (`service.fetch`, `service.stream`, `service.batch`) own the I/O; nothing here touches a file or a socket.
 """
 
 from __future__ import annotations
