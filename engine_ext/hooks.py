@@ -440,7 +440,8 @@ def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | N
 
 def budget_table(server_args) -> list:
     """Budget rows of a `ServerArgs` under resolution or resolved (model config read when the path has one)."""
-    from engine_ext.budget import budget_rows, inputs_from_server_args
+    from engine_ext.budget import budget_rows
+    from engine_ext.budget_inputs import inputs_from_server_args
 
     return budget_rows(inputs_from_server_args(server_args, _budget_model_config(server_args)))
 

@@ -16,60 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.spool import Spool
+from service.spool import EngineReport, EngineReportError, Spool, WriterCounters
 
 logger = logging.getLogger("r3_sidecar.telemetry")
-
-WRITER_KEYS = ("queued_bytes", "records_written", "fallback_inline", "spool_full")
-
-
-class EngineReportError(ValueError):
-    """An engine report that does not follow Contract 1."""
-
-
-def _count(obj: Any, key: str, where: str) -> int | float:
-    value = obj.get(key) if isinstance(obj, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise EngineReportError(f"{where}.{key}={value!r} (a non-negative number)")
-    return value
-
-
-def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:
-    """Check every field Contract 1 names (types and presence); returns the report."""
-    if not isinstance(report.get("engine"), str) or not report["engine"]:
-        raise EngineReportError("engine must be a non-empty string")
-    if report.get("dp_rank") is not None and not isinstance(report["dp_rank"], int):
-        raise EngineReportError(f"dp_rank={report['dp_rank']!r}")
-    _count(report, "pid", "report")
-    _count(report, "updated", "report")
-    if not isinstance(report.get("sglang"), str):
-        raise EngineReportError("sglang must be the version string")
-    if not isinstance(report.get("budget"), list) or not isinstance(report.get("occupancy"), list):
-        raise EngineReportError("budget and occupancy must be lists")
-    for i, row in enumerate(report["budget"]):
-        for key in ("buffer", "unit", "formula"):
-            if not isinstance(row.get(key), str):
-                raise EngineReportError(f"budget[{i}].{key}={row.get(key)!r}")
-        _count(row, "capacity", f"budget[{i}]")
-        _count(row, "demand", f"budget[{i}]")
-        if not isinstance(row.get("ok"), bool):
-            raise EngineReportError(f"budget[{i}].ok={row.get('ok')!r}")
-    for i, row in enumerate(report["occupancy"]):
-        if not isinstance(row.get("buffer"), str):
-            raise EngineReportError(f"occupancy[{i}].buffer={row.get('buffer')!r}")
-        for key in ("capacity", "peak", "window_s"):
-            _count(row, key, f"occupancy[{i}]")
-    for key in ("capacity_tokens", "used_tokens"):
-        _count(report.get("host_cache"), key, "host_cache")
-    for key in WRITER_KEYS:
-        _count(report.get("writer"), key, "writer")
-    undelivered = report["writer"].get("undelivered")  # per-reason counts; absent in older plugins' files
-    if undelivered is not None:
-        if not isinstance(undelivered, dict):
-            raise EngineReportError(f"writer.undelivered={undelivered!r} (an object of counts by reason)")
-        for key in undelivered:
-            _count(undelivered, key, "writer.undelivered")
-    return report
 
 
 def _writer_part(writer: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +36,7 @@ class Sources:
     budget: Callable[[], list[dict[str, Any]]] = list
     occupancy: Callable[[], list[dict[str, Any]]] = list
     host_cache: Callable[[], tuple[int, int]] = lambda: (0, 0)
-    writer: Callable[[], dict[str, int]] = lambda: dict.fromkeys(WRITER_KEYS, 0)
+    writer: Callable[[], dict[str, Any]] = lambda: WriterCounters().to_dict()
 
 
 @dataclass
@@ -117,6 +66,7 @@ class Telemetry:
             return default
 
     def report(self) -> dict[str, Any]:
+        """This tick's report as the file's JSON object (not yet validated: `tick` does)."""
         if self._budget is None:  # the budget is fixed at launch: compute it once
             self._budget = self._part("budget", None)
         capacity, used = self._part("host_cache", (0, 0))
@@ -129,12 +79,16 @@ class Telemetry:
             "budget": self._budget or [],
             "occupancy": self._part("occupancy", []),
             "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
-            "writer": _writer_part(self._part("writer", dict.fromkeys(WRITER_KEYS, 0))),
+            "writer": _writer_part(self._part("writer", WriterCounters().to_dict())),
         } | ({"delivery": self.delivery} if self.delivery is not None else {})
+
+    def build(self) -> EngineReport:
+        """This tick's report, parsed and validated against Contract 1 (`EngineReportError` names a bad field)."""
+        return EngineReport.from_dict(self.report())
 
     def tick(self) -> dict[str, Any]:
         """Build and write one report (atomically replaced); returns it."""
-        report = validate_engine_report(self.report())
+        report = self.build().to_dict()
         Spool(self.spool_dir).write_engine(report)
         self.writes += 1
         return report

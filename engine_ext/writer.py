@@ -21,7 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from service.spool import RecordWriter, Spool, default_dtype, dtype_holds
+from service.spool import UNDELIVERED_REASONS, RecordWriter, Spool, WriterCounters, default_dtype, dtype_holds
+
+# `UNDELIVERED_REASONS` (Contract 1, `service.spool`): why a request's rows did not reach the spool: refused
+# reservations (`spool_full`, `queue_full`, `spool_not_writable`), a mirror-mode inline payload that did not
+# match its reservation, or a write that failed on the writer thread.
 
 logger = logging.getLogger("r3_sidecar.writer")
 
@@ -85,16 +89,12 @@ class Op:
         self.nbytes = 0 if self.rows is None else int(self.rows.nbytes)
 
 
-UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
-"""Why a request's rows did not reach the spool (the engine file's `writer.undelivered`, and the sidecar's
-`r3_engine_undelivered_total{reason}`): refused reservations (`spool_full`, `queue_full`, `spool_not_writable`),
-a mirror-mode inline payload that did not match its reservation, or a write that failed on the writer thread."""
 UNDELIVERED_LOG_EVERY_S = 10.0
 
 
 @dataclass(slots=True)
 class WriterStats:
-    """The engine file's `writer` object (Contract 1), plus counters kept for debugging."""
+    """The counters behind the engine file's `writer` object (Contract 1); all of them are exported."""
 
     queued_bytes: int = 0
     records_written: int = 0
@@ -105,13 +105,16 @@ class WriterStats:
     undelivered: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNDELIVERED_REASONS, 0))
 
     def contract(self) -> dict[str, Any]:
-        return {
-            "queued_bytes": self.queued_bytes,
-            "records_written": self.records_written,
-            "fallback_inline": self.fallback_inline,
-            "spool_full": self.spool_full,
-            "undelivered": dict(self.undelivered),
-        }
+        """The engine file's `writer` object (`service.spool.WriterCounters`)."""
+        return WriterCounters(
+            queued_bytes=self.queued_bytes,
+            records_written=self.records_written,
+            fallback_inline=self.fallback_inline,
+            spool_full=self.spool_full,
+            queue_full=self.queue_full,
+            write_errors=self.write_errors,
+            undelivered=dict(self.undelivered),
+        ).to_dict()
 
 
 class Refusal(str):

@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 from numpy.lib import format as npy_format
 
+from service import frames as wire
 from service.connections import Connections, fill
 
 if TYPE_CHECKING:
@@ -44,9 +45,6 @@ __all__ = [
     "parse_npy",
 ]
 
-FRAMES_MEDIA_TYPE = "application/vnd.r3.frames"
-_FRAME_LEN = struct.Struct("<I")
-_MAX_FRAME_HEADER = 1 << 20
 # Transport failures worth another try: the request never reached a server, or the connection dropped.
 # Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
@@ -288,88 +286,32 @@ class Frame:
 
 
 class FrameDecoder:
-    """Incremental parser of `[4-byte LE header length][JSON header][payload]` frames fed in any chunking.
-
-    Each payload is copied once, from the network chunk into its own buffer, so arrays over it are writable.
-    """
+    """`service.frames.FrameDecoder` yielding client `Frame`s; a stream that is not frames raises `R3Error`."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._header: dict[str, Any] | None = None
-        self._payload: bytearray | None = None
-        self._filled = 0
+        self._decoder = wire.FrameDecoder()
 
     def feed(self, chunk: bytes) -> list[Frame]:
-        frames: list[Frame] = []
-        view = memoryview(chunk)
-        while view:
-            if self._payload is not None:
-                n = min(len(view), len(self._payload) - self._filled)
-                self._payload[self._filled : self._filled + n] = view[:n]
-                self._filled += n
-                view = view[n:]
-                if self._filled == len(self._payload):
-                    frames.append(self._finish())
-                continue
-            self._buf += view
-            view = memoryview(b"")
-            while self._payload is None and len(self._buf) >= 4:
-                (hlen,) = _FRAME_LEN.unpack_from(self._buf)
-                if hlen > _MAX_FRAME_HEADER:
-                    raise R3Error(f"frame header of {hlen} bytes: not an {FRAMES_MEDIA_TYPE} stream")
-                if len(self._buf) < 4 + hlen:
-                    break
-                header = orjson.loads(bytes(self._buf[4 : 4 + hlen]))
-                rest = self._buf[4 + hlen :]
-                self._buf = bytearray()
-                self._header = header
-                self._payload = bytearray(_payload_size(header))
-                self._filled = 0
-                if not self._payload:
-                    frames.append(self._finish())
-                    self._buf = rest
-                else:
-                    view = memoryview(rest)
-                    break
-        return frames
+        try:
+            return [Frame(header, payload) for header, payload in self._decoder.feed(chunk)]
+        except wire.FrameError as exc:
+            raise R3Error(str(exc)) from None
 
     @property
     def pending(self) -> bool:
         """Whether a partial frame is buffered (the stream ended mid-frame when this is true at EOF)."""
-        return bool(self._buf) or self._payload is not None
-
-    def _finish(self) -> Frame:
-        assert self._header is not None and self._payload is not None
-        frame = Frame(self._header, self._payload)
-        self._header, self._payload, self._filled = None, None, 0
-        return frame
+        return self._decoder.pending
 
 
 def read_frames(body: io.RawIOBase | Any) -> list[Frame]:
     """Every frame of a body read with `readinto`: each payload lands in its own buffer with one copy."""
-    frames: list[Frame] = []
-    while (head := _read_exact(body, bytearray(_FRAME_LEN.size), eof_ok=True)) is not None:
-        (hlen,) = _FRAME_LEN.unpack(head)
-        if hlen > _MAX_FRAME_HEADER:
-            raise R3Error(f"frame header of {hlen} bytes: not an {FRAMES_MEDIA_TYPE} stream")
-        header = orjson.loads(_read_exact(body, bytearray(hlen)))
-        frames.append(Frame(header, _read_exact(body, bytearray(_payload_size(header)))))
-    return frames
-
-
-def _read_exact(body: Any, buf: bytearray, eof_ok: bool = False) -> bytearray | None:
-    filled = fill(body, buf)
-    if filled == len(buf):
-        return buf
-    if eof_ok and filled == 0:
-        return None
-    raise httpx.RemoteProtocolError("batch response ended inside a frame")
-
-
-def _payload_size(header: dict[str, Any]) -> int:
-    if int(header.get("status", 200)) != 200 or not header.get("shape"):
-        return 0
-    return int(np.prod([int(x) for x in header["shape"]], dtype=np.int64)) * np.dtype(header["dtype"]).itemsize
+    try:
+        decoded = wire.read_frames(lambda buf: fill(body, buf))
+    except wire.FrameTruncated:
+        raise httpx.RemoteProtocolError("batch response ended inside a frame") from None
+    except wire.FrameError as exc:
+        raise R3Error(str(exc)) from None
+    return [Frame(header, payload) for header, payload in decoded]
 
 
 Layers = Iterable[int] | str

@@ -19,10 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.spool import RecordWriter, Spool
-
-UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
-"""The engine file's `writer.undelivered` reasons (engine_ext.writer.UNDELIVERED_REASONS; service imports no engine)."""
+from service.spool import BudgetEntry, EngineReport, OccupancyEntry, RecordWriter, Spool, WriterCounters
 
 logger = logging.getLogger("r3_sidecar.demo")
 
@@ -166,7 +163,7 @@ class DemoEngine:
                 tick = time.monotonic()
                 self.step()
                 if tick >= next_report:
-                    self.spool.write_engine(self.report())
+                    self.spool.write_engine(self.engine_report())
                     next_report = tick + self.cfg.telemetry_s
                 self._stop.wait(max(0.0, self.cfg.step_s - (time.monotonic() - tick)))
         except Exception:
@@ -243,60 +240,57 @@ class DemoEngine:
     # ---- telemetry ------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """An engine file (Contract 1) with the budget a Qwen3-30B-A3B server on one GPU would report."""
+        return self.engine_report().to_dict()
+
+    def engine_report(self) -> EngineReport:
+        """The same report, typed; resets the device-cache peak window (a report is one window)."""
         cfg = self.cfg
         chunked_prefill, max_running, graph_max_bs, kv_tokens, page = 8192, 256, 256, 400_000, 1
         device_rows = max(chunked_prefill, max_running)
+        host_rows = kv_tokens + page
         used = sum(r.prompt_len + r.done for r in self._active)
         now = time.monotonic()
         window, peak = now - self._window_start, self._peak_tokens
         self._window_start, self._peak_tokens = now, 0
-        return {
-            "engine": cfg.engine,
-            "dp_rank": 0,
-            "pid": os.getpid(),
-            "sglang": "demo",
-            "updated": time.time(),
-            "budget": [
-                {
-                    "buffer": "routed_experts_device_cache",
-                    "unit": "rows",
-                    "capacity": device_rows,
-                    "demand": max(chunked_prefill, graph_max_bs * 1),
-                    "ok": True,
-                    "formula": f"N·max(P, graph_max_bs·w) = 1·max({chunked_prefill}, {graph_max_bs}·1)",
-                },
-                {
-                    "buffer": "routed_experts_host_cache",
-                    "unit": "tokens",
-                    "capacity": kv_tokens + page,
-                    "demand": kv_tokens + page,
-                    "ok": True,
-                    "formula": f"max_token_pool_size + page_size = {kv_tokens} + {page}",
-                },
-                {
-                    "buffer": "cuda_graph_inputs",
-                    "unit": "tokens",
-                    "capacity": graph_max_bs,
-                    "demand": graph_max_bs,
-                    "ok": True,
-                    "formula": f"max_bs·w = {graph_max_bs}·1",
-                },
-            ],
-            "occupancy": [
-                {
-                    "buffer": "routed_experts_device_cache",
-                    "capacity": device_rows,
-                    "peak": min(peak, device_rows),
-                    "window_s": round(window, 3),
-                },
-                {"buffer": "routed_experts_host_cache", "capacity": kv_tokens + page, "peak": used, "window_s": 0},
-            ],
-            "host_cache": {"capacity_tokens": kv_tokens + page, "used_tokens": used},
-            "writer": {
-                "queued_bytes": 0,
-                "records_written": self.finished + self.aborted,
-                "fallback_inline": 0,
-                "spool_full": 0,
-                "undelivered": dict.fromkeys(UNDELIVERED_REASONS, 0),
-            },
-        }
+        return EngineReport(
+            engine=cfg.engine,
+            dp_rank=0,
+            pid=os.getpid(),
+            sglang="demo",
+            updated=time.time(),
+            budget=(
+                BudgetEntry(
+                    "routed_experts_device_cache",
+                    "rows",
+                    capacity=device_rows,
+                    demand=max(chunked_prefill, graph_max_bs * 1),
+                    ok=True,
+                    formula=f"N·max(P, graph_max_bs·w) = 1·max({chunked_prefill}, {graph_max_bs}·1)",
+                ),
+                BudgetEntry(
+                    "routed_experts_host_cache",
+                    "tokens",
+                    capacity=host_rows,
+                    demand=host_rows,
+                    ok=True,
+                    formula=f"max_token_pool_size + page_size = {kv_tokens} + {page}",
+                ),
+                BudgetEntry(
+                    "cuda_graph_inputs",
+                    "tokens",
+                    capacity=graph_max_bs,
+                    demand=graph_max_bs,
+                    ok=True,
+                    formula=f"max_bs·w = {graph_max_bs}·1",
+                ),
+            ),
+            occupancy=(
+                OccupancyEntry(
+                    "routed_experts_device_cache", device_rows, min(peak, device_rows), window_s=round(window, 3)
+                ),
+                OccupancyEntry("routed_experts_host_cache", host_rows, used, window_s=0),
+            ),
+            capacity_tokens=host_rows,
+            used_tokens=used,
+            writer=WriterCounters(records_written=self.finished + self.aborted),
+        )

@@ -2,7 +2,7 @@
 
 Every encoder takes an iterator of whole-row chunks (C order, the record's dtype, already narrowed to
 the requested layers) and yields body chunks, so a large record is never held whole in memory. The
-callers (`service.api`) own the I/O; nothing here touches a file or a socket.
+callers (`service.fetch`, `service.stream`, `service.batch`) own the I/O; nothing here touches a file or a socket.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import binascii
 import functools
 import io
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -33,10 +32,7 @@ MEDIA_TYPES: dict[str, str] = {
     "json": "application/json",
     "sglang_b64": "text/plain; charset=utf-8",
 }
-FRAMES_MEDIA_TYPE = "application/vnd.r3.frames"
 SGLANG_DTYPE = np.dtype("<i4")
-
-_FRAME_LEN = struct.Struct("<I")
 
 
 # ---- layers -----------------------------------------------------------------------------------
@@ -253,28 +249,3 @@ def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int]) -> int |
 def payload_dtype(fmt: str, dtype: str) -> str:
     """The dtype of the numbers a response carries (SGLang's base64 is always int32)."""
     return "int32" if fmt == "sglang_b64" else dtype
-
-
-# ---- frames (application/vnd.r3.frames) -------------------------------------------------------
-def frame_header(header: dict[str, Any]) -> bytes:
-    """`[u32 LE header length][UTF-8 JSON header]`; the payload follows, `prod(shape) * itemsize` bytes."""
-    data = orjson.dumps(header)
-    return _FRAME_LEN.pack(len(data)) + data
-
-
-def parse_frames(body: bytes) -> list[tuple[dict[str, Any], bytes]]:
-    """Split a whole frames body into `(header, payload)` pairs (the inverse of `frame_header` + payload)."""
-    frames = []
-    pos = 0
-    while pos < len(body):
-        if pos + 4 > len(body):
-            raise ValueError(f"frames: {len(body) - pos} stray bytes at {pos}")
-        (hlen,) = _FRAME_LEN.unpack_from(body, pos)
-        header = orjson.loads(body[pos + 4 : pos + 4 + hlen])
-        pos += 4 + hlen
-        size = int(np.prod(header["shape"])) * np.dtype(header["dtype"]).itemsize
-        if pos + size > len(body):
-            raise ValueError(f"frames: payload of {header.get('rid')!r} cut short")
-        frames.append((header, body[pos : pos + size]))
-        pos += size
-    return frames

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from service.spool import EngineReport, EngineReportError
 from service.store import Store
 
 log = logging.getLogger("r3.metrics")
@@ -127,15 +128,8 @@ class Fetch:
             m.wait_seconds.observe(self.waited)
 
 
-def _num(value: Any) -> float:
-    """A JSON number as float; anything else is a malformed engine file."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"not a number: {value!r}")
-    return float(value)
-
-
 def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: float) -> list[Any]:
-    """Contract 3's per-engine gauges from parsed engine files (pure: no I/O)."""
+    """Contract 3's per-engine gauges from engine files (pure: no I/O); a malformed file leaves out its engine."""
     g = {
         name: GaugeMetricFamily(name, doc, labels=labels)
         for name, doc, labels in (
@@ -161,52 +155,51 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
         "inline payload (r3_engine_fallback_inline), the rest are lost.",
         labels=["engine", "reason"],
     )
-    for report in engines:
-        engine = report["engine"]
+    written = CounterMetricFamily(
+        "r3_engine_records_written", "Records the engine's writer thread finalized in the spool.", labels=["engine"]
+    )
+    refused = CounterMetricFamily(
+        "r3_engine_reservations_refused",
+        "Spool reservations the engine refused, by reason (spool_full, queue_full); live-row appends included, "
+        "so one request may count several times (r3_engine_undelivered_total counts requests).",
+        labels=["engine", "reason"],
+    )
+    write_errors = CounterMetricFamily(
+        "r3_engine_write_errors", "Spool writes that failed on the engine's writer thread.", labels=["engine"]
+    )
+    for obj in engines:
         try:
-            rows: list[tuple[str, list[str], float]] = []
-            for occ in report.get("occupancy") or []:
-                buf, cap, peak = str(occ["buffer"]), _num(occ["capacity"]), _num(occ["peak"])
-                rows += [
-                    ("r3_buffer_capacity", [engine, buf], cap),
-                    ("r3_buffer_peak", [engine, buf], peak),
-                    ("r3_buffer_headroom_ratio", [engine, buf], 1.0 - peak / cap if cap > 0 else 0.0),
-                ]
-            for bud in report.get("budget") or []:
-                buf = str(bud["buffer"])
-                rows += [
-                    ("r3_budget_capacity", [engine, buf], _num(bud["capacity"])),
-                    ("r3_budget_demand", [engine, buf], _num(bud["demand"])),
-                    ("r3_budget_ok", [engine, buf], 1.0 if bud["ok"] else 0.0),
-                ]
-            host = report.get("host_cache") or {}
-            if host:
-                rows += [
-                    ("r3_host_cache_used_tokens", [engine], _num(host["used_tokens"])),
-                    ("r3_host_cache_capacity_tokens", [engine], _num(host["capacity_tokens"])),
-                ]
-            writer = report.get("writer") or {}
-            if writer:
-                rows.append(("r3_engine_queued_bytes", [engine], _num(writer["queued_bytes"])))
-                fallback_inline = _num(writer["fallback_inline"])
-                reasons = writer.get("undelivered") or {}
-                not_delivered = [(str(reason), _num(count)) for reason, count in sorted(reasons.items())]
-            else:
-                fallback_inline, not_delivered = None, []
-            updated = _num(report.get("updated"))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            log.warning("engine file of %r is malformed (%s); its gauges are left out", engine, exc)
+            report = EngineReport.from_dict(obj)
+        except EngineReportError as exc:
+            log.warning("engine file of %r is malformed (%s); its gauges are left out", obj.get("engine"), exc)
             continue
-        for name, labels, value in rows:
-            g[name].add_metric(labels, value)
-        if fallback_inline is not None:
-            fallback.add_metric([engine], fallback_inline)
+        engine, w = report.engine, report.writer
+        for occ in report.occupancy:
+            cap, peak = float(occ.capacity), float(occ.peak)
+            g["r3_buffer_capacity"].add_metric([engine, occ.buffer], cap)
+            g["r3_buffer_peak"].add_metric([engine, occ.buffer], peak)
+            g["r3_buffer_headroom_ratio"].add_metric([engine, occ.buffer], 1.0 - peak / cap if cap > 0 else 0.0)
+        for bud in report.budget:
+            g["r3_budget_capacity"].add_metric([engine, bud.buffer], float(bud.capacity))
+            g["r3_budget_demand"].add_metric([engine, bud.buffer], float(bud.demand))
+            g["r3_budget_ok"].add_metric([engine, bud.buffer], 1.0 if bud.ok else 0.0)
+        g["r3_host_cache_used_tokens"].add_metric([engine], float(report.used_tokens))
+        g["r3_host_cache_capacity_tokens"].add_metric([engine], float(report.capacity_tokens))
+        g["r3_engine_queued_bytes"].add_metric([engine], float(w.queued_bytes))
+        fallback.add_metric([engine], float(w.fallback_inline))
+        written.add_metric([engine], float(w.records_written))
+        refused.add_metric([engine, "spool_full"], float(w.spool_full))
+        if w.queue_full is not None:
+            refused.add_metric([engine, "queue_full"], float(w.queue_full))
+        if w.write_errors is not None:
+            write_errors.add_metric([engine], float(w.write_errors))
+        not_delivered = [(reason, float(count)) for reason, count in sorted((w.undelivered or {}).items())]
         for reason, count in not_delivered:
             undelivered.add_metric([engine, reason], count)
         if any(count for _, count in not_delivered):
             _log_undelivered(engine, not_delivered)
-        g["r3_engine_stale"].add_metric([engine], 1.0 if now - updated > stale_after_s else 0.0)
-    return [*g.values(), fallback, undelivered]
+        g["r3_engine_stale"].add_metric([engine], 1.0 if now - report.updated > stale_after_s else 0.0)
+    return [*g.values(), fallback, undelivered, written, refused, write_errors]
 
 
 _undelivered_seen: dict[str, tuple[tuple[str, float], ...]] = {}

@@ -277,6 +277,8 @@ def test_finish_path_against_sglang(tmp_path):
         "records_written": 2,
         "fallback_inline": 0,
         "spool_full": 0,
+        "queue_full": 0,
+        "write_errors": 0,
         "undelivered": {
             r: 0 for r in ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
         },

@@ -9,10 +9,10 @@ import pytest
 
 from engine_ext import capturer
 from engine_ext.budget import BudgetInputs, budget_rows
-from engine_ext.telemetry import EngineReportError, Sources, Telemetry, validate_engine_report
+from engine_ext.telemetry import Sources, Telemetry
 from engine_ext.writer import Op, RecordSpec, SpoolWriter
 from service.metrics import engine_families
-from service.spool import Spool
+from service.spool import EngineReportError, Spool, validate_engine_report
 
 
 def _telemetry(tmp_path, writer: SpoolWriter, **sources) -> Telemetry:
@@ -47,7 +47,14 @@ def test_engine_file_is_accepted_by_the_sidecar(tmp_path):
     assert on_disk["v"] == 1 and on_disk["engine"] == "pod-a/dp0" and path.name.startswith("~")  # "/" is unsafe
     assert validate_engine_report(on_disk) == on_disk
     undelivered = on_disk["writer"].pop("undelivered")
-    assert on_disk["writer"] == {"queued_bytes": 0, "records_written": 1, "fallback_inline": 0, "spool_full": 0}
+    assert on_disk["writer"] == {
+        "queued_bytes": 0,
+        "records_written": 1,
+        "fallback_inline": 0,
+        "spool_full": 0,
+        "queue_full": 0,
+        "write_errors": 0,
+    }
     assert undelivered == {
         "spool_full": 0,
         "queue_full": 0,
@@ -106,3 +113,14 @@ def test_validation_names_the_bad_field(tmp_path, change, message):
     report = _telemetry(tmp_path, SpoolWriter(tmp_path)).report()
     with pytest.raises(EngineReportError, match=message):
         validate_engine_report({**report, **change})
+
+
+def test_delivery_part_is_kept_and_validated(tmp_path):
+    """The optional `delivery` part (mode in effect, configured mode, why inline is kept) survives the typed report."""
+    telemetry = _telemetry(tmp_path, SpoolWriter(tmp_path))
+    telemetry.delivery = {"mode": "mirror", "configured_mode": "sidecar", "inline_kept": "--tokenizer-worker-num 2"}
+    telemetry.tick()
+    (path,) = Spool(tmp_path).engine_paths()
+    assert Spool(tmp_path).read_engine_file(path)["delivery"] == telemetry.delivery
+    with pytest.raises(EngineReportError, match="inline_kept"):
+        validate_engine_report({**telemetry.report(), "delivery": {**telemetry.delivery, "inline_kept": 2}})

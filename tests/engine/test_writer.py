@@ -66,6 +66,8 @@ def test_finish_record_round_trip(tmp_path):
         "records_written": 1,
         "fallback_inline": 0,
         "spool_full": 0,
+        "queue_full": 0,
+        "write_errors": 0,
         "undelivered": dict.fromkeys(UNDELIVERED_REASONS, 0),
     }
     writer.close()

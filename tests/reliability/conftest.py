@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from r3_harness import Sidecar, Writer
 
-
-def _require_api() -> None:
-    if importlib.util.find_spec("service.api") is None:
-        pytest.skip("service.api (create_app) has not landed")
+import service.api  # noqa: F401  # the sidecar processes run it: an import error fails the suite, never skips it
 
 
 @pytest.fixture
@@ -25,7 +21,6 @@ def spool_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def make_sidecar(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
     """`make_sidecar(spool, env={...})` starts a sidecar process and waits for `/readyz`; all are stopped after."""
-    _require_api()
     started: list[Sidecar] = []
 
     def make(spool: Path, **kwargs) -> Sidecar:

@@ -16,7 +16,6 @@ import pybase64
 import pytest
 from helpers import live_server, random_rows
 
-from service import formats
 from service.client import (
     AsyncRoutedExpertsClient,
     BadRequest,
@@ -26,6 +25,7 @@ from service.client import (
     RoutedExperts,
     RoutedExpertsClient,
 )
+from service.frames import parse_frames
 from service.settings import Settings
 from service.spool import Spool
 
@@ -242,16 +242,16 @@ def test_batch_per_rid_ranges(sidecar: tuple[str, Spool]) -> None:
     }
     r = httpx.post(f"{base}/routed_experts/batch", json=body)
     assert r.status_code == 200, r.text
-    frames = formats.parse_frames(r.content)
+    frames = parse_frames(r.content)
     assert [h["status"] for h, _ in frames] == [200, 200, 200, 200]
     assert [(h["start"], h["shape"][0]) for h, _ in frames] == [(0, 12), (15, 5), (4, 8), (10, 30)]
     assert all(h["layers"] == [3, 4] and h["num_hidden_layers"] == NUM_LAYERS for h, _ in frames)
     assert frames[1][1] == b[5:10, :2].tobytes() and frames[2][1] == a[4:, :2].tobytes()
 
     out = {"rids": [{"rid": "turn-a", "start": 5, "end": 40}, {"rid": "turn-a", "start": 5, "end": 40}]}
-    frames = formats.parse_frames(httpx.post(f"{base}/routed_experts/batch", json=out).content)
+    frames = parse_frames(httpx.post(f"{base}/routed_experts/batch", json=out).content)
     assert frames[0][0]["status"] == 416 and "[0, 12)" in frames[0][0]["detail"] and frames[0][1] == b""
-    frames = formats.parse_frames(httpx.post(f"{base}/routed_experts/batch", json={**out, "clamp": True}).content)
+    frames = parse_frames(httpx.post(f"{base}/routed_experts/batch", json={**out, "clamp": True}).content)
     assert frames[0][0]["status"] == 200 and frames[0][0]["clamped"] and frames[0][0]["shape"][0] == 7
 
 

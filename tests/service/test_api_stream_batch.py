@@ -13,7 +13,7 @@ import orjson
 import pytest
 from helpers import random_rows, write_record
 
-from service import formats
+from service.frames import FRAMES_MEDIA_TYPE, parse_frames
 from service.spool import Spool
 
 
@@ -55,7 +55,7 @@ def test_stream_delivers_rows_as_written_then_ends_at_final(serve, spool: Spool)
     with httpx.stream(
         "GET", f"{base}/routed_experts/{quote('live/1', safe='')}", params={"stream": "true"}, timeout=30
     ) as r:
-        assert r.status_code == 200 and r.headers["content-type"] == formats.FRAMES_MEDIA_TYPE
+        assert r.status_code == 200 and r.headers["content-type"] == FRAMES_MEDIA_TYPE
         assert r.headers["x-r3-final"] == "false"
         threading.Thread(target=produce).start()
         frames = read_frames(r)
@@ -158,8 +158,8 @@ def test_batch_keeps_request_order_with_per_rid_status(serve, spool: Spool) -> N
     write_record(spool, "failed", b, status="error")
     rids = ["b/é", "missing", "a", "open", "aborted", "a", "failed"]
     r = httpx.post(f"{base}/routed_experts/batch", json={"rids": rids, "layers": [2, 0]})
-    assert r.status_code == 200 and r.headers["content-type"] == formats.FRAMES_MEDIA_TYPE
-    frames = formats.parse_frames(r.content)
+    assert r.status_code == 200 and r.headers["content-type"] == FRAMES_MEDIA_TYPE
+    frames = parse_frames(r.content)
     assert [h["rid"] for h, _ in frames] == rids
     assert [h["status"] for h, _ in frames] == [200, 404, 200, 202, 200, 200, 410]
     assert frames[4][0]["record_status"] == "aborted" and frames[4][1] == b[:, [2, 0]].astype(np.uint8).tobytes()
@@ -170,7 +170,7 @@ def test_batch_keeps_request_order_with_per_rid_status(serve, spool: Spool) -> N
     assert frames[3][0]["rows"] == 7 and frames[3][1] == b""
     write_record(spool, "other-layers", b, layers=[5, 6, 7, 8])
     r = httpx.post(f"{base}/routed_experts/batch", json={"rids": ["other-layers"], "layers": [2]})
-    assert formats.parse_frames(r.content)[0][0]["status"] == 422
+    assert parse_frames(r.content)[0][0]["status"] == 422
 
 
 def test_batch_wait_shares_one_deadline(serve, spool: Spool) -> None:
@@ -181,7 +181,7 @@ def test_batch_wait_shares_one_deadline(serve, spool: Spool) -> None:
     rids = ["soon", "never-1", "never-2", "never-3", "never-4"]
     r = httpx.post(f"{base}/routed_experts/batch", json={"rids": rids, "wait": 0.6}, timeout=30)
     elapsed = time.monotonic() - t0
-    frames = formats.parse_frames(r.content)
+    frames = parse_frames(r.content)
     assert [h["status"] for h, _ in frames] == [200, 404, 404, 404, 404]
     assert frames[0][1] == rows.astype(np.uint8).tobytes()
     assert 0.6 <= elapsed < 2.4, f"{elapsed:.2f}s: one 0.6 s deadline for all, not 0.6 s per rid"

@@ -35,7 +35,7 @@ from service.client import (
     parse_npy,
     read_frames,
 )
-from service.formats import frame_header
+from service.frames import frame_header
 from service.settings import Settings
 from service.spool import Spool
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service import formats
+from service.frames import frame_header, parse_frames
 
 
 def _chunks(data: bytes, sizes: list[int]) -> list[bytes]:
@@ -92,9 +93,9 @@ def test_frames_roundtrip() -> None:
         "layers": [0, 1, 2],
         "final": True,
     }
-    body = formats.frame_header(header) + payload.tobytes()
-    body += formats.frame_header({**header, "status": 404, "shape": [0, 0, 0]})
-    frames = formats.parse_frames(body)
+    body = frame_header(header) + payload.tobytes()
+    body += frame_header({**header, "status": 404, "shape": [0, 0, 0]})
+    frames = parse_frames(body)
     assert frames[0] == (header, payload.tobytes())
     assert frames[1][0]["status"] == 404 and frames[1][1] == b""
     assert int.from_bytes(body[:4], "little") == len(orjson.dumps(header))

@@ -1,0 +1,72 @@
+"""`GET /routed_experts/{rid}` without `stream`: one record's rows, whole, in the format asked for.
+
+Everything that can fail is checked before the headers (exists, final, served, layers, range, `.bin` long
+enough); after them the body streams from the spool through the pure encoders of `service.formats`.
+"""
+
+import numpy as np
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from service import formats
+from service.metrics import Fetch
+from service.records import (
+    counted,
+    gone,
+    missing,
+    ok_headers,
+    open_bin,
+    pending_body,
+    row_chunks,
+    select,
+    served,
+    sglang_layers,
+    token_range,
+)
+from service.store import Store
+
+
+async def fetch_record(
+    store: Store,
+    rid: str,
+    fmt: str,
+    items: list[formats.LayerItem] | None,
+    start: int | None,
+    end: int | None,
+    wait: float,
+    clamp: bool,
+    fetch: Fetch,
+) -> Response:
+    """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not."""
+    meta = await fetch.wait(store.wait_final(rid, wait)) if wait > 0 else store.lookup(rid)
+    if meta is None:
+        raise missing(store, rid)
+    if not meta.final:
+        fetch.count(202)
+        fetch.finish()
+        return JSONResponse(pending_body(meta), status_code=202)
+    if not served(meta):
+        raise gone(meta)
+    out_layers, slots = select(meta, items)
+    lo, hi, clamped = token_range(meta, start, end, clamp)
+    sglang = fmt == "sglang_b64" and items is None  # SGLang's own payload: every model layer, dense as zeros
+    width = sglang_layers(meta) if sglang else 0
+    row_lo, row_hi = lo - meta.start, hi - meta.start
+    bin_file = open_bin(store, meta, row_hi)
+    dtype = np.dtype(meta.dtype)
+    chunks = row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file)
+    if sglang:
+        shape = (row_hi - row_lo, width, meta.topk)
+        out_layers = list(range(width))
+        body = formats.encode_b64(formats.to_sglang_rows(chunks, dtype, meta.layers, width, meta.topk))
+    else:
+        shape = (row_hi - row_lo, len(out_layers), meta.topk)
+        head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
+        body = formats.encode(fmt, chunks, dtype=dtype, shape=shape, head=head)
+    headers = ok_headers(meta, formats.payload_dtype(fmt, meta.dtype), shape, lo, out_layers, final=True)
+    if clamp:
+        headers["X-R3-Clamped"] = "true" if clamped else "false"
+    length = formats.body_length(fmt, dtype, shape)
+    if length is not None:
+        headers["Content-Length"] = str(length)
+    body = counted(body, fetch, ok=(200, meta.status), bin_file=bin_file)
+    return StreamingResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)
