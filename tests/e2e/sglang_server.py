@@ -51,10 +51,22 @@ BASE_ARGS: dict[str, Any] = {
 }
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port this process has not handed out before.
+
+    The children bind their ports late: two plain bind-and-close picks in a row can return the same port
+    before the first child has bound it (seen: SGLang's warmup then talked to the sidecar).
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def write_model(directory: Path, **overrides: Any) -> Path:
