@@ -218,10 +218,11 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         stack.callback(stop_trainers.set)
         for t in trainers:
             t.start()
-        # Warm-up: both pods scraped with their engines' series before the baseline starts.
-        deadline = time.monotonic() + 60
-        while len(prom.query("r3_engine_stale")) < 2 or len(prom.query("up == 1")) < 2:
-            assert time.monotonic() < deadline, "the demo pods never showed up in Prometheus"
+        # Warm-up: both pods scraped with their engines' series, and the rules evaluated since (an `absent()`
+        # rule may fire before the first scrape lands on a loaded machine), before the baseline starts.
+        deadline = time.monotonic() + 90
+        while len(prom.query("r3_engine_stale")) < 2 or len(prom.query("up == 1")) < 2 or prom.active_alerts():
+            assert time.monotonic() < deadline, f"the demo pods never settled in Prometheus: {prom.active_alerts()}"
             time.sleep(0.5)
         obs.rule_files = sorted({Path(g["file"]).name for g in prom.rule_groups()})
 
