@@ -115,9 +115,10 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
             assert client.delete(f"/routed_experts/{rid}").status_code == 204
         deadline = time.monotonic() + 10
         again = [f"again-{i:03d}" for i in range(len(spooled))]
-        while writer.reserve(ROWS * ROW_BYTES) is not None and time.monotonic() < deadline:
+        room = len(again) * ROWS * ROW_BYTES  # the refresh may land between two DELETEs: wait for all the room
+        while writer.reserve(room) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-        writer.release(ROWS * ROW_BYTES)
+        writer.release(room)
         recovered_after = 10 - (deadline - time.monotonic())
         refused_again = [rid for rid in again if _offer(writer, rid) is not None]
         assert writer.flush(10)
