@@ -130,17 +130,17 @@ def cli_args(args: dict[str, Any]) -> list[str]:
 
 
 def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process group led by `proc` (its own session), then SIGKILL what is left."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(wait_s)
-            if sig is signal.SIGTERM:  # the leader is gone; its children may linger a moment
-                time.sleep(0.2)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            return
+    """SIGTERM the process group led by `proc` (its own session), then SIGKILL whatever of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+        time.sleep(0.2)  # the leader is gone; give its children a moment before the group is killed
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def _log_tail(path: Path, lines: int = 60) -> str:
