@@ -146,9 +146,9 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
 
 
 def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
-    """Per decode step with `batch` running live requests (`LiveRows.feed`, one row each); at finish, the marker."""
+    """Per decode step with `batch` live requests (`LiveRows.feed_step`, one row each); at finish, the marker."""
     from engine_ext.collect import Finished
-    from engine_ext.live import LiveRows, decode_layout
+    from engine_ext.live import LiveRows, StepRequest, decode_layout
 
     rng = np.random.default_rng(1)
     step_rows = torch.from_numpy(
@@ -168,11 +168,10 @@ def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
         seq_lens = [prompt + 1] * batch
 
         def step() -> None:
-            # As `hooks.live_step`: the step's rows are compacted once, each request gets its slice.
-            layout, _ = decode_layout(seq_lens)
-            rows = live.compact(step_rows)
-            for rid, (pos, offset, n) in zip(rids, layout, strict=True):
-                live.feed(rid, pos, rows[offset : offset + n], limit=1 << 30)
+            # As `hooks.live_step`: the batch's requests and layout as host integers, then `feed_step`.
+            reqs = [StepRequest(rid, False, False, 0, False, 0, prompt, 1 << 30, i) for i, rid in enumerate(rids)]
+            layout, total = decode_layout(seq_lens)
+            live.feed_step("DECODE", layout, total, reqs, step_rows, first_extend=False)
             for i in range(batch):
                 seq_lens[i] += 1
 

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from engine_ext import capturer, frontdoors, slicing
+from engine_ext.collect import Finished, ModelShape, Route, moe_layer_ids
+from engine_ext.delivery import PROCESS, Contained, Delivery, HostCache, Placement
+from engine_ext.live import StepRequest, decode_layout, extend_layout, verify_layout
 from engine_ext.settings import EngineSettings, Mode
 
 _RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
@@ -463,137 +466,78 @@ def _budget_model_config(server_args):
 def install_delivery_hooks(settings: EngineSettings) -> None:
     """Deliver finished (and, when asked, live) rows to the spool without blocking the scheduler.
 
-    Scheduler process: finish-time collection (`collect.Collector`), live rows (`live.LiveRows`), the writer
-    and telemetry threads, started lazily at the first batch result (other processes never start them).
-    Main process: the `routed_experts_url` pointer in `meta_info` and `sglext` when `R3_SIDECAR_URL` is set.
+    Scheduler process: the `Delivery` of `engine_ext/delivery.py`, built at the first batch result (other
+    processes never build it). Main process: the `routed_experts_url` pointer in `meta_info` and `sglext`
+    when `R3_SIDECAR_URL` is set.
     """
-    global _delivery_settings
-    _delivery_settings = settings
+    PROCESS.configure(settings)
     _register("delivery", *(("pointer",) if settings.sidecar_url else ()))
 
 
-class _Delivery:
-    """One scheduler process's delivery state: writer thread, collector, live rows, telemetry thread."""
-
-    def __init__(self, settings: EngineSettings, capturer, processor) -> None:
-        import threading
-
-        from engine_ext.collect import Collector, ModelShape, moe_layer_ids
-        from engine_ext.live import LiveRows
-        from engine_ext.writer import SpoolWriter, spool_dtype
-
-        hf = processor.model_config.hf_text_config
-        num_experts = next(
-            int(v) for n in ("num_experts", "n_routed_experts", "num_local_experts") if (v := getattr(hf, n, None))
-        )
-        num_slots = int(capturer.num_layers)
-        layers = _routed_layers.known or moe_layer_ids(
-            num_slots,
-            first_k_dense=int(getattr(hf, "first_k_dense_replace", 0) or 0),
-            sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
-            mlp_only=getattr(hf, "mlp_only_layers", None) or (),
-        )
-        shape = ModelShape(
-            num_experts=num_experts,
-            topk=int(capturer.topk_size),
-            layers=layers,
-            layer_slots=None if layers == tuple(range(num_slots)) else layers,
-            num_hidden_layers=num_slots,  # the capturer's slots are hf_text_config.num_hidden_layers
-        )
-        self.settings = settings
-        self.unreachable = _pointer_unreachable(settings)
-        self.mode = frontdoors.effective_mode(settings.mode, self.unreachable)
-        self.host_cache = capturer.host_cache
-        self.publisher, dp_rank = _attention_ranks()
-        self.engine = settings.engine_name(dp_rank)
-        self.dp_rank = dp_rank
-        self.writer = SpoolWriter(
-            settings.spool_dir,
-            max_bytes=settings.spool_max_bytes,
-            queue_bytes=settings.writer_queue_bytes,
-            engine=self.engine,
-        ).start()
-        self.collector = Collector(
-            self.writer,
-            shape,
-            mode=self.mode,
-            capture_all=settings.capture_all,
-            dtype=spool_dtype(settings.dtype, num_experts),
-            engine=self.engine,
-        )
-        self.live = LiveRows(self.collector)
-        self.inline_rows = None  # non-overlap: (out_cache_loc, TopkCaptureOutput on the host) of the last forward
-        self.spec_tree = _eagle_topk() > 1  # verify keeps a path through a tree, not the first accept_len rows
-        self.stop = threading.Event()
-        threading.Thread(
-            target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
-        ).start()
-        if self.mode is not settings.mode and self.publisher:
-            import logging
-
-            logging.getLogger("r3_sidecar").warning(
-                "r3-sidecar: %s; requests that ask for routed experts keep SGLang's inline payload (R3_MODE=%s "
-                "acts as mirror: the spool still gets every record)",
-                self.unreachable,
-                settings.mode,
-            )
-        self.telemetry = _telemetry(settings, self, processor.token_to_kv_pool_allocator)
-        if self.publisher:  # one engine file per DP group, like the records
-            self.telemetry.start()
-
-    def wants_live(self, req) -> bool:
-        from engine_ext.live import wants_live
-
-        settings = self.settings
-        return (
-            self.publisher
-            and not self.spec_tree  # tree verify rows are not a prefix: those requests use the finish-time path
-            and bool(req.return_routed_experts or settings.capture_all)
-            and wants_live(settings.live_rows, getattr(req.sampling_params, "custom_params", None))
-        )
-
-    def close(self) -> None:
-        self.stop.set()
-        self.telemetry.close()
-        self.collector.drain(wait=True)
-        self.writer.close()
+def _delivery_for(processor) -> Delivery | None:
+    """This process's delivery, built at the first batch result that has a capturer."""
+    return PROCESS.current(lambda settings: _build_delivery(settings, processor))
 
 
-def _telemetry(settings: EngineSettings, delivery: _Delivery, allocator):
-    """The engine file's sources: budget table, capture occupancy, host-cache tokens, writer counters."""
+def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
+    """Read the plain values a `Delivery` needs off the capturer, the model config and the runtime context."""
     from importlib.metadata import version
 
-    from engine_ext.telemetry import Sources, Telemetry
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
+    from engine_ext.capturer import occupancy_snapshot
+
+    experts = get_global_experts_capturer()
+    if experts is None:
+        return None
+    publisher, dp_rank = _attention_ranks()
+    placement = Placement(
+        publisher=publisher,
+        dp_rank=dp_rank,
+        spec_tree=_eagle_topk() > 1,
+        unreachable=_pointer_unreachable(settings),
+        sglang=version("sglang"),
+    )
+    host_cache, allocator = experts.host_cache, processor.token_to_kv_pool_allocator
+
+    def host_tokens() -> tuple[int, int]:
+        used = 0 if allocator is None else int(allocator.size) - int(allocator.available_size())
+        return int(host_cache.num_tokens), max(used, 0)
 
     def budget() -> list[dict]:
         from sglang.srt.runtime_context import get_server_args
 
         return [row.as_contract() for row in budget_table(get_server_args())]
 
-    def occupancy() -> list[dict]:
-        from engine_ext.capturer import occupancy_snapshot
-
-        return occupancy_snapshot()
-
-    host_cache = delivery.host_cache
-
-    def host_tokens() -> tuple[int, int]:
-        used = 0 if allocator is None else int(allocator.size) - int(allocator.available_size())
-        return int(host_cache.num_tokens), max(used, 0)
-
-    return Telemetry(
-        spool_dir=settings.spool_dir,
-        engine=delivery.engine,
-        dp_rank=delivery.dp_rank,
-        sources=Sources(budget=budget, occupancy=occupancy, host_cache=host_tokens, writer=delivery.writer.snapshot),
-        interval_s=settings.telemetry_interval_s,
-        sglang=version("sglang"),
-        delivery=frontdoors.delivery_report(settings.mode, delivery.unreachable),
+    return Delivery(
+        settings,
+        _model_shape(processor.model_config.hf_text_config, experts),
+        HostCache(rows=host_cache.buffer, tokens=host_tokens),
+        placement,
+        budget=budget,
+        occupancy=occupancy_snapshot,
     )
 
 
-_delivery_settings: EngineSettings | None = None
-_delivery: _Delivery | None = None
+def _model_shape(hf, experts) -> ModelShape:
+    """Experts, top-k and the routed layers (seen at the first forward; the HF config is the fallback)."""
+    num_experts = next(
+        int(v) for n in ("num_experts", "n_routed_experts", "num_local_experts") if (v := getattr(hf, n, None))
+    )
+    num_slots = int(experts.num_layers)  # the capturer's slots are hf_text_config.num_hidden_layers
+    layers = _routed_layers.known or moe_layer_ids(
+        num_slots,
+        first_k_dense=int(getattr(hf, "first_k_dense_replace", 0) or 0),
+        sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+        mlp_only=getattr(hf, "mlp_only_layers", None) or (),
+    )
+    return ModelShape(
+        num_experts=num_experts,
+        topk=int(experts.topk_size),
+        layers=layers,
+        layer_slots=None if layers == tuple(range(num_slots)) else layers,
+        num_hidden_layers=num_slots,
+    )
 
 
 def _eagle_topk() -> int:
@@ -625,28 +569,8 @@ def _attention_ranks() -> tuple[bool, int | None]:
     return attn_tp_rank in (None, 0), (replica or 0) * groups + (group or 0)
 
 
-def _delivery_for(processor) -> _Delivery | None:
-    """The process's delivery state, created at the first batch result that has a capturer."""
-    global _delivery, _delivery_settings
-    if _delivery is None and _delivery_settings is not None:
-        from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
-
-        capturer = get_global_experts_capturer()
-        if capturer is None:
-            return None
-        import atexit
-
-        settings, _delivery_settings = _delivery_settings, None  # one attempt: a failure leaves SGLang's path
-        _delivery = _Delivery(settings, capturer, processor)
-        _delivery_settings = settings
-        atexit.register(_delivery.close)  # a clean exit writes what is queued (bounded by the writer's timeout)
-    return _delivery
-
-
-def _finished_of(req):
+def _finished_of(req) -> Finished:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    from engine_ext.collect import Finished
 
     prompt_len = len(req.origin_input_ids)
     return Finished(
@@ -678,55 +602,25 @@ def _pd_decode_server() -> bool:
     return _pd_mode[0]
 
 
-class _Contained:
-    """Delivery never takes the scheduler down: an error in it is logged (once per place) and SGLang goes on."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.failed = False
-
-    def __enter__(self) -> _Contained:
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        self.failed = True
-        if self.where not in _contained_seen:
-            _contained_seen.add(self.where)
-            import logging
-
-            log = logging.getLogger("r3_sidecar")
-            log.exception("r3-sidecar delivery failed in %s; SGLang's own path goes on", self.where)
-        return True
-
-
-_contained_seen: set[str] = set()
-
-
 def _around_collect(original, self, req):
     """Finished request: spool (no inline payload), inline (refused or not captured), or both (mirror)."""
-    from engine_ext.collect import Route
-
-    settings = _delivery_settings
+    settings = PROCESS.settings
     if settings is None or not (req.return_routed_experts or settings.capture_all):
         return original(self, req)
     route = Route.INLINE
-    with _Contained("finish") as contained:
-        route = _route_finished(self, req, settings)
+    with Contained("finish") as contained:
+        route = _route_finished(self, req)
     if contained.failed:
         route = Route.INLINE  # upstream's own path for this request
     if route in (Route.INLINE, Route.BOTH):
         original(self, req)
     if route == Route.BOTH:
-        with _Contained("mirror"):
-            _delivery.collector.mirror(req.rid, req.routed_experts)
+        with Contained("mirror"):
+            PROCESS.delivery.collector.mirror(req.rid, req.routed_experts)
     return None
 
 
-def _route_finished(processor, req, settings: EngineSettings) -> str:
-    from engine_ext.collect import Route
-
+def _route_finished(processor, req) -> str:
     delivery = _delivery_for(processor)
     if delivery is None:
         return Route.INLINE
@@ -742,13 +636,13 @@ def end_delivery_step(processor) -> None:
     delivery = _delivery_for(processor)
     if delivery is None:
         return
-    delivery.collector.end_step(processor.req_to_token_pool.req_to_token, delivery.host_cache.buffer)
+    delivery.collector.end_step(processor.req_to_token_pool.req_to_token, delivery.host_rows)
 
 
 def _around_process_result(original, self, batch, result, *args, **kwargs):
     captured = getattr(result, "routed_experts_output", None)  # finalize() clears the field, not the object
     out = original(self, batch, result, *args, **kwargs)
-    with _Contained("batch result"):
+    with Contained("batch result"):
         after_batch_result(self, batch, result, captured)
     return out
 
@@ -767,19 +661,19 @@ def after_batch_result(processor, batch, result, captured) -> None:
     end_delivery_step(processor)
 
 
-def live_step(delivery: _Delivery, batch, result, topk) -> None:
-    """Append this step's rows (host `topk`, in the batch's token order) to the live records of its requests."""
-    from engine_ext.live import decode_layout, extend_layout, verify_layout
-
+def live_step(delivery: Delivery, batch, result, topk) -> None:
+    """The batch's layout and requests as host integers, for `LiveRows.feed_step` (nothing to do: no read)."""
     live = delivery.live
-    reqs = batch.reqs
     mode = batch.forward_mode
     first_extend = mode.is_extend() and not mode.is_target_verify()  # where a live record may begin
-    if not live.records and not (first_extend and any(delivery.wants_live(r) for r in reqs)):
+    if not live.records and not first_extend:
+        return
+    reqs = [_step_request(delivery, req, first_extend) for req in batch.reqs]
+    if not live.records and not any(req.wants for req in reqs):
         return
     if mode.is_target_verify():
         stride = result.speculative_output_stride or result.speculative_num_draft_tokens
-        if result.accept_lens is None or not stride or delivery.spec_tree:
+        if result.accept_lens is None or not stride or delivery.placement.spec_tree:
             layout, total = [], -1
         else:
             layout, total = verify_layout(batch.seq_lens_cpu.tolist(), int(stride), result.accept_lens.tolist())
@@ -789,56 +683,39 @@ def live_step(delivery: _Delivery, batch, result, topk) -> None:
         layout, total = decode_layout(batch.seq_lens_cpu.tolist())
     else:
         return
-    if total != topk.shape[0] or len(layout) != len(reqs):
-        for req in reqs:
-            live.break_record(req.rid, f"{mode.name}: {topk.shape[0]} rows for a layout of {total}")
-            if req.finished():
-                live.end(req.rid)
-        return
-    step_rows = None  # converted once per step, on the first request that takes rows
-    for req, (pos, offset, n) in zip(reqs, layout, strict=True):
-        record = live.get(req.rid)
-        retracted = record is not None and int(req.retraction_count) != record.retractions
-        if record is None or (retracted and first_extend):  # a retracted request's re-prefill starts over
-            if not first_extend or req.finished() or req.is_retracted or not delivery.wants_live(req):
-                continue
-            record = live.begin(
-                req.rid,
-                start=int(req.routed_experts_start_len or 0),
-                prompt_len=len(req.origin_input_ids),
-                retractions=int(req.retraction_count),
-                first_pos=pos,
-                pool_idx=int(req.kv.req_pool_idx),
-            )
-        elif retracted and req.is_retracted:
-            # Overlap scheduling retracts while scheduling the next batch, before this step's result is
-            # processed: SGLang drops this step's token for the request, and so do we. Its record starts
-            # over at the re-prefill; ending it here would turn a restart into a lost record.
-            continue
-        elif retracted:
-            live.break_record(req.rid, "retracted, and not back through a prefill")
-        limit = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
-        if step_rows is None:
-            step_rows = live.compact(topk)
-        live.feed(req.rid, pos, step_rows[offset : offset + n], limit=limit)
-        if req.finished():
-            live.end(req.rid)
+    live.feed_step(mode.name, layout, total, reqs, topk, first_extend=first_extend)
+
+
+def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:
+    prompt_len = len(req.origin_input_ids)
+    return StepRequest(
+        rid=req.rid,
+        wants=first_extend
+        and delivery.wants_live(bool(req.return_routed_experts), getattr(req.sampling_params, "custom_params", None)),
+        finished=req.finished(),
+        retractions=int(req.retraction_count),
+        retracted=bool(req.is_retracted),
+        start=int(req.routed_experts_start_len or 0),
+        prompt_len=prompt_len,
+        limit=prompt_len + len(req.output_ids_through_stop) - 1,
+        pool_idx=req.kv.req_pool_idx,
+    )
 
 
 def _around_disagg_prefill_done(original, self, *args, **kwargs):
     """PD prefill collects at KV-transfer completion (a Scheduler method): end that step like a batch result."""
     out = original(self, *args, **kwargs)
-    if _delivery is not None:
-        with _Contained("PD prefill"):
+    if PROCESS.delivery is not None:
+        with Contained("PD prefill"):
             end_delivery_step(self.batch_result_processor)
     return out
 
 
 def _around_finalize(original, self):
     """Overlap path: gather finished rows before this forward's rows land in the host cache."""
-    delivery = _delivery
-    if delivery is not None and self.host_cache is delivery.host_cache:
-        with _Contained("drain"):
+    delivery = PROCESS.delivery
+    if delivery is not None and self.host_cache.buffer is delivery.host_rows:
+        with Contained("drain"):
             delivery.collector.drain(wait=True)
     return original(self)
 
@@ -865,10 +742,10 @@ def _around_forward_end(original, self, *args, **kwargs):
 
 
 def _forward_end_rows(original, self, params: dict):
-    delivery = _delivery
+    delivery = PROCESS.delivery
     if delivery is None or params.get("no_copy_to_cpu", False):
         return original(self, **params)
-    with _Contained("drain"):
+    with Contained("drain"):
         delivery.collector.drain(wait=True)
     out = original(self, **(params | {"no_copy_to_cpu": True}))
     if out is None:
@@ -886,9 +763,9 @@ _pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids",
 
 async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
     """Note which rids of this batch asked for routed experts (the meta_info hook has no `self`)."""
-    settings = _delivery_settings
+    settings = PROCESS.settings
     wanted: frozenset[str] = frozenset()
-    with _Contained("pointer"):
+    with Contained("pointer"):
         if settings is not None and settings.capture_all:
             wanted = frozenset(recv_obj.rids)
         else:
@@ -909,11 +786,11 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     """Runs once per output right after `meta_info` is complete: add `routed_experts_url`."""
     from engine_ext.collect import routed_experts_url
 
-    settings = _delivery_settings
+    settings = PROCESS.settings
     wanted = _pointer_rids.get()
     rid = meta_info.get("id") if isinstance(meta_info, dict) else None
     if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
-        with _Contained("pointer"):
+        with Contained("pointer"):
             meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
 
@@ -949,7 +826,7 @@ def _with_pointer_model(response_cls: type) -> type:
 def _around_openai_response(original, self, request, ret, *args, **kwargs):
     """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`."""
     response = original(self, request, ret, *args, **kwargs)
-    with _Contained("openai pointer"):
+    with Contained("openai pointer"):
         from sglang.srt.entrypoints.openai.protocol import SglExt
 
         urls = [(item.get("meta_info") or {}).get("routed_experts_url") for item in ret]
@@ -968,9 +845,9 @@ def _around_openai_response(original, self, request, ret, *args, **kwargs):
 
 async def _around_openai_stream(original, self, adapted_request, request, raw_request, *args, **kwargs):
     """Streaming `/v1/completions`, `/v1/chat/completions`: the choices' pointers in an `sglext` chunk."""
-    settings = _delivery_settings
+    settings = PROCESS.settings
     stream = None
-    with _Contained("openai pointer"):
+    with Contained("openai pointer"):
         if settings is not None and (getattr(request, "return_routed_experts", False) or settings.capture_all):
             stream = frontdoors.PointerStream(
                 base_url=settings.sidecar_url,
@@ -983,7 +860,7 @@ async def _around_openai_stream(original, self, adapted_request, request, raw_re
             yield chunk
             continue
         out = [chunk]
-        with _Contained("openai pointer"):
+        with Contained("openai pointer"):
             out = stream.feed(chunk)
         for piece in out:
             yield piece

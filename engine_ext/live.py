@@ -2,8 +2,8 @@
 
 Why: a `stream=true` trainer sees rows during generation, and the O(sequence) gather at finish disappears
 for these requests. Each step's rows come from the host copy SGLang already made for the host cache
-(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `hooks.py` maps them to the batch's
-requests with the layouts below (host integers only).
+(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `hooks.py` reads the batch's layout and its
+requests (`StepRequest`) off SGLang's objects as host integers, and `LiveRows.feed_step` does the rest.
 
 Opt-in: `R3_LIVE_ROWS=1` for every captured request, or per request `sampling_params.custom_params =
 {"r3_live_rows": true}` (false opts out); SGLang itself carries private keys in `custom_params`, and it
@@ -69,6 +69,21 @@ def verify_layout(seq_lens: Sequence[int], stride: int, accept_lens: Sequence[in
     """Verify forwards: `stride` rows per request from `seq_len`; the first `accept_len` are kept (top-k 1)."""
     layout = [(int(s), i * stride, int(a)) for i, (s, a) in enumerate(zip(seq_lens, accept_lens, strict=True))]
     return layout, stride * len(seq_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One request of a batch, as a live step needs it (`hooks.py` reads it off SGLang's `Req`)."""
+
+    rid: str
+    wants: bool  # in a first extend: it asks for live rows in this process (`Delivery.wants_live`)
+    finished: bool
+    retractions: int  # SGLang's `retraction_count`
+    retracted: bool  # `is_retracted`: retracted while the next batch was scheduled, this step's result pending
+    start: int  # `routed_experts_start_len`
+    prompt_len: int
+    limit: int  # positions below it have rows: prompt + output through the stop token - 1
+    pool_idx: int | None  # its `req_to_token` row; None once SGLang has freed it (finished, retracted)
 
 
 @dataclass(slots=True)
@@ -190,6 +205,55 @@ class LiveRows:
     def compact(self, step_rows: torch.Tensor) -> np.ndarray:
         """A whole step's rows in the record's form, once, so each request's slice needs no conversion."""
         return to_spool_rows(step_rows, self.collector.shape.layer_slots, self.collector.dtype)
+
+    def feed_step(
+        self,
+        name: str,
+        layout: Layout,
+        total: int,
+        reqs: Sequence[StepRequest],
+        topk: torch.Tensor,
+        *,
+        first_extend: bool,
+    ) -> None:
+        """One step's rows (host `topk`, in the batch's token order) to the live records of its requests.
+
+        `layout` places each request's rows; a step whose rows do not match it breaks its requests' records
+        (the finish-time path writes them whole). A record begins at a first extend (not a verify).
+        """
+        if total != topk.shape[0] or len(layout) != len(reqs):
+            for req in reqs:
+                self.break_record(req.rid, f"{name}: {topk.shape[0]} rows for a layout of {total}")
+                if req.finished:
+                    self.end(req.rid)
+            return
+        step_rows = None  # converted once per step, on the first request that takes rows
+        for req, (pos, offset, n) in zip(reqs, layout, strict=True):
+            record = self.records.get(req.rid)
+            retracted = record is not None and req.retractions != record.retractions
+            if record is None or (retracted and first_extend):  # a retracted request's re-prefill starts over
+                if not first_extend or req.finished or req.retracted or not req.wants or req.pool_idx is None:
+                    continue
+                self.begin(
+                    req.rid,
+                    start=req.start,
+                    prompt_len=req.prompt_len,
+                    retractions=req.retractions,
+                    first_pos=pos,
+                    pool_idx=req.pool_idx,
+                )
+            elif retracted and req.retracted:
+                # Overlap scheduling retracts while scheduling the next batch, before this step's result is
+                # processed: SGLang drops this step's token for the request, and so do we. Its record starts
+                # over at the re-prefill; ending it here would turn a restart into a lost record.
+                continue
+            elif retracted:
+                self.break_record(req.rid, "retracted, and not back through a prefill")
+            if step_rows is None:
+                step_rows = self.compact(topk)
+            self.feed(req.rid, pos, step_rows[offset : offset + n], limit=req.limit)
+            if req.finished:
+                self.end(req.rid)
 
     @_locked
     def prefix_landed(self, rid: str, record: LiveRecord, rows: torch.Tensor) -> None:

@@ -82,6 +82,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
 from engine_ext import hooks
+from engine_ext.delivery import PROCESS, Contained
 from engine_ext.settings import EngineSettings
 from service.spool import Spool
 
@@ -139,14 +140,11 @@ def finish(reqs):
     for req in reqs:
         proc._maybe_collect_routed_experts(req)
     hooks.end_delivery_step(proc)
-    hooks._delivery.writer.flush()
+    PROCESS.delivery.writer.flush()
 
 results = {"unpatched": unpatched}
 def configure(**env):
-    if hooks._delivery is not None:
-        hooks._delivery.close()
-    hooks._delivery = None
-    hooks._delivery_settings = EngineSettings(spool_dir=SPOOL, **env)
+    PROCESS.configure(EngineSettings(spool_dir=SPOOL, **env))
 
 # sidecar mode: spool rows == SGLang's base64 rows; the inline payload is dropped
 configure()
@@ -164,8 +162,8 @@ for r in (a, b):
                           status=meta.status, final=meta.final, dtype=meta.dtype, inline=r.routed_experts is not None,
                           prompt_len=meta.prompt_len, layers=list(meta.layers), nrows_up=int(up.shape[0]))
 results["c_record"] = Spool(SPOOL).read_meta("c") is not None
-results["sidecar_stats"] = hooks._delivery.writer.snapshot()
-results["launches"] = hooks._delivery.collector.gather.launches
+results["sidecar_stats"] = PROCESS.delivery.writer.snapshot()
+results["launches"] = PROCESS.delivery.collector.gather.launches
 
 # capture-all: a request that did not ask is captured, and gets no inline payload
 configure(capture_all=True)
@@ -189,14 +187,14 @@ configure(spool_max_bytes=64)
 f = run_request("f", 6, 30, 10, return_routed_experts=True)
 finish([f])
 results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).read_meta("f") is not None,
-                    stats=hooks._delivery.writer.snapshot())
+                    stats=PROCESS.delivery.writer.snapshot())
 
 # capture-all, spool full, and the request did not ask: nothing inline to keep, so the loss is counted by reason
 configure(capture_all=True, spool_max_bytes=64)
 g = run_request("g", 7, 30, 10)
 finish([g])
 results["g"] = dict(inline=g.routed_experts is not None, record=Spool(SPOOL).read_meta("g") is not None,
-                    stats=hooks._delivery.writer.snapshot(), dropped=hooks._delivery.collector.dropped)
+                    stats=PROCESS.delivery.writer.snapshot(), dropped=PROCESS.delivery.collector.dropped)
 
 # containment: a request the delivery cannot read (no pool row) takes SGLang's own path, the scheduler goes on
 configure()
@@ -205,22 +203,22 @@ broken.kv.req_pool_idx = None
 proc._maybe_collect_routed_experts(broken)
 results["contained"] = dict(
     inline=broken.routed_experts is not None, record=Spool(SPOOL).read_meta("broken") is not None,
-    seen=sorted(hooks._contained_seen))
+    seen=sorted(Contained.seen))
 # a delivery that cannot start (R3_DTYPE too narrow for 300 experts) is tried once; SGLang's path stays
 configure(dtype="uint8")
 mc.hf_text_config.num_experts = 300
 narrow = run_request("narrow", 5, 4, 2, return_routed_experts=True)
 proc._maybe_collect_routed_experts(narrow)
-results["narrow"] = dict(inline=narrow.routed_experts is not None, delivery=hooks._delivery is not None,
-                         settings=hooks._delivery_settings is not None, seen=sorted(hooks._contained_seen))
+results["narrow"] = dict(inline=narrow.routed_experts is not None, delivery=PROCESS.delivery is not None,
+                         settings=PROCESS.settings is not None, seen=sorted(Contained.seen))
 mc.hf_text_config.num_experts = 8
 configure(spool_max_bytes=64)
 finish([run_request("f3", 6, 30, 10, return_routed_experts=True)])
-results["f3"] = dict(seen=sorted(hooks._contained_seen), stats=hooks._delivery.writer.snapshot())
+results["f3"] = dict(seen=sorted(Contained.seen), stats=PROCESS.delivery.writer.snapshot())
 
 # telemetry: the real delivery's engine file (budget from the published ServerArgs) is accepted by the sidecar
-hooks._delivery.telemetry.close()  # no background write racing this one
-hooks._delivery.telemetry.tick()
+PROCESS.delivery.telemetry.close()  # no background write racing this one
+PROCESS.delivery.telemetry.tick()
 (path,) = Spool(SPOOL).engine_paths()
 on_disk = Spool(SPOOL).read_engine_file(path)
 results["engine_file"] = dict(engine=on_disk["engine"],
@@ -254,7 +252,7 @@ def on_rank(rid, idx, **fields):
     finish([r])
     meta = Spool(SPOOL).read_meta(rid)
     return dict(record=None if meta is None else meta.engine, inline=r.routed_experts is not None,
-                publisher=hooks._delivery.publisher, engine=hooks._delivery.engine)
+                publisher=PROCESS.delivery.publisher, engine=PROCESS.delivery.engine)
 results["attn_tp1"] = on_rank("tp1", 1, tp_size=2, world_rank=1)
 results["attn_dp1"] = on_rank("dp1", 2, tp_size=2, attn_dp_size=2, world_rank=1)
 emit(results)

@@ -34,6 +34,7 @@ def child_main(device: str, spool: str) -> dict:
     from syncguard import ForbidHostReads, HostReadError, cuda_sync_errors
 
     from engine_ext import hooks
+    from engine_ext.delivery import PROCESS
     from engine_ext.settings import EngineSettings
 
     aten = torch.ops.aten
@@ -124,7 +125,7 @@ def child_main(device: str, spool: str) -> dict:
         results["error"] = None
     except Exception as exc:
         results["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    delivery = hooks._delivery
+    delivery = PROCESS.delivery
     delivery.writer.flush()
     results["records_written"] = delivery.writer.snapshot()["records_written"]
     results["inline"] = [r.routed_experts is not None for r in finished]

@@ -66,6 +66,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
 from engine_ext import hooks
+from engine_ext.delivery import PROCESS
 from engine_ext.settings import EngineSettings
 from service.spool import Spool
 
@@ -170,7 +171,7 @@ def verify(req, stride, accept):
     process(batch, GenerationBatchResult(accept_lens=torch.tensor([accept]), speculative_num_draft_tokens=stride), out)
 
 def meta(rid):
-    hooks._delivery.writer.flush()
+    PROCESS.delivery.writer.flush()
     m = spool.read_meta(rid)
     return None if m is None else dict(rows=m.rows, final=m.final, status=m.status, start=m.start)
 
@@ -240,10 +241,10 @@ for req in (a, b, c, g, f, d, h, e, z):
     rows = spool.read_array(m).astype(np.int32)
     res[req.rid] = dict(rows=m.rows, final=m.final, status=m.status, start=m.start,
                         equal=bool(np.array_equal(rows, expected[req.rid])), n_up=int(expected[req.rid].shape[0]))
-st = hooks._delivery.live.stats
+st = PROCESS.delivery.live.stats
 res["stats"] = dict(records=st.records, completed=st.completed, restarted=st.restarted, broken=st.broken)
-res["open"] = sorted(hooks._delivery.live.records)
-res["writer"] = hooks._delivery.writer.snapshot()
+res["open"] = sorted(PROCESS.delivery.live.records)
+res["writer"] = PROCESS.delivery.writer.snapshot()
 emit(res)
 """
 

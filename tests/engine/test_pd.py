@@ -32,6 +32,7 @@ from sglang.srt.runtime_context import get_disagg
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
 from engine_ext import hooks
+from engine_ext.delivery import PROCESS
 from engine_ext.settings import EngineSettings
 from service.spool import Spool
 
@@ -58,15 +59,12 @@ def forward(slots):
     cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=True).finalize()
 
 def configure(**env):
-    if hooks._delivery is not None:
-        hooks._delivery.close()
-    hooks._delivery = None
-    hooks._delivery_settings = EngineSettings(spool_dir=SPOOL, **env)
+    PROCESS.configure(EngineSettings(spool_dir=SPOOL, **env))
 
 def finish(req):
     proc._maybe_collect_routed_experts(req)
     hooks.end_delivery_step(proc)
-    hooks._delivery.writer.flush()
+    PROCESS.delivery.writer.flush()
     meta = Spool(SPOOL).read_meta(req.rid)
     return meta, Spool(SPOOL).read_array(meta).astype(np.int32)
 

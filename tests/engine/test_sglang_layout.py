@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
 from engine_ext import hooks
+from engine_ext.delivery import PROCESS
 from engine_ext.settings import EngineSettings
 
 SPOOL, OUT = os.environ["R3_TEST_SPOOL"], os.environ["R3_TEST_OUT"]
@@ -53,9 +54,7 @@ def model(name, layers, dense, experts, topk, tokens):
     pool = ReqToTokenPool(size=4, max_context_len=33000, device="cpu", enable_memory_saver=False)
     proc = SchedulerBatchResultProcessor(**{f: None for f in SchedulerBatchResultProcessor.__dataclass_fields__} | dict(
         req_to_token_pool=pool, model_config=mc, is_generation=True))
-    if hooks._delivery is not None:
-        hooks._delivery.close()
-    hooks._delivery = None
+    PROCESS.configure(PROCESS.settings)  # a fresh delivery for this model
     return types.SimpleNamespace(name=name, cap=cap, pool=pool, proc=proc, moe=list(range(dense, layers)),
                                  experts=experts, topk=topk, next_slot=1)
 
@@ -93,7 +92,7 @@ def run(m, rid, prompt, output, start_len=0, abort=False):
         f.write(upstream)
     m.proc._maybe_collect_routed_experts(req)           # the plugin's finish path (sidecar mode)
     hooks.end_delivery_step(m.proc)
-    hooks._delivery.writer.flush()
+    PROCESS.delivery.writer.flush()
     results[rid] = dict(inline=req.routed_experts is not None, rows=int(rows.shape[0]), width=int(rows.shape[1]))
 
 for shape in (("moe", 4, 0, 128, 8, 110_000), ("dsv3", 8, 3, 256, 8, 110_000)):
@@ -102,7 +101,7 @@ for shape in (("moe", 4, 0, 128, 8, 110_000), ("dsv3", 8, 3, 256, 8, 110_000)):
         prompt = min(length, {1: 1, 2: 1, 1000: 600, 32768: 32000}[length])
         for s in starts:
             run(m, f"{m.name}-{length}-{s}", prompt, length - prompt, start_len=s)
-    results[m.name + "-stats"] = hooks._delivery.writer.snapshot()
+    results[m.name + "-stats"] = PROCESS.delivery.writer.snapshot()
 
 # Partial rollout: abort after 12 of 30 tokens, resume with the prompt plus what was generated,
 # routed_experts_start_len = tokens - 1 (the last generated token was never an input before the abort).

@@ -1,0 +1,180 @@
+"""The plugin's delivery state in one process: what `install` was told, and what the first batch result built.
+
+Why one object: the scheduler's hooks need the same writer, collector, live rows and telemetry at every step,
+and SGLang calls hooks as plain functions. So the process holds one `Process` (`PROCESS` below): the settings
+set at `install`, and the `Delivery` created from them, once, at the first batch result that has a capturer.
+Everything here takes plain values; `hooks.py` reads them off SGLang's objects.
+
+    from engine_ext.delivery import PROCESS
+    delivery = PROCESS.current(build)   # None until the settings ask for delivery and a capturer exists
+    with Contained("finish"):           # an error is logged once per place; SGLang's own path goes on
+        ...
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar
+
+import torch
+
+from engine_ext import frontdoors
+from engine_ext.collect import Collector, ModelShape
+from engine_ext.live import LiveRows, wants_live
+from engine_ext.settings import EngineSettings
+from engine_ext.telemetry import Sources, Telemetry
+from engine_ext.writer import SpoolWriter, spool_dtype
+
+log = logging.getLogger("r3_sidecar")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this scheduler process sits, and what its launch allows (read from SGLang by `hooks.py`)."""
+
+    publisher: bool  # attn-tp rank 0 of its DP group: the one process of the group that writes records
+    dp_rank: int | None  # names the engine (`R3_ENGINE_NAME-dp<N>`); None without DP
+    spec_tree: bool  # EAGLE top-k > 1: verify keeps a path through a tree, not the first accept_len rows
+    unreachable: str | None  # why responses cannot carry the pointer (`frontdoors.pointer_unreachable`)
+    sglang: str  # SGLang's version, for the engine file
+
+
+@dataclass(frozen=True)
+class HostCache:
+    """SGLang's routed-experts host cache, as delivery uses it: the rows tensor and two token counts."""
+
+    rows: torch.Tensor  # `[slots, layers, topk]`, indexed by KV slot (`req_to_token`)
+    tokens: Callable[[], tuple[int, int]]  # (capacity, used): for the engine file
+
+
+class Delivery:
+    """One scheduler process's delivery: writer thread, collector, live rows and the telemetry thread."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        shape: ModelShape,
+        host_cache: HostCache,
+        placement: Placement,
+        *,
+        budget: Callable[[], list[dict[str, Any]]],
+        occupancy: Callable[[], list[dict[str, Any]]],
+    ) -> None:
+        self.settings = settings
+        self.placement = placement
+        self.publisher, self.dp_rank = placement.publisher, placement.dp_rank
+        self.mode = frontdoors.effective_mode(settings.mode, placement.unreachable)
+        self.host_rows = host_cache.rows
+        self.engine = settings.engine_name(placement.dp_rank)
+        self.writer = SpoolWriter(
+            settings.spool_dir,
+            max_bytes=settings.spool_max_bytes,
+            queue_bytes=settings.writer_queue_bytes,
+            engine=self.engine,
+        ).start()
+        self.collector = Collector(
+            self.writer,
+            shape,
+            mode=self.mode,
+            capture_all=settings.capture_all,
+            dtype=spool_dtype(settings.dtype, shape.num_experts),
+            engine=self.engine,
+        )
+        self.live = LiveRows(self.collector)
+        self.inline_rows: tuple[object, Any] | None = None  # non-overlap: (out_cache_loc, host rows), last forward
+        self.stop = threading.Event()
+        threading.Thread(
+            target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
+        ).start()
+        if self.mode is not settings.mode and self.publisher:
+            log.warning(
+                "r3-sidecar: %s; requests that ask for routed experts keep SGLang's inline payload (R3_MODE=%s "
+                "acts as mirror: the spool still gets every record)",
+                placement.unreachable,
+                settings.mode,
+            )
+        self.telemetry = Telemetry(
+            spool_dir=settings.spool_dir,
+            engine=self.engine,
+            dp_rank=placement.dp_rank,
+            sources=Sources(
+                budget=budget, occupancy=occupancy, host_cache=host_cache.tokens, writer=self.writer.snapshot
+            ),
+            interval_s=settings.telemetry_interval_s,
+            sglang=placement.sglang,
+            delivery=frontdoors.delivery_report(settings.mode, placement.unreachable),
+        )
+        if self.publisher:  # one engine file per DP group, like the records
+            self.telemetry.start()
+
+    def wants_live(self, asked: bool, custom_params: Any) -> bool:
+        """Does a request (`return_routed_experts`, its `custom_params`) get live rows in this process?"""
+        settings = self.settings
+        return (
+            self.publisher
+            and not self.placement.spec_tree  # tree verify rows are not a prefix: the finish-time path takes them
+            and (asked or settings.capture_all)
+            and wants_live(settings.live_rows, custom_params)
+        )
+
+    def close(self) -> None:
+        """Stop the threads; what is queued is written (bounded by the writer's timeout)."""
+        self.stop.set()
+        self.telemetry.close()
+        self.collector.drain(wait=True)
+        self.writer.close()
+
+
+class Process:
+    """The process-wide state: the settings `install` set, and the one `Delivery` built from them."""
+
+    def __init__(self) -> None:
+        self.settings: EngineSettings | None = None
+        self.delivery: Delivery | None = None
+
+    def configure(self, settings: EngineSettings | None) -> None:
+        """Set (or, with None, clear) the settings delivery is built from; closes a delivery already built."""
+        if self.delivery is not None:
+            self.delivery.close()
+        self.settings, self.delivery = settings, None
+
+    def current(self, build: Callable[[EngineSettings], Delivery | None]) -> Delivery | None:
+        """The delivery, built by `build(settings)` on first use; one attempt: a failure leaves SGLang's path."""
+        if self.delivery is None and self.settings is not None:
+            settings, self.settings = self.settings, None
+            delivery = build(settings)  # raises: settings stay None, so SGLang's own path from here on
+            self.settings = settings
+            if delivery is not None:
+                self.delivery = delivery
+                atexit.register(delivery.close)  # a clean exit writes what is queued
+        return self.delivery
+
+
+PROCESS = Process()
+
+
+class Contained:
+    """Delivery never takes the scheduler down: an error in it is logged (once per place) and SGLang goes on."""
+
+    seen: ClassVar[set[str]] = set()  # places that have failed in this process (logged once each)
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.failed = False
+
+    def __enter__(self) -> Contained:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        self.failed = True
+        if self.where not in Contained.seen:
+            Contained.seen.add(self.where)
+            log.exception("r3-sidecar delivery failed in %s; SGLang's own path goes on", self.where)
+        return True
