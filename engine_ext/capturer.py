@@ -193,3 +193,26 @@ def occupancy_snapshot() -> list[dict]:
     with _tracked_lock:
         current = list(_tracked.values())
     return [occupancy.snapshot() for occupancy in current]
+
+
+class RoutedLayers:
+    """The model layers SGLang's forward routes in, as seen at the first forward that captured any.
+
+    Why not the HF config: which layers are MoE is the model class's decision, and config fields do not always
+    say it (SGLang 0.5.23's Qwen3-MoE routes every layer whatever `mlp_only_layers` says). The first forward
+    (SGLang's warmup) precedes every request, so records always know; the config is the fallback.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.known: tuple[int, ...] | None = None
+
+    def note(self, layer_id: int) -> None:
+        self.seen.add(int(layer_id))
+
+    def close(self) -> None:
+        if self.seen:
+            self.known = tuple(sorted(self.seen))
+
+
+ROUTED_LAYERS = RoutedLayers()  # this process's model, filled by `hooks._checked_device_capture`

@@ -140,7 +140,7 @@ def install_capture_hooks(settings: EngineSettings) -> None:
     _register("capture", *(("hip",) if is_hip() else ()))
 
 
-# ---- capture: capturer sizing, DP slicing, runtime assertions, occupancy (owner: capture work) ----------
+# ---- capture: capturer sizing, DP slicing, runtime assertions, occupancy --------------------------------
 
 _DECODE_EXTENT_ATTR = "r3_decode_graph_extent"  # set on each ForwardBatch by _record_forward_extent
 _SLICE_ATTR = "_r3_last_slice"  # the capturer's LocalSlice of the current forward, for occupancy
@@ -290,33 +290,10 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
     return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
 
 
-class _RoutedLayers:
-    """The model layers SGLang's forward routes in, as seen at the first forward that captured any.
-
-    Why not the HF config: which layers are MoE is the model class's decision, and config fields do not always
-    say it (SGLang 0.5.23's Qwen3-MoE routes every layer whatever `mlp_only_layers` says). The first forward
-    (SGLang's warmup) precedes every request, so records always know; the config is the fallback.
-    """
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.known: tuple[int, ...] | None = None
-
-    def note(self, layer_id: int) -> None:
-        self.seen.add(int(layer_id))
-
-    def close(self) -> None:
-        if self.seen:
-            self.known = tuple(sorted(self.seen))
-
-
-_routed_layers = _RoutedLayers()
-
-
 def _checked_device_capture(original, self, layer_id, topk_indices):
     """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
-    if _routed_layers.known is None and self.name == "routed_experts":
-        _routed_layers.note(layer_id)
+    if capturer.ROUTED_LAYERS.known is None and self.name == "routed_experts":
+        capturer.ROUTED_LAYERS.note(layer_id)
     if topk_indices.shape[0] > self.buffer.shape[0]:  # the message is built only on failure: this runs per layer
         capturer.check_fits(
             topk_indices.shape[0],
@@ -362,7 +339,7 @@ def _checked_draft_kv_indices(original, self, forward_batch, kv_indices_buffer, 
     return original(self, forward_batch, kv_indices_buffer, call_fn, *args, **kwargs)
 
 
-# ---- budget: pre-launch check (owner: budget work) -------------------------------------------------------
+# ---- budget: pre-launch check ----------------------------------------------------------------------------
 
 
 # The last resolution step (pipeline.py): speculative, CUDA-graph and MoE settings are final by then.
@@ -460,7 +437,7 @@ def _budget_model_config(server_args):
         return None
 
 
-# ---- delivery: collection, writer, live rows, telemetry, pointer (owner: delivery work) ------------------
+# ---- delivery: collection, writer, live rows, telemetry, pointer -----------------------------------------
 
 
 def install_delivery_hooks(settings: EngineSettings) -> None:
@@ -525,7 +502,7 @@ def _model_shape(hf, experts) -> ModelShape:
         int(v) for n in ("num_experts", "n_routed_experts", "num_local_experts") if (v := getattr(hf, n, None))
     )
     num_slots = int(experts.num_layers)  # the capturer's slots are hf_text_config.num_hidden_layers
-    layers = _routed_layers.known or moe_layer_ids(
+    layers = capturer.ROUTED_LAYERS.known or moe_layer_ids(
         num_slots,
         first_k_dense=int(getattr(hf, "first_k_dense_replace", 0) or 0),
         sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
@@ -731,8 +708,8 @@ def _around_forward_end(original, self, *args, **kwargs):
     params = dict(zip(("forward_batch", "can_run_graph", "cuda_graph_batch", "no_copy_to_cpu"), args, strict=False))
     params.update(kwargs)
     setattr(self, _SLICE_ATTR, None)
-    if _routed_layers.known is None:
-        _routed_layers.close()
+    if capturer.ROUTED_LAYERS.known is None:
+        capturer.ROUTED_LAYERS.close()
     out = _forward_end_rows(original, self, params)
     where = getattr(self, _SLICE_ATTR, None)
     occupancy = getattr(self, _OCCUPANCY_ATTR, None)
