@@ -149,6 +149,12 @@ def live_server(
         _wait_ready(base_url, timeout, proc)
         yield base_url
     finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stop one process a test started, by its pid: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(10)
