@@ -8,10 +8,10 @@ The work lives in one module per idea: `fetch` (a whole record), `stream` (rows 
 in memory; every error is JSON `{"error": code, "detail": text}`.
 """
 
-import asyncio
 import functools
 import hmac
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -114,7 +114,7 @@ async def batch(request: Any, store: StoreDep, metrics: MetricsDep) -> Streaming
         fetch.count(422)
         fetch.finish()
         raise ApiError(422, "invalid_layers", str(exc)) from None
-    deadline = asyncio.get_running_loop().time() + request.wait
+    deadline = store.deadline_clock() + request.wait
     body = counted(batch_frames(store, request, items, deadline, fetch), fetch)
     return StreamingResponse(body, media_type=FRAMES_MEDIA_TYPE)
 
@@ -291,10 +291,12 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         )
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """The sidecar app over `settings.spool_dir`; its store starts and stops with the app's lifespan."""
+def create_app(settings: Settings, *, deadline_clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The sidecar app over `settings.spool_dir`; its store starts and stops with the app's lifespan.
+
+    `deadline_clock` times every `wait` (GET, stream, batch): injectable so tests decide when a wait runs out."""
     spool = Spool(settings.spool_dir, create=False)  # made at startup: building an app touches no files
-    store = Store(spool, settings)
+    store = Store(spool, settings, deadline_clock=deadline_clock)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

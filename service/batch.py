@@ -4,7 +4,6 @@ Why its own module: a batch answers each rid the way a whole fetch would (404, 2
 but as a frame inside one 200 body, under one shared deadline; those rules live here, the route only parses.
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,12 +28,11 @@ from service.store import Store
 async def batch_frames(
     store: Store, request: Any, items: list[formats.LayerItem] | None, deadline: float, fetch: Fetch
 ) -> AsyncIterator[bytes]:
-    """One frame per rid of `request` (a `BatchRequest`), in its order; all rids share one `deadline` (loop
-    time), and each rid's outcome is counted once its frame is out."""
-    loop = asyncio.get_running_loop()
+    """One frame per rid of `request` (a `BatchRequest`), in its order; all rids share one `deadline` (on
+    `store.deadline_clock`), and each rid's outcome is counted once its frame is out."""
     for item in request.rids:
         rid, start, end = (item, None, None) if isinstance(item, str) else (item.rid, item.start, item.end)
-        meta = await fetch.wait(store.wait_final(rid, deadline - loop.time()))
+        meta = await fetch.wait(store.wait_final(rid, deadline - store.deadline_clock()))
         if meta is None:
             err = missing(store, rid)
             yield empty_frame(rid, err.status, None, error=err.code, detail=err.detail)

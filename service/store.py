@@ -67,10 +67,20 @@ def _is_meta_name(filename: str) -> bool:
 class Store:
     """Index of one spool's records, with async waiters and retention."""
 
-    def __init__(self, spool: Spool, settings: Settings, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        spool: Spool,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+        deadline_clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock` is wall time, compared with records' `updated` (retention); `deadline_clock` times the waits
+        (monotonic seconds; injectable so a test, not the machine's speed, decides when a deadline has passed)."""
         self.spool = spool
         self.settings = settings
         self.clock = clock
+        self.deadline_clock = deadline_clock
         self.skipped: Counter[str] = Counter()
         self.expired_total = 0
         self.ready = False
@@ -284,14 +294,14 @@ class Store:
         """Wait (woken by index changes) until `done(meta)` holds or `timeout` passes; return the meta.
 
         The event is taken before each look, so a change between the look and the wait is never lost.
-        The wait is also cut at `rescan_s`, the same safety net as the index's own rescan.
+        The wait is also cut at `rescan_s`, the same safety net as the index's own rescan. `timeout` is
+        counted on `deadline_clock`.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, timeout)
+        deadline = self.deadline_clock() + max(0.0, timeout)
         while True:
             event = self._event(rid)
             meta = self.lookup(rid)
-            remaining = deadline - loop.time()
+            remaining = deadline - self.deadline_clock()
             if done(meta) or remaining <= 0 or (meta is None and self.expired(rid)):
                 return meta
             with contextlib.suppress(TimeoutError):

@@ -39,9 +39,14 @@ def make_settings(spool_dir: Path) -> Callable[..., Settings]:
 
 @pytest.fixture
 def serve(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., str]]:
-    """`base_url = serve(auth_token="t", ...)`: start a sidecar (threaded uvicorn); stopped after the test."""
+    """`base_url = serve(auth_token="t", ...)`: start a sidecar (threaded uvicorn); stopped after the test.
+    `serve(deadline_clock=FakeClock(), ...)` times its waits on a clock the test moves."""
     with ExitStack() as stack:
-        yield lambda **overrides: stack.enter_context(live_server(make_settings(**overrides)))
+
+        def start(deadline_clock: Callable[[], float] | None = None, **overrides: object) -> str:
+            return stack.enter_context(live_server(make_settings(**overrides), deadline_clock=deadline_clock))
+
+        yield start
 
 
 @pytest.fixture

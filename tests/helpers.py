@@ -3,11 +3,14 @@
 `live_server(settings)` runs the app in a thread of this process (fast to start, for API tests);
 `live_server(settings, process=True)` runs it as a separate `uvicorn` process (its own GIL: for
 benchmarks and restart tests). Both bind the socket here first, so there is no port race.
+`FakeClock` is a deadline clock a test moves by hand (`live_server(settings, deadline_clock=clock)`), so a test
+of a `wait` asserts that it ran out on the clock, never how many seconds it took.
 Import as `from helpers import live_server` (pytest puts `tests/` on the path through `conftest.py`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import socket
@@ -15,8 +18,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import numpy as np
@@ -27,6 +31,7 @@ from service.settings import Settings
 from service.spool import RecordMeta, Spool
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def bound_socket() -> socket.socket:
@@ -55,13 +60,73 @@ def _wait_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | N
     raise TimeoutError(f"sidecar at {base_url} not ready in {timeout}s")
 
 
+class FakeClock:
+    """A deadline clock that moves only when the test advances it: a wait ends because its deadline passed on
+    this clock, whatever the machine's speed. Frozen, it never ends a wait: only a change of the record does.
+
+    The server still sleeps for real between two looks at a record, for at most the wait's remaining seconds
+    (read on this clock) or `rescan_s`; so a wait the test lets run out is short, and is seen to have run out
+    at the waiter's next look. Reads are counted, so a test can tell that the server has set its deadline.
+    """
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+        self.reads = 0
+        self.last_read: float | None = None
+        self._read = threading.Condition()
+
+    def __call__(self) -> float:
+        with self._read:
+            self.reads += 1
+            self.last_read = self.now
+            self._read.notify_all()
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._read:
+            self.now += seconds
+
+    def wait_reads(self, count: int, timeout: float = 30.0) -> None:
+        """Block until the clock has been read `count` times in all (`timeout`: a hang guard)."""
+        with self._read:
+            if not self._read.wait_for(lambda: self.reads >= count, timeout):
+                raise TimeoutError(f"the clock was read {self.reads} times, not {count}, in {timeout} s")
+
+    def run_out(self, call: Callable[[], T], wait: float) -> T:
+        """`call()`, a request that waits `wait` seconds on this clock, in a thread: once the server has read the
+        clock (its deadline is set), the clock jumps past that deadline. Returns what `call` returned, after
+        checking that the server's last look at the clock was past the deadline: the wait ran out, then it answered.
+        """
+        reads = self.reads
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(call)
+            self.wait_reads(reads + 1)
+            deadline = self.now + wait
+            assert not pending.done(), "answered before its deadline could pass"
+            self.advance(wait + 1)
+            result = pending.result()
+        assert self.last_read is not None and self.last_read >= deadline, "answered before its deadline passed"
+        return result
+
+
 @contextlib.contextmanager
-def live_server(settings: Settings, *, process: bool = False, timeout: float = 20.0) -> Iterator[str]:
-    """Serve `create_app(settings)` on 127.0.0.1; yield its base URL; shut it down on exit."""
+def live_server(
+    settings: Settings,
+    *,
+    process: bool = False,
+    timeout: float = 20.0,
+    deadline_clock: Callable[[], float] | None = None,
+) -> Iterator[str]:
+    """Serve `create_app(settings)` on 127.0.0.1; yield its base URL; shut it down on exit.
+
+    `deadline_clock` (e.g. a `FakeClock`) times the app's waits; threaded servers only."""
     if not process:
-        with live_app(create_app(settings), timeout=timeout) as base_url:
+        clock = {} if deadline_clock is None else {"deadline_clock": deadline_clock}
+        with live_app(create_app(settings, **clock), timeout=timeout) as base_url:
             yield base_url
         return
+    if deadline_clock is not None:
+        raise ValueError("a sidecar process reads its own clock")
     sock = bound_socket()
     base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sock.listen(128)
@@ -84,6 +149,12 @@ def live_server(settings: Settings, *, process: bool = False, timeout: float = 2
         _wait_ready(base_url, timeout, proc)
         yield base_url
     finally:
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stop one process a test started, by its pid: SIGTERM, then SIGKILL after 10 s."""
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(10)

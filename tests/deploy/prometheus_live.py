@@ -3,7 +3,8 @@
 The server binary is Debian's (`prometheus` package, the one .ci/run fetches for promtool): named by
 `PROMETHEUS`, or found next to `PROMTOOL`, or on PATH. Targets are listed in a file_sd file that
 Prometheus re-reads within a second, so a test can add and remove pods while the server runs. Every
-process started here is stopped by its pid (terminate, then kill) when its context ends, on failure too.
+process started here is stopped by its pid (`helpers.stop_process`: terminate, then kill) when its context
+ends, on failure too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import httpx
 import yaml
-from helpers import REPO, bound_socket
+from helpers import REPO, bound_socket, stop_process
 
 
 def prometheus_binary() -> str | None:
@@ -43,17 +44,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
     finally:
         sock.close()
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Stop one process we started, by its pid: SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
@@ -93,7 +83,7 @@ def sidecar(command: str, spool_dir: Path, log: Path, **env: str) -> Iterator[tu
         wait_http(f"http://127.0.0.1:{port}/readyz", proc)
         yield f"127.0.0.1:{port}", proc
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 class CounterExporter:
@@ -192,7 +182,7 @@ class Prometheus:
 
     def __exit__(self, *_exc: object) -> None:
         if self.proc is not None:
-            stop(self.proc)
+            stop_process(self.proc)
         self._log.close()
 
     def query(self, expr: str) -> list[dict[str, Any]]:

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import yaml
 from deploy_render import DASHBOARD_FILE, RULES_FILE, render
-from helpers import random_rows, write_record
-from prometheus_live import CounterExporter, Prometheus, prometheus_binary, shorten_for, sidecar, stop
+from helpers import random_rows, stop_process, write_record
+from prometheus_live import CounterExporter, Prometheus, prometheus_binary, shorten_for, sidecar
 
 from service.spool import Spool
 
@@ -285,7 +285,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
 
         # ---- pods go away ------------------------------------------------------------------------
         watch.provoke("R3SidecarDown")
-        stop(demo["r3-1"][1])
+        stop_process(demo["r3-1"][1])
         watch.until_firing(["R3SidecarDown"], files)
         # Every sidecar leaves service discovery (pods deleted, or the ServiceMonitor stops matching them).
         stop_trainers.set()
@@ -298,7 +298,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             assert time.monotonic() < deadline, "the sidecars' targets were not dropped"
             time.sleep(0.25)
         for _, proc in (*demo.values(), (addr2, proc2)):
-            stop(proc)
+            stop_process(proc)
         watch.until_firing(["R3SidecarMetricsAbsent"], files)
         for t in trainers:
             for code, n in t.codes.items():

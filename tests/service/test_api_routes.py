@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pybase64
 import pytest
-from helpers import engine_report, live_server, random_rows, write_record
+from helpers import FakeClock, engine_report, live_server, random_rows, write_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,11 +31,17 @@ def url_for(base: str, rid: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Spool]]:
+def clock() -> FakeClock:
+    """The shared sidecar's deadline clock: it moves only when a test runs a wait out (`clock.run_out`)."""
+    return FakeClock()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, clock: FakeClock) -> Iterator[tuple[str, Spool]]:
     """One sidecar for the read-only tests of this module (small chunks, to cross chunk boundaries)."""
     root = tmp_path_factory.mktemp("spool")
     settings = Settings.model_validate({"spool_dir": root, "chunk_bytes": 4096, "rescan_s": 60})
-    with live_server(settings) as base:
+    with live_server(settings, deadline_clock=clock) as base:
         yield base, Spool(root)
 
 
@@ -144,7 +150,7 @@ def test_404_unknown_record_and_route(shared: tuple[str, Spool]) -> None:
     assert r.status_code == 405 and r.json()["error"] == "method_not_allowed"
 
 
-def test_202_when_not_final(shared: tuple[str, Spool]) -> None:
+def test_202_when_not_final(shared: tuple[str, Spool], clock: FakeClock) -> None:
     base, spool = shared
     write_record(spool, "open-1", random_rows(7), final=False)
     r = httpx.get(url_for(base, "open-1"))
@@ -154,9 +160,8 @@ def test_202_when_not_final(shared: tuple[str, Spool]) -> None:
         "final": False,
         "detail": "record is not final yet: 7 rows so far (positions [0, 7))",
     }
-    t0 = time.monotonic()
-    r = httpx.get(url_for(base, "open-1"), params={"wait": 0.3})
-    assert r.status_code == 202 and time.monotonic() - t0 >= 0.3
+    r = clock.run_out(lambda: httpx.get(url_for(base, "open-1"), params={"wait": 0.3}, timeout=30), 0.3)
+    assert r.status_code == 202  # and only once the wait had run out (`run_out` checks the clock)
 
 
 def test_aborted_is_served_and_error_is_410(shared: tuple[str, Spool]) -> None:
@@ -188,7 +193,8 @@ def test_odd_rids_roundtrip(shared: tuple[str, Spool]) -> None:
 
 
 def test_wait_returns_as_soon_as_final(shared: tuple[str, Spool]) -> None:
-    """Woken by the file-system event (rescan_s is 60 here), not by polling: well under the wait."""
+    """Woken by the file-system event, not by polling nor the deadline: the clock does not move during the
+    wait, and the rescan (60 s) lies past the client's 30 s timeout."""
     base, spool = shared
     rows = random_rows(20)
     writer = spool.writer("late", num_experts=128, topk=8, layers=[0, 1, 2, 3])
@@ -199,25 +205,21 @@ def test_wait_returns_as_soon_as_final(shared: tuple[str, Spool]) -> None:
         writer.finalize()
 
     threading.Thread(target=finish).start()
-    t0 = time.monotonic()
-    r = httpx.get(url_for(base, "late"), params={"wait": 30, "format": "raw"}, timeout=40)
-    elapsed = time.monotonic() - t0
-    assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
-    assert 0.35 < elapsed < 10, elapsed
+    r = httpx.get(url_for(base, "late"), params={"wait": 600, "format": "raw"}, timeout=30)
+    assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()  # final: it waited for the rows
 
 
-def test_wait_for_a_record_not_yet_created(shared: tuple[str, Spool]) -> None:
+def test_wait_for_a_record_not_yet_created(shared: tuple[str, Spool], clock: FakeClock) -> None:
+    """Woken by the record's creation (as above: neither the deadline nor the rescan can end the wait within the
+    client's timeout); a rid that never comes is 404 once the wait has run out."""
     base, spool = shared
     rows = random_rows(3)
     timer = threading.Timer(0.3, lambda: write_record(spool, "unborn", rows))
     timer.start()
-    t0 = time.monotonic()
-    r = httpx.get(url_for(base, "unborn"), params={"wait": 30, "format": "raw"}, timeout=40)
+    r = httpx.get(url_for(base, "unborn"), params={"wait": 600, "format": "raw"}, timeout=30)
     assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
-    assert time.monotonic() - t0 < 10
-    t0 = time.monotonic()
-    assert httpx.get(url_for(base, "still-unborn"), params={"wait": 0.2}).status_code == 404
-    assert time.monotonic() - t0 >= 0.2
+    r = clock.run_out(lambda: httpx.get(url_for(base, "still-unborn"), params={"wait": 0.2}, timeout=30), 0.2)
+    assert r.status_code == 404
 
 
 def test_delete_frees_files(shared: tuple[str, Spool]) -> None:

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
-from helpers import live_server
+from helpers import FakeClock, live_server
 
 from service.api import create_app
 from service.client import (
@@ -86,8 +86,14 @@ def spool(tmp_path_factory: pytest.TempPathFactory) -> Spool:
 
 
 @pytest.fixture(scope="module")
-def url(spool: Spool) -> Iterator[str]:
-    with live_server(Settings(spool_dir=spool.root, rescan_s=0.5)) as base:
+def clock() -> FakeClock:
+    """The module sidecar's deadline clock: it moves only when a test runs a wait out (`clock.run_out`)."""
+    return FakeClock()
+
+
+@pytest.fixture(scope="module")
+def url(spool: Spool, clock: FakeClock) -> Iterator[str]:
+    with live_server(Settings(spool_dir=spool.root, rescan_s=0.5), deadline_clock=clock) as base:
         yield base
 
 
@@ -155,14 +161,18 @@ def test_wait_until_final(spool: Spool, client: RoutedExpertsClient) -> None:
     np.testing.assert_array_equal(r.array, np.concatenate([array, more]))
 
 
-def test_errors_carry_the_server_detail(spool: Spool, client: RoutedExpertsClient) -> None:
+def test_errors_carry_the_server_detail(spool: Spool, client: RoutedExpertsClient, clock: FakeClock) -> None:
     with pytest.raises(RecordNotFound) as missing:
         client.get("no-such-rid")
     assert missing.value.status == 404 and missing.value.detail and missing.value.rid == "no-such-rid"
-    t0 = time.monotonic()
-    with pytest.raises(RecordNotFound):
-        client.get("no-such-rid", wait=0.4)
-    assert time.monotonic() - t0 >= 0.35
+
+    def get_missing_after_wait() -> RecordNotFound:
+        with pytest.raises(RecordNotFound) as waited:
+            client.get("no-such-rid", wait=0.4)
+        return waited.value
+
+    # The client sends its wait; the server answers 404 only once that wait has run out on its clock.
+    assert clock.run_out(get_missing_after_wait, 0.4).status == 404
     put(spool, "get-failed", rows=4, status="error")
     with pytest.raises(RecordGone) as gone:
         client.get("get-failed")

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from helpers import random_rows, write_record
+from helpers import FakeClock, random_rows, write_record
 
 from service.settings import Settings
-from service.spool import Spool
+from service.spool import RecordMeta, Spool
 from service.store import Store
 
 
@@ -70,26 +70,31 @@ def test_hash_named_rid_collision_is_not_served(spool: Spool) -> None:
 
 
 def test_waiters_wake_on_events_and_time_out(spool: Spool) -> None:
-    async def scenario() -> tuple[float, float, bool]:
-        store = make_store(spool, rescan_s=60)
+    """Woken by the change: the deadline clock is frozen and `rescan_s` (60) lies past the 30 s hang guard, so
+    nothing else could end the first wait. The second wait ends when its deadline passes on that clock."""
+    clock = FakeClock()
+
+    async def scenario() -> tuple[RecordMeta | None, RecordMeta | None, float]:
+        store = Store(spool, Settings.model_validate({"spool_dir": spool.root, "rescan_s": 60}), deadline_clock=clock)
         await store.start()
         try:
             writer = spool.writer("ev", num_experts=8, topk=1, layers=[0])
             loop = asyncio.get_running_loop()
             loop.call_later(0.3, lambda: writer.append(np.zeros((2, 1, 1))))
-            t0 = time.monotonic()
-            meta = await store.wait_until("ev", lambda m: m is not None and m.rows >= 2, 20)
-            woke = time.monotonic() - t0
-            t0 = time.monotonic()
-            none = await store.wait_final("ev", 0.3)
-            timed_out = time.monotonic() - t0
-            return woke, timed_out, meta.rows == 2 and not none.final
+            meta = await asyncio.wait_for(store.wait_until("ev", lambda m: m is not None and m.rows >= 2, 600), 30)
+            reads = clock.reads
+            waiting = asyncio.create_task(store.wait_final("ev", 0.3))
+            await asyncio.sleep(0)  # the waiter's first step: it sets its deadline, looks, and waits
+            assert clock.reads > reads and not waiting.done()
+            deadline = clock.now + 0.3
+            clock.advance(1)
+            return meta, await asyncio.wait_for(waiting, 30), deadline
         finally:
             await store.stop()
 
-    woke, timed_out, ok = asyncio.run(scenario())
-    assert ok and 0.25 < woke < 10, woke
-    assert timed_out >= 0.3
+    meta, none, deadline = asyncio.run(scenario())
+    assert meta.rows == 2, "woken by the rows"
+    assert not none.final and clock.last_read >= deadline, "the second wait ended once its deadline passed"
 
 
 def test_capacity_from_setting_or_filesystem(tmp_path: Path) -> None:
