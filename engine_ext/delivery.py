@@ -76,6 +76,7 @@ class Delivery:
             max_bytes=settings.spool_max_bytes,
             queue_bytes=settings.writer_queue_bytes,
             engine=self.engine,
+            publish_interval_s=settings.live_publish_s,
         ).start()
         self.collector = Collector(
             self.writer,

@@ -38,6 +38,12 @@ class EngineSettings(BaseSettings):
     engine_id: str = Field(default_factory=socket.gethostname)
     sidecar_url: str | None = None
     live_rows: bool = Field(False, description="Append rows as steps finish, for every captured request.")
+    live_publish_s: float = Field(
+        0.1,
+        ge=0,
+        description="Least time between two publishes of open records' rows (published together): one `.json` "
+        "replace per record and one batch of sidecar events per interval, not per step.",
+    )
     writer_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="Bound of bytes awaiting the writer thread.")
     telemetry_interval_s: float = Field(1.0, gt=0)
 

@@ -35,6 +35,11 @@ META_ESTIMATE_BYTES = 1024
 """A record's metadata file, counted before the next rescan sees it."""
 MAX_OPS_PER_PUBLISH = 1024
 """Ops the writer thread applies before publishing the records they grew (a backlog coalesces publishes)."""
+DEFAULT_PUBLISH_INTERVAL_S = 0.1
+"""Least time between two publishes of open records' rows (`R3_LIVE_PUBLISH_S`); finals are immediate.
+
+Why one cadence for all records rather than a timer each: the sidecar pays per batch of file events as much
+as per file, so the open records grown since the last publish are published together."""
 
 
 def spool_dtype(configured: str, num_experts: int) -> str:
@@ -142,11 +147,13 @@ class SpoolWriter:
         max_bytes: int = 0,
         queue_bytes: int = 256 << 20,
         engine: str = "",
+        publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S,
     ) -> None:
         self.spool_dir = Path(spool_dir)
         self.max_bytes = max_bytes
         self.queue_bytes = queue_bytes
         self.engine = engine
+        self.publish_interval_s = publish_interval_s
         self.stats = WriterStats()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -168,6 +175,10 @@ class SpoolWriter:
         self._busy = False
         self._undelivered_logged: dict[str, float] = {}
         self._failed: set[str] = set()  # rids whose write failed and whose last op has not come yet (writer thread)
+        # Open records whose appended rows wait for the next publish, and when it is due (writer thread).
+        self._dirty: dict[str, RecordWriter] = {}
+        self._next_publish = 0.0
+        self._publish_all = False  # `flush` asks for every waiting publish now
         self._probe()
 
     # ---- scheduler thread: in-memory counters only ---------------------------------------------------
@@ -278,12 +289,14 @@ class SpoolWriter:
             self._thread.join(timeout)
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until the queue is empty (tests and shutdown only; never on the scheduler's path)."""
+        """Wait until the queue is empty and every row is published (tests and shutdown; never the scheduler)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._ops and self.stats.queued_bytes == 0 and not self._busy:
+                if not self._ops and self.stats.queued_bytes == 0 and not self._busy and not self._dirty:
                     return True
+                self._publish_all = True
+                self._wake.notify()
             time.sleep(0.002)
         return False
 
@@ -312,29 +325,50 @@ class SpoolWriter:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._ops and not self._stopping:
-                    self._wake.wait(USAGE_REFRESH_S)
-                    if not self._ops and time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
+                while not self._ops and not self._stopping and not self._publish_all:
+                    due = self._next_publish if self._dirty else None
+                    wait = USAGE_REFRESH_S if due is None else min(USAGE_REFRESH_S, due - time.monotonic())
+                    if wait > 0:
+                        self._wake.wait(wait)
+                    now = time.monotonic()
+                    if self._ops or (due is not None and now >= due) or now - self._last_refresh >= USAGE_REFRESH_S:
                         break
-                if not self._ops and self._stopping:
-                    return
+                stopping = not self._ops and self._stopping
                 ops = [self._ops.popleft() for _ in range(min(len(self._ops), MAX_OPS_PER_PUBLISH))]
                 self._busy = bool(ops)
+                publish_all, self._publish_all = self._publish_all or stopping, False
             if ops:
                 touched: dict[str, RecordWriter] = {}
                 for op in ops:
                     self._apply(op, touched)
-                for rid, writer in touched.items():  # one metadata replace per record per batch of ops
-                    try:
-                        writer.publish()
-                    except OSError as exc:
-                        logger.error("r3-sidecar: publishing record %r failed: %s", rid, exc)
+                self._dirty.update(touched)
                 for op in ops:
                     self._settle(op.nbytes, op.spec is not None)
-                with self._lock:
-                    self._busy = False
+            self._publish_due(publish_all)
+            with self._lock:
+                self._busy = False
+            if stopping:
+                return
             if time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
                 self._probe()
+
+    def _publish_due(self, now_anyway: bool) -> None:
+        """Publish the grown open records, together, once the interval since the last publish has run out
+        (or at once: `flush`, `close`). After a quiet spell the first rows go out at once."""
+        now = time.monotonic()
+        if not self._dirty or (now < self._next_publish and not now_anyway):
+            return
+        self._next_publish = now + self.publish_interval_s
+        dirty, self._dirty = self._dirty, {}
+        for rid, writer in dirty.items():  # one metadata replace per record per interval
+            try:
+                writer.publish()
+            except OSError as exc:
+                logger.error("r3-sidecar: publishing record %r failed: %s", rid, exc)
+
+    def _forget(self, rid: str) -> None:
+        """The record is final or starts over: no publish of it waits any more."""
+        self._dirty.pop(rid, None)
 
     def _apply(self, op: Op, touched: dict[str, RecordWriter]) -> None:
         """Apply one op; appends to records that stay open are published by the caller, once per batch."""
@@ -345,6 +379,7 @@ class SpoolWriter:
             if op.spec is not None:
                 if writer is not None:
                     writer.close()  # starting over: the new record replaces it, never final in between
+                self._forget(op.rid)  # a publish still waiting would put the old record's rows back
                 s = op.spec
                 writer = spool.writer(
                     s.rid,
@@ -371,7 +406,7 @@ class SpoolWriter:
                     self._failed.discard(op.rid)
                 return
             if op.rows is not None and op.rows.shape[0]:
-                block, before = self._block, writer.meta.nbytes
+                block, before = self._block, writer.nbytes
                 grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
                 writer.append(op.rows, publish=False)
                 if op.status is None:
@@ -384,6 +419,7 @@ class SpoolWriter:
             if op.status is not None:
                 self._open.pop(op.rid, None)
                 touched.pop(op.rid, None)
+                self._forget(op.rid)
                 writer.finalize(op.status)
                 with self._lock:
                     self.stats.records_written += 1
@@ -399,6 +435,7 @@ class SpoolWriter:
                     self._writable = False  # refuse until the next probe (<= USAGE_REFRESH_S) finds it usable
             self._open.pop(op.rid, None)
             touched.pop(op.rid, None)
+            self._forget(op.rid)
             if writer is not None and not writer.closed:
                 with contextlib.suppress(OSError):
                     writer.finalize("error")

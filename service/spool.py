@@ -436,9 +436,13 @@ def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so a reader sees the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_TMP_COUNTER)}.tmp")
+def atomic_write(path: Path | str, data: bytes) -> None:
+    """Replace `path` with `data` so a reader sees the old or the new file, never a mix.
+
+    Plain `os.path` strings: a live record is republished many times a second, and pathlib's objects cost
+    more than the system calls."""
+    head, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.{next(_TMP_COUNTER)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_all(fd, data)
@@ -447,7 +451,8 @@ def atomic_write(path: Path, data: bytes) -> None:
     try:
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
 
 
@@ -467,6 +472,7 @@ class Spool:
     def __init__(self, root: Path | str, *, create: bool = True) -> None:
         self.root = Path(root)
         self.records_dir = self.root / f"v{VERSION}" / "records"
+        self._records = os.fspath(self.records_dir)  # for the per-publish path, without pathlib's cost
         self.engines_dir = self.root / f"v{VERSION}" / "engines"
         if create:
             self.records_dir.mkdir(parents=True, exist_ok=True)
@@ -508,7 +514,7 @@ class Spool:
         return meta
 
     def write_meta(self, meta: RecordMeta) -> None:
-        atomic_write(self.meta_path(meta.rid), meta.to_json())
+        atomic_write(os.path.join(self._records, f"{safe_name(meta.rid)}.json"), meta.to_json())
 
     def open_rows(self, meta: RecordMeta, row_hi: int | None = None) -> int:
         """Open `.bin` and check it can serve rows `[0, row_hi)`; return the fd (the caller closes it).
@@ -717,12 +723,17 @@ class RecordWriter:
     """Appends rows to one record. One writer per rid; not shared between threads.
 
     Creation publishes `rows=0` before truncating `.bin`, so a reader never trusts stale bytes of an
-    older record with the same rid.
+    older record with the same rid. An append only counts its rows; `meta` is built when it is read
+    (a publish), so a live record's per-step append costs a write, not a new `RecordMeta`.
     """
 
     def __init__(self, spool: Spool, meta: RecordMeta) -> None:
         self.spool = spool
-        self.meta = meta
+        self._meta = meta
+        self.rows = meta.rows  # rows in `.bin`; `meta` catches up when read
+        self._updated = meta.updated
+        self._shape = (len(meta.layers), meta.topk)
+        self._dtype = np.dtype(meta.dtype)
         self._lock = threading.Lock()
         spool.write_meta(meta)
         self._fd: int | None = os.open(
@@ -730,20 +741,33 @@ class RecordWriter:
         )
 
     @property
+    def meta(self) -> RecordMeta:
+        """The record's metadata as of the last append (what `publish` writes)."""
+        meta = self._meta
+        if meta.rows != self.rows:
+            meta = self._meta = replace(meta, rows=self.rows, updated=self._updated)
+        return meta
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of rows in `.bin`."""
+        return self.rows * self._meta.row_bytes
+
+    @property
     def closed(self) -> bool:
         return self._fd is None
 
     def append(self, rows: np.ndarray, *, publish: bool = True) -> None:
         """Append rows of shape `(n, layers, topk)`; cast to the record's dtype; publish the new count."""
-        meta = self.meta
-        if rows.ndim != 3 or rows.shape[1:] != (len(meta.layers), meta.topk):
-            raise ValueError(f"rows of shape {rows.shape}, record wants (n, {len(meta.layers)}, {meta.topk})")
+        if rows.ndim != 3 or rows.shape[1:] != self._shape:
+            raise ValueError(f"rows of shape {rows.shape}, record wants (n, {self._shape[0]}, {self._shape[1]})")
         with self._lock:
             if self._fd is None:
-                raise RuntimeError(f"record {meta.rid!r} is already final")
-            data = np.ascontiguousarray(rows, dtype=meta.dtype)
+                raise RuntimeError(f"record {self._meta.rid!r} is already final")
+            data = np.ascontiguousarray(rows, dtype=self._dtype)
             _write_all(self._fd, data.data)
-            self.meta = replace(meta, rows=meta.rows + rows.shape[0], updated=time.time())
+            self.rows += rows.shape[0]
+            self._updated = time.time()
             if publish:
                 self.spool.write_meta(self.meta)
 
@@ -760,9 +784,9 @@ class RecordWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-            self.meta = replace(self.meta, final=True, status=status, updated=time.time())
-            self.spool.write_meta(self.meta)
-            return self.meta
+            meta = self._meta = replace(self.meta, final=True, status=status, updated=time.time())
+            self.spool.write_meta(meta)
+            return meta
 
     def abort(self) -> RecordMeta:
         return self.finalize("aborted")

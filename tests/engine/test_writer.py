@@ -117,6 +117,90 @@ def test_a_new_spec_starts_an_open_record_over_without_a_final_in_between(tmp_pa
     writer.close()
 
 
+class _Publishes:
+    """Every metadata replace, as (rows, final), while in use."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool]] = []
+        self._original = Spool.write_meta
+
+    def __enter__(self) -> _Publishes:
+        def spy(spool, meta):
+            self.seen.append((meta.rows, meta.final))
+            self._original(spool, meta)
+
+        Spool.write_meta = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Spool.write_meta = self._original
+
+
+def _until(check, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout  # a hang guard: the assertion is `check`, not the time
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.005)
+
+
+def _bin_rows(tmp_path, spec: RecordSpec) -> int:
+    path = Spool(tmp_path).bin_path(spec.rid)
+    return path.stat().st_size // spec.row_bytes if path.exists() else 0
+
+
+def test_an_open_record_publishes_its_first_rows_at_once_then_once_per_interval(tmp_path):
+    writer = SpoolWriter(tmp_path, publish_interval_s=3600).start()
+    spec = _spec("throttled")
+    rows = _rows(6)
+    with _Publishes() as publishes:
+        assert writer.submit(Op(spec.rid, spec=spec, rows=compact(rows[:2], spec.dtype)))
+        _until(lambda: publishes.seen == [(0, False), (2, False)], "the first rows published")
+        for lo in (2, 4):
+            assert writer.submit(Op(spec.rid, rows=compact(rows[lo : lo + 2], spec.dtype)))
+            _until(lambda lo=lo: _bin_rows(tmp_path, spec) == lo + 2, "rows appended to .bin")
+        assert Spool(tmp_path).read_meta(spec.rid).rows == 2  # appended, not yet published: the interval holds them
+        assert writer.submit(Op(spec.rid, status="ok"))
+        _until(lambda: publishes.seen[-1:] == [(6, True)], "the final published at once")
+    assert publishes.seen == [(0, False), (2, False), (6, True)]  # one replace for the four held rows and the final
+    np.testing.assert_array_equal(Spool(tmp_path).read_array(Spool(tmp_path).read_meta(spec.rid)), rows)
+    writer.close()
+
+
+def test_held_rows_are_published_when_the_interval_runs_out_or_on_flush(tmp_path):
+    writer = SpoolWriter(tmp_path, publish_interval_s=0.2).start()
+    spec = _spec("trailing")
+    assert writer.submit(Op(spec.rid, spec=spec, rows=compact(_rows(2), spec.dtype)))
+    assert writer.submit(Op(spec.rid, rows=compact(_rows(3, seed=1), spec.dtype)))
+    _until(lambda: (m := Spool(tmp_path).read_meta(spec.rid)) is not None and m.rows == 5, "the held rows published")
+    writer.close()
+
+    writer = SpoolWriter(tmp_path, publish_interval_s=3600).start()
+    spec = _spec("flushed")
+    assert writer.submit(Op(spec.rid, spec=spec, rows=compact(_rows(2), spec.dtype)))
+    assert writer.submit(Op(spec.rid, rows=compact(_rows(3, seed=1), spec.dtype)))
+    assert writer.flush()
+    assert Spool(tmp_path).read_meta(spec.rid).rows == 5
+    writer.close()
+
+
+def test_a_held_publish_never_brings_back_a_record_that_started_over(tmp_path):
+    writer = SpoolWriter(tmp_path, publish_interval_s=3600).start()
+    spec = _spec("restarted")
+    with _Publishes() as publishes:
+        assert writer.submit(Op(spec.rid, spec=spec, rows=compact(_rows(3), spec.dtype)))
+        _until(lambda: publishes.seen == [(0, False), (3, False)], "the first rows published")
+        assert writer.submit(Op(spec.rid, rows=compact(_rows(2, seed=1), spec.dtype)))  # held
+        _until(lambda: _bin_rows(tmp_path, spec) == 5, "rows appended to .bin")
+        again = _rows(1, seed=2)
+        assert writer.submit(Op(spec.rid, spec=spec, rows=compact(again, spec.dtype)))
+        assert writer.flush()
+    assert (5, False) not in publishes.seen, publishes.seen
+    meta = Spool(tmp_path).read_meta(spec.rid)
+    assert meta.rows == 1
+    np.testing.assert_array_equal(Spool(tmp_path).read_array(meta), again)
+    writer.close()
+
+
 def test_spool_full_is_refused_and_counted(tmp_path):
     writer = SpoolWriter(tmp_path, max_bytes=64).start()
     spec = _spec("big")
