@@ -4,8 +4,9 @@ How it works. SGLang's `HookRegistry` (`srt/plugins/hook_registry.py`) patches a
 process that loads plugins: an AROUND hook is called as `hook(original, *args, **kwargs)` and decides when to
 call `original`; a REPLACE hook takes the target's place. `install(settings)` registers the rows of `HOOKS`
 below that the settings ask for, one hook per target; SGLang applies them right after (`register()` in
-`engine_ext/__init__.py` is the entry point). Everything the hooks compute is plain functions of plain values
-(`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`, `frontdoors`), testable without SGLang.
+`engine_ext/__init__.py` is the entry point). Hooks read SGLang's objects into plain values; everything they
+compute is plain functions of those (`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`,
+`frontdoors`), testable without SGLang, and the process's delivery state is one object (`delivery.PROCESS`).
 
 Usage, e.g. to see what a launch registers:
 
