@@ -36,7 +36,11 @@ def cpu_workarounds() -> None:
     from sglang.srt.mem_cache.pool_host import common as host_common
 
     def unpinned(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
-        return allocator.allocate(dims, dtype=dtype, device=device)
+        buffer = allocator.allocate(dims, dtype=dtype, device=device)
+        # Not host-registered: marked as SGLang marks its own such buffers (`pool_host/common.py:325-326`), so
+        # a destroy with CUDA present does not `cudaHostUnregister` it (rc 713, then a TypeError in the warning).
+        setattr(buffer, host_common._CUDA_HOST_REGISTERED_RANGES_ATTR, [])
+        return buffer
 
     host_common.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
     host_common.ALLOC_MEMORY_FUNCS["meta"] = unpinned  # a capturer on "meta" keeps its host cache on the CPU
