@@ -343,3 +343,23 @@ def test_metadata_and_pages_count_toward_the_reservation(tmp_path):
     writer.release(1000, opens=False)
     writer.release(1000)
     assert writer.snapshot()["queued_bytes"] == 0 and writer._reserved == 0 and writer._reserved_blocks == 0
+
+
+def test_the_records_are_scanned_only_under_a_cap_and_no_more_often_than_their_cost_allows(tmp_path, monkeypatch):
+    from engine_ext.writer import USAGE_SCAN_CPU_SHARE
+
+    scans: list[float] = []
+
+    def costly_scan(spool) -> int:  # a spool of many files: 20 ms of this thread's CPU per scan
+        started = time.thread_time()
+        while time.thread_time() - started < 0.02:
+            pass
+        scans.append(time.thread_time() - started)
+        return 0
+
+    monkeypatch.setattr(Spool, "usage_bytes", costly_scan)
+    SpoolWriter(tmp_path)._probe()  # no cap: the file system's counts, no scan
+    assert scans == []
+    capped = SpoolWriter(tmp_path, max_bytes=1 << 30)
+    assert len(scans) == 1
+    assert capped._scan_every >= scans[0] / USAGE_SCAN_CPU_SHARE >= 2.0  # 20 ms at 1%: at most every 2 s
