@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.servers import serve
+from benchmarks.stats import proc_stat
 from engine_ext.collect import Collector, ModelShape
 from engine_ext.live import LiveRows, StepRequest, decode_layout
 from engine_ext.settings import Mode
@@ -32,9 +33,7 @@ LAYERS, TOPK, EXPERTS, PROMPT = 8, 8, 64, 64  # the real-server benchmark's tiny
 
 def _cpu_s(pid: int) -> float:
     """User + system seconds of process `pid` (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return proc_stat(f"/proc/{pid}/stat")[1]
 
 
 def one_run(spool_dir: Path, sidecar_pid: int, batch: int, steps: int, step_s: float, interval_s: float) -> dict:

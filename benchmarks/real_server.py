@@ -54,6 +54,7 @@ from sglang_server import Config, Stack, start  # noqa: E402
 
 from benchmarks.report import REAL_SERVER_BEGIN as BEGIN  # noqa: E402
 from benchmarks.report import REAL_SERVER_END as END  # noqa: E402
+from benchmarks.stats import proc_stat  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "real_server.json"
 FRAGMENT = ROOT / "benchmarks" / "real_server.md"
@@ -128,14 +129,13 @@ def session_cpu_s(session: int) -> float:
     The harness starts the server and the sidecar each in its own session, so the session id finds the
     server's children (scheduler, detokenizer) too. On a machine shared with other jobs, wall time measures
     the neighbours as much as the code; CPU time per token does not."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+    total = 0.0
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:  # field 6 of stat: session id (fields[0] is field 3, the state)
-                total += int(fields[11]) + int(fields[12])  # utime + stime
-    return total / tick
+            owner, cpu = proc_stat(stat)
+            if owner == session:
+                total += cpu
+    return total
 
 
 def stack_cpu_s(stack: Stack) -> dict[str, float]:

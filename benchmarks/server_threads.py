@@ -24,24 +24,22 @@ os.environ.setdefault("R3_TEST_SGLANG_CPU", "1")
 from sglang_server import running
 
 from benchmarks.real_server import Bench, throughput
+from benchmarks.stats import proc_stat
 
 
 def thread_cpu_s(session: int) -> dict[tuple[str, bool], float]:
     """CPU seconds of every thread of the session's processes, keyed by (process name, is its main thread)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[tuple[str, bool], float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) != session:
+            if proc_stat(stat)[0] != session:
                 continue
             proc = stat.parent
             name = (proc / "comm").read_text().strip()
             for task in (proc / "task").iterdir():
                 with contextlib.suppress(OSError):
-                    t = (task / "stat").read_text().rsplit(")", 1)[1].split()
                     key = (name, task.name == proc.name)
-                    out[key] = out.get(key, 0.0) + (int(t[11]) + int(t[12])) / tick
+                    out[key] = out.get(key, 0.0) + proc_stat(task / "stat")[1]
     return out
 
 

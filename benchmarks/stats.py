@@ -1,11 +1,19 @@
-"""Small timing helpers: repeated wall-clock samples and their summary."""
+"""Small timing helpers: repeated wall-clock samples and their summary; CPU time of a process or thread."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+
+def proc_stat(path: str | os.PathLike[str]) -> tuple[int, float]:
+    """(session id, user + system CPU seconds) from a `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat` file."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[3]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def samples(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:

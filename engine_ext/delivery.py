@@ -67,7 +67,6 @@ class Delivery:
     ) -> None:
         self.settings = settings
         self.placement = placement
-        self.publisher, self.dp_rank = placement.publisher, placement.dp_rank
         self.mode = frontdoors.effective_mode(settings.mode, placement.unreachable)
         self.host_rows = host_cache.rows
         self.engine = settings.engine_name(placement.dp_rank)
@@ -112,6 +111,14 @@ class Delivery:
         )
         if self.publisher:  # one engine file per DP group, like the records
             self.telemetry.start()
+
+    @property
+    def publisher(self) -> bool:
+        return self.placement.publisher
+
+    @property
+    def dp_rank(self) -> int | None:
+        return self.placement.dp_rank
 
     def wants_live(self, asked: bool, custom_params: Any) -> bool:
         """Does a request (`return_routed_experts`, its `custom_params`) get live rows in this process?"""
