@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env ## the whole suite, as CI runs it
+test: env trainers ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -56,5 +56,16 @@ $(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt $(wild
 	echo "import _sglang_cpu_server_shim" > $(SITE)/_sglang_cpu_server_shim.pth
 	touch $@
 
+# verl and AReaL, whose real ingest code tests/trainers/ runs: --no-deps into a directory of their own (with the
+# few modules their ingest paths import, requirements/trainers.txt), never into the venv: verl and AReaL pin
+# torch and sglang versions of their own. ~45 s from PyPI.
+TRAINERS := .venv-trainers
+trainers: $(TRAINERS)/.stamp
+
+$(TRAINERS)/.stamp: requirements/trainers.txt | $(VENV)/.service-stamp
+	rm -rf $(TRAINERS)
+	$(BIN)/python -m pip install -q --no-deps --target $(TRAINERS) -r requirements/trainers.txt
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TRAINERS) .pytest_cache .ruff_cache .hypothesis
