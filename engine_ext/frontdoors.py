@@ -61,6 +61,20 @@ def delivery_report(configured: Mode, unreachable: str | None) -> dict[str, str 
     }
 
 
+def pointer_rids(rids: list[str], asked: list[bool], inline: list[object] | None, mode: Mode) -> frozenset[str]:
+    """The rids of one batch of outputs whose responses get `routed_experts_url`.
+
+    Those that asked for routed experts (`asked`), except, in sidecar mode, those that carry SGLang's inline
+    payload: sidecar mode drops the payload only once the spool has accepted the rows, so an output that still
+    has it is one the spool refused (full, writer queue full, not writable), whose pointer could only answer
+    404 after the trainer's whole `wait`. Its rows are in the response instead. Mirror mode keeps both.
+    """
+    refused = [False] * len(rids)
+    if mode is Mode.SIDECAR and inline:
+        refused = [i < len(inline) and inline[i] is not None for i in range(len(rids))]
+    return frozenset(rid for rid, wants, kept in zip(rids, asked, refused, strict=True) if wants and not kept)
+
+
 # ---- the OpenAI-compatible endpoints: `sglext.routed_experts_url(s)` ------------------------------
 
 

@@ -740,19 +740,19 @@ _pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids",
 
 
 async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
-    """Note which rids of this batch asked for routed experts (the meta_info hook has no `self`)."""
+    """Note which rids of this batch get a pointer (the meta_info hook has no `self`): those that asked, less
+    those whose rows the spool refused in sidecar mode (`frontdoors.pointer_rids`)."""
     settings = PROCESS.settings
     wanted: frozenset[str] = frozenset()
     with Contained("pointer"):
-        if settings is not None and settings.capture_all:
-            wanted = frozenset(recv_obj.rids)
-        else:
-            states = self.rid_to_state
-            wanted = frozenset(
-                rid
-                for rid in recv_obj.rids
-                if (state := states.get(rid)) is not None and getattr(state.obj, "return_routed_experts", False)
-            )
+        states, rids = self.rid_to_state, list(recv_obj.rids)
+        asked = [
+            (settings is not None and settings.capture_all)
+            or ((state := states.get(rid)) is not None and bool(getattr(state.obj, "return_routed_experts", False)))
+            for rid in rids
+        ]
+        mode = settings.mode if settings is not None else Mode.OFF
+        wanted = frontdoors.pointer_rids(rids, asked, getattr(recv_obj, "routed_experts", None), mode)
     token = _pointer_rids.set(wanted)
     try:
         return await original(self, recv_obj, *args, **kwargs)

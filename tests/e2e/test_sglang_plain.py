@@ -3,7 +3,7 @@
 Mirror mode: the plugin's records are SGLang's own inline payload byte for byte, and loading the plugin
 changes nothing SGLang returns. Sidecar mode with `R3_CAPTURE_ALL=1`: every request has a record equal to
 upstream's rows and a pointer, also those that did not ask. Spool full (a tiny `R3_SPOOL_MAX_BYTES`): every
-request that asked still gets its rows, inline when the spool refused them.
+request that asked still gets its rows, inline (and no pointer) when the spool refused them.
 
 Covered per request: a short prompt; a prompt four prefill chunks long; `routed_experts_start_len > 0`;
 a radix-cache prefix hit; a request that does not ask for routed experts; an abort mid-decode.
@@ -236,8 +236,10 @@ def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full)
         rows = upstream["stack"].inline_rows(reference)
         if "routed_experts" in response["meta_info"]:  # the spool refused it: SGLang's own payload stays
             assert response["meta_info"]["routed_experts"] == reference["meta_info"]["routed_experts"], name
+            assert "routed_experts_url" not in response["meta_info"], name  # no pointer that could only 404
             inline.append(name)
         else:
+            assert response["meta_info"]["routed_experts_url"].startswith(stack.sidecar_url), name
             meta, stored = stack.final_record(f"{stack.config.name}-{name}")
             assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
             pointed.append(name)

@@ -9,6 +9,7 @@ from engine_ext.frontdoors import (
     delivery_report,
     effective_mode,
     layout_refusal,
+    pointer_rids,
     pointer_unreachable,
     sglext_pointer,
 )
@@ -79,3 +80,12 @@ def test_stream_without_choices_gets_no_pointer():
     stream = PointerStream(base_url="http://sc:1", n=1, object_name="text_completion", model="m")
     assert stream.feed('data: {"error": "boom"}\n\n') == ['data: {"error": "boom"}\n\n']
     assert stream.feed("data: [DONE]\n\n") == ["data: [DONE]\n\n"]
+
+
+def test_pointer_only_for_rows_the_spool_took():
+    """Sidecar mode: an output that still carries SGLang's payload was refused by the spool: rows, no pointer."""
+    rids, asked = ["a", "b", "c", "d"], [True, True, False, True]
+    inline = [None, "AAAA", None, None]
+    assert pointer_rids(rids, asked, inline, Mode.SIDECAR) == {"a", "d"}
+    assert pointer_rids(rids, asked, inline, Mode.MIRROR) == {"a", "b", "d"}  # mirror keeps rows and pointer
+    assert pointer_rids(rids, asked, None, Mode.SIDECAR) == {"a", "b", "d"}  # no output carries rows
