@@ -3,7 +3,10 @@ the recipe's replacement code makes from the sidecar (live, over a real socket).
 
 The expected arrays are built here from the descriptions in docs/trainers.md (row count, layer axis, dtype,
 padding), starting from SGLang's inline payload as SGLang builds it: int32 rows of `num_hidden_layers` slots,
-zero where a layer is dense. Nothing here is taken from the frameworks' code.
+zero where a layer is dense. Nothing here is taken from the frameworks' code: slime and miles are not on PyPI,
+so their adapters (`service.trainers.slime`, `.miles`) are checked here against their code as read
+(docs/trainers.md cites it). verl's and AReaL's adapters are also run through those frameworks' own ingest code
+on a real SGLang server (tests/e2e/test_trainer_ingest.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 from helpers import live_server
 
-from service.client import RoutedExpertsClient
+from service import trainers
+from service.client import RoutedExperts, RoutedExpertsClient
 from service.settings import Settings
 from service.spool import Spool
 
@@ -132,6 +136,11 @@ def test_slime_and_miles(sidecar, model: str) -> None:
     assert r2.start == r.end, "the patch starts where the last one ended (miles' merge check)"
     spliced = np.concatenate([got[:64], r2.to_sglang_layout(L)])
     np.testing.assert_array_equal(spliced, slime_expected(turn.payload, 90, 64, L, k, existing=want))
+    for adapter in (trainers.slime, trainers.miles):  # the adapters: the same arrays, int32, every layer
+        first_rows, patch = adapter(r, L), adapter(r2, L)
+        assert first_rows.dtype == patch.dtype == np.int32 and first_rows.shape == (64, L, k)
+        np.testing.assert_array_equal(first_rows, want)
+        np.testing.assert_array_equal(np.concatenate([first_rows[:64], patch]), spliced)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -141,6 +150,13 @@ def test_verl(sidecar, model: str) -> None:
     got = client.get(f"verl-{model}").to_sglang_layout(req.num_hidden_layers)
     np.testing.assert_array_equal(got, verl_expected(req.payload, req.num_hidden_layers, req.topk))
     assert got.shape[0] == 33 + 17 - 1
+    r = client.get(f"verl-{model}")
+    ours = trainers.verl(r)  # int16, as agent_loop.py:131 casts it
+    assert ours.dtype == np.int16 and ours.shape == got.shape
+    np.testing.assert_array_equal(ours, got.astype(np.int16))
+    padded = trainers.verl_padded(r, 33 + 17)  # agent_loop.py:137-141: zero rows up to prompt + response
+    assert padded.shape == (50, *got.shape[1:]) and not padded[49:].any()
+    np.testing.assert_array_equal(padded[:49], ours)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -152,6 +168,9 @@ def test_areal(sidecar, model: str) -> None:
     want = areal_expected(req.payload, 21, 9)
     assert got.shape == want.shape == (29, req.num_hidden_layers * req.topk)
     np.testing.assert_array_equal(got, want)
+    ours = trainers.areal(r)
+    assert ours.dtype == want.dtype == np.int32 and ours.shape == want.shape
+    np.testing.assert_array_equal(ours, want)
     if req.moe != list(range(req.num_hidden_layers)):
         # why the layout matters: the MoE-only rows reshape without complaint to the wrong width
         moe_only = base64.b64encode(r.array.astype(np.int32).tobytes()).decode()
@@ -188,3 +207,32 @@ def test_sglang_b64_is_int32_whatever_the_spool_dtype(sidecar) -> None:
     body = client.fetch_bytes("dtype", fmt="sglang_b64")
     assert body.decode() == req.payload
     assert np.frombuffer(base64.b64decode(body), dtype=np.int32).size == 7 * 8 * 8
+
+
+def rows_of(layers: list[int], num_hidden_layers: int | None, n: int = 7, topk: int = 4) -> RoutedExperts:
+    data = np.random.default_rng(len(layers)).integers(0, 256, (n, len(layers), topk), dtype=np.uint8)
+    return RoutedExperts("r", data, 0, 3, tuple(layers), True, "uint8", num_hidden_layers=num_hidden_layers)
+
+
+@pytest.mark.parametrize(
+    "layers", [[0, 1, 2, 3], [2, 3], [1, 3], []], ids=["all", "first-dense", "interleaved", "none"]
+)
+def test_adapters_put_each_layer_at_its_model_index(layers: list[int]) -> None:
+    """Every adapter is SGLang's layout in its dtype: slot `j` of the record at model layer `layers[j]`."""
+    r = rows_of(layers, 4)
+    reference = np.zeros((7, 4, 4), dtype=np.int64)
+    reference[:, layers, :] = r.array
+    assert np.array_equal(trainers.slime(r), reference) and trainers.slime(r).dtype == np.int32
+    assert np.array_equal(trainers.verl(r), reference) and trainers.verl(r).dtype == np.int16
+    assert np.array_equal(trainers.areal(r), reference.reshape(7, 16)) and trainers.areal(r).dtype == np.int32
+    assert trainers.slime(r).flags.c_contiguous and trainers.areal(r).base is not None  # areal: a view, no copy
+
+
+def test_adapters_say_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        trainers.verl(rows_of([0, 1], None))
+    assert trainers.verl(rows_of([0, 1], None), num_hidden_layers=2).shape == (7, 2, 4)
+    with pytest.raises(ValueError, match="record's model has 4"):
+        trainers.slime(rows_of([0, 1], 4), num_layers=6)
+    with pytest.raises(ValueError, match="does not fit"):
+        trainers.areal(rows_of([0, 5], None), num_hidden_layers=4)
