@@ -51,6 +51,22 @@ BASE_ARGS: dict[str, Any] = {
 }
 
 
+# GLM-4.5's layout (first_k_dense_replace): layer 0 dense, layers 1-2 MoE, one shared expert
+GLM = {  # model overrides for `Config(model=GLM)`
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "num_hidden_layers": 3,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "partial_rotary_factor": 0.5,
+    "use_qk_norm": False,
+    "attention_bias": False,
+}
+
 _handed_out: set[int] = set()
 
 

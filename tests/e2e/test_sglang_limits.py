@@ -19,7 +19,7 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from sglang_server import Config, server_env
+from sglang_server import GLM, Config, server_env
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 
@@ -27,21 +27,6 @@ NO_CHUNKING = {"chunked-prefill-size": -1, "mem-fraction-static": 0.3}  # -1 lea
 CHUNKLESS = {
     "upstream": Config("chunkless-upstream", plugin=False, sidecar=False, args=NO_CHUNKING),
     "plugin": Config("chunkless-mirror", env={"R3_MODE": "mirror"}, args=NO_CHUNKING),
-}
-# GLM-4.5's layout (first_k_dense_replace): layer 0 dense, layers 1-2 MoE, one shared expert
-GLM = {
-    "architectures": ["Glm4MoeForCausalLM"],
-    "model_type": "glm4_moe",
-    "num_hidden_layers": 3,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-    "partial_rotary_factor": 0.5,
-    "use_qk_norm": False,
-    "attention_bias": False,
 }
 DENSE = {
     "upstream": Config("glm-upstream", plugin=False, sidecar=False, model=GLM),
