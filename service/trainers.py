@@ -56,14 +56,16 @@ def full_layers(rows: Rows, dtype: np.dtype | str, num_hidden_layers: int | None
 
 
 def verl(rows: Rows, num_hidden_layers: int | None = None) -> np.ndarray:
-    """verl 0.9.1: `(rows, num_hidden_layers, topk)` int16, dense layers as zeros.
+    """verl 0.9.1: `(rows, num_hidden_layers, topk)` int32, dense layers as zeros: what its server decode returns.
 
     Replaces the decode in `SGLangHttpServer.generate` (`verl/workers/rollout/sglang_rollout/
-    async_sglang_server.py:681-697`), whose result verl keeps as `TokenOutput.routed_experts`; the resume
+    async_sglang_server.py:681-699`), whose result verl keeps as `TokenOutput.routed_experts`; the resume
     loop (`llm_server.py:308-313`) concatenates those, and `AgentLoopOutput.as_dict` (`agent_loop.py:129-141`)
-    casts to int16 and zero-pads to prompt + response. Built as int16 here, that cast copies nothing new.
+    casts to int16 and zero-pads to prompt + response. Kept int32 (not int16 at once): `as_dict`'s
+    `torch.tensor(array, dtype=torch.int16)` copies an int32 array about twice as fast as an int16 one
+    (BENCHMARKS.md, "Trainer ingest").
     """
-    return full_layers(rows, np.int16, num_hidden_layers)
+    return full_layers(rows, np.int32, num_hidden_layers)
 
 
 def verl_padded(rows: Rows, total_length: int, num_hidden_layers: int | None = None) -> np.ndarray:

@@ -151,12 +151,12 @@ def test_verl(sidecar, model: str) -> None:
     np.testing.assert_array_equal(got, verl_expected(req.payload, req.num_hidden_layers, req.topk))
     assert got.shape[0] == 33 + 17 - 1
     r = client.get(f"verl-{model}")
-    ours = trainers.verl(r)  # int16, as agent_loop.py:131 casts it
-    assert ours.dtype == np.int16 and ours.shape == got.shape
-    np.testing.assert_array_equal(ours, got.astype(np.int16))
-    padded = trainers.verl_padded(r, 33 + 17)  # agent_loop.py:137-141: zero rows up to prompt + response
-    assert padded.shape == (50, *got.shape[1:]) and not padded[49:].any()
-    np.testing.assert_array_equal(padded[:49], ours)
+    ours = trainers.verl(r)  # int32, as verl's server decode returns it
+    assert ours.dtype == got.dtype == np.int32 and ours.shape == got.shape
+    np.testing.assert_array_equal(ours, got)
+    padded = trainers.verl_padded(r, 33 + 17)  # agent_loop.py:131-141: int16, zero rows up to prompt + response
+    assert padded.dtype == np.int16 and padded.shape == (50, *got.shape[1:]) and not padded[49:].any()
+    np.testing.assert_array_equal(padded[:49], got)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -223,7 +223,8 @@ def test_adapters_put_each_layer_at_its_model_index(layers: list[int]) -> None:
     reference = np.zeros((7, 4, 4), dtype=np.int64)
     reference[:, layers, :] = r.array
     assert np.array_equal(trainers.slime(r), reference) and trainers.slime(r).dtype == np.int32
-    assert np.array_equal(trainers.verl(r), reference) and trainers.verl(r).dtype == np.int16
+    assert np.array_equal(trainers.verl(r), reference) and trainers.verl(r).dtype == np.int32
+    assert trainers.verl_padded(r, 9).dtype == np.int16 and np.array_equal(trainers.verl_padded(r, 9)[:7], reference)
     assert np.array_equal(trainers.areal(r), reference.reshape(7, 16)) and trainers.areal(r).dtype == np.int32
     assert trainers.slime(r).flags.c_contiguous and trainers.areal(r).base is not None  # areal: a view, no copy
 
