@@ -7,12 +7,13 @@ Inline: the response carries SGLang's payload (built by SGLang 0.5.23's own enco
   (agent_loop.py:131), which both paths then pay;
 - AReaL 1.0.4: its own `SGLangBackend.parse_generation_response` (run, from `.venv-trainers`);
 - slime / miles: base64 → int32 `(rows, num_layers, topk)` (`decode_int32_meta_array` + reshape).
-Ours: the response carries a pointer; `RoutedExpertsClient.get` fetches the uint8 rows from a sidecar in its
-own process on loopback, and `service.trainers` builds the same tensor (AReaL's `parse_generation_response`
+Ours: the response carries a pointer; `RoutedExpertsRef.from_response(resp)[0].fetch()` (blocking) or
+`await ....afetch()` (asyncio, one event loop) fetches the uint8 rows from a sidecar in its own process on
+loopback, and `service.trainers` builds the same tensor (AReaL's `parse_generation_response`
 still runs, on a response without the payload). Both paths start from the response as a dict in hand; the
 `+ JSON` column adds parsing the inline response body, which every trainer that talks HTTP to SGLang pays
-(AReaL, slime, miles; verl in-process does not). Every case checks that both paths give equal tensors. Blocking
-only: the async client of Contract 4 has not landed on this branch.
+(AReaL, slime, miles; verl in-process does not). Every case checks that all paths give equal tensors. The
+frameworks decode inline payloads synchronously in their async code, so the inline column stands for both.
 
     .venv/bin/python -m benchmarks.trainer_ingest [--quick]
 """
@@ -20,6 +21,7 @@ only: the async client of Contract 4 has not landed on this branch.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import tempfile
 import time
@@ -35,7 +37,8 @@ from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES, inline_layout, routing
 from benchmarks.stats import summary
 from service import trainers
-from service.client import RoutedExpertsClient
+from service.client import RoutedExperts
+from service.refs import RoutedExpertsRef, aclose_clients, close_clients
 from service.spool import Spool
 
 TRAINERS = Path(__file__).resolve().parent.parent / ".venv-trainers"
@@ -56,8 +59,8 @@ def response(rid: str, payload: str | None, rows: int) -> dict:
     return {"text": "", "output_ids": [7] * OUTPUT_TOKENS, "meta_info": meta}
 
 
-def frameworks(num_hidden_layers: int, topk: int, client: RoutedExpertsClient):
-    """name → (inline decode of a response dict, ours from a pointer response): each returns the tensor."""
+def frameworks(num_hidden_layers: int, topk: int):
+    """name → (inline decode of a response dict, the adapter from the response and its fetched rows)."""
     sys.path.append(str(TRAINERS))
     from areal.engine.sglang_remote import SGLangBackend
 
@@ -66,29 +69,26 @@ def frameworks(num_hidden_layers: int, topk: int, client: RoutedExpertsClient):
     def b64_int32(resp: dict) -> np.ndarray:
         return np.frombuffer(pybase64.b64decode(resp["meta_info"]["routed_experts"]), dtype=np.int32)
 
-    def fetch(resp: dict):
-        return client.get(resp["meta_info"]["id"])
-
-    def areal_ours(resp: dict) -> np.ndarray:
+    def areal_ours(resp: dict, r: RoutedExperts) -> np.ndarray:
         parsed = backend.parse_generation_response(resp)
-        parsed.routed_experts = trainers.areal(fetch(resp), num_hidden_layers)
+        parsed.routed_experts = trainers.areal(r, num_hidden_layers)
         return parsed.routed_experts
 
     return {
         "verl": (
             lambda resp: b64_int32(resp).reshape(-1, num_hidden_layers, topk),
-            lambda resp: trainers.verl(fetch(resp), num_hidden_layers),
+            lambda resp, r: trainers.verl(r, num_hidden_layers),
         ),
         "verl + as_dict": (
             lambda resp: torch.tensor(b64_int32(resp).reshape(-1, num_hidden_layers, topk), dtype=torch.int16),
-            lambda resp: torch.tensor(trainers.verl(fetch(resp), num_hidden_layers), dtype=torch.int16),
+            lambda resp, r: torch.tensor(trainers.verl(r, num_hidden_layers), dtype=torch.int16),
         ),
         "AReaL": (lambda resp: backend.parse_generation_response(resp).routed_experts, areal_ours),
         "slime/miles": (
             lambda resp: torch.frombuffer(
                 bytearray(pybase64.b64decode(resp["meta_info"]["routed_experts"])), dtype=torch.int32
             ).reshape(-1, num_hidden_layers, topk),
-            lambda resp: torch.from_numpy(trainers.slime(fetch(resp), num_hidden_layers)),
+            lambda resp, r: torch.from_numpy(trainers.slime(r, num_hidden_layers)),
         ),
     }
 
@@ -98,62 +98,86 @@ def equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
 
 
+def write_record(spool: Spool, rid: str, shape, compact: np.ndarray) -> None:
+    rows = compact.shape[0]
+    writer = spool.writer(
+        rid,
+        num_experts=shape.num_experts,
+        topk=shape.topk,
+        layers=shape.moe_layers,
+        prompt_len=rows + 1 - OUTPUT_TOKENS,
+        num_hidden_layers=shape.num_hidden_layers,
+    )
+    writer.append(compact)
+    writer.finalize()
+
+
+def measure(inline, adapter, inline_resp: dict, pointer_resp: dict, reps: int, loop) -> dict[str, float]:
+    """Median ms of each path, interleaved repetition by repetition (the machine's load hits all alike)."""
+    body = orjson.dumps(inline_resp)
+
+    def ours(resp: dict):
+        return adapter(resp, RoutedExpertsRef.from_response(resp)[0].fetch())
+
+    async def aours(resp: dict):
+        return adapter(resp, await RoutedExpertsRef.from_response(resp)[0].afetch())
+
+    expected = inline(inline_resp)
+    for got in (inline(orjson.loads(body)), ours(pointer_resp), loop.run_until_complete(aours(pointer_resp))):
+        assert equal(expected, got)
+    paths = {
+        "inline_ms": lambda: inline(inline_resp),
+        "inline_json_ms": lambda: inline(orjson.loads(body)),
+        "ours_ms": lambda: ours(pointer_resp),
+        "async_ms": lambda: loop.run_until_complete(aours(pointer_resp)),
+    }
+    times: dict[str, list[float]] = {key: [] for key in paths}
+    for _ in range(reps):
+        for key, call in paths.items():
+            t0 = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - t0)
+    return {key: summary(values)["p50"] * 1e3 for key, values in times.items()}
+
+
+HEADER = (
+    "| framework | model | tokens | inline ms | inline + JSON ms | ours ms | ours async ms | speedup "
+    "| speedup vs + JSON | async speedup | async speedup vs + JSON | reps |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def table_row(row: dict) -> str:
+    i, j, o, a = row["inline_ms"], row["inline_json_ms"], row["ours_ms"], row["async_ms"]
+    return (
+        f"| {row['framework']} | {row['model']} | {row['tokens']} | {i:.1f} | {j:.1f} | {o:.1f} | {a:.1f} "
+        f"| {i / o:.1f}× | {j / o:.1f}× | {i / a:.1f}× | {j / a:.1f}× | {row['reps']} |"
+    )
+
+
 def run(models: list[str], token_counts: list[int], reps: dict[int, int]) -> list[dict]:
     out = []
+    loop = asyncio.new_event_loop()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as root, serve("sidecar", Path(root)) as server:
         spool = Spool(Path(root))
-        with RoutedExpertsClient(server.url) as client:
-            for name in models:
-                shape = SHAPES[name]
-                decoders = frameworks(shape.num_hidden_layers, shape.topk, client)
-                for tokens in token_counts:
-                    rows = tokens - 1
-                    compact = routing(shape, rows, seed=tokens)
-                    rid = f"{name}-{tokens}"
-                    writer = spool.writer(
-                        rid,
-                        num_experts=shape.num_experts,
-                        topk=shape.topk,
-                        layers=shape.moe_layers,
-                        prompt_len=rows + 1 - OUTPUT_TOKENS,
-                        num_hidden_layers=shape.num_hidden_layers,
-                    )
-                    writer.append(compact)
-                    writer.finalize()
-                    (payload,) = DetokenizerManager._b64_encode_per_request([inline_layout(shape, compact)])
-                    inline_resp, pointer_resp = response(rid, payload, rows), response(rid, None, rows)
-                    body = orjson.dumps(inline_resp)
-                    time.sleep(0.3)  # the sidecar indexes the new record
-                    for framework, (inline, ours) in decoders.items():
-                        assert equal(inline(inline_resp), ours(pointer_resp)), (framework, name, tokens)
-                        t_inline, t_json, t_ours = [], [], []
-                        for _ in range(reps[tokens]):  # interleaved: the machine's load hits both alike
-                            t0 = time.perf_counter()
-                            inline(inline_resp)
-                            t1 = time.perf_counter()
-                            inline(orjson.loads(body))
-                            t2 = time.perf_counter()
-                            ours(pointer_resp)
-                            t3 = time.perf_counter()
-                            t_inline.append(t1 - t0)
-                            t_json.append(t2 - t1)
-                            t_ours.append(t3 - t2)
-                        row = {
-                            "framework": framework,
-                            "model": name,
-                            "tokens": tokens,
-                            "inline_ms": summary(t_inline)["p50"] * 1e3,
-                            "inline_json_ms": summary(t_json)["p50"] * 1e3,
-                            "ours_ms": summary(t_ours)["p50"] * 1e3,
-                            "reps": reps[tokens],
-                        }
-                        out.append(row)
-                        print(
-                            f"| {framework} | {name} | {tokens} | {row['inline_ms']:.1f} | {row['inline_json_ms']:.1f} "
-                            f"| {row['ours_ms']:.1f} | {row['inline_ms'] / row['ours_ms']:.1f}× "
-                            f"| {row['inline_json_ms'] / row['ours_ms']:.1f}× | {row['reps']} |",
-                            flush=True,
-                        )
+        for name in models:
+            shape = SHAPES[name]
+            for tokens in token_counts:
+                rows, rid = tokens - 1, f"{name}-{tokens}"
+                compact = routing(shape, rows, seed=tokens)
+                write_record(spool, rid, shape, compact)
+                (payload,) = DetokenizerManager._b64_encode_per_request([inline_layout(shape, compact)])
+                inline_resp, pointer_resp = response(rid, payload, rows), response(rid, None, rows)
+                pointer_resp["meta_info"]["routed_experts_url"] = f"{server.url}/routed_experts/{rid}"
+                time.sleep(0.3)  # the sidecar indexes the new record
+                for framework, (inline, adapter) in frameworks(shape.num_hidden_layers, shape.topk).items():
+                    row = {"framework": framework, "model": name, "tokens": tokens, "reps": reps[tokens]}
+                    row |= measure(inline, adapter, inline_resp, pointer_resp, reps[tokens], loop)
+                    out.append(row)
+                    print(table_row(row), flush=True)
+    loop.run_until_complete(aclose_clients())
+    close_clients()
+    loop.close()
     return out
 
 
@@ -163,10 +187,7 @@ def main() -> None:
     args = ap.parse_args()
     if not (TRAINERS / ".stamp").exists():
         raise SystemExit(f"{TRAINERS} missing: run `make trainers` first (AReaL's own parser is timed)")
-    print(
-        "| framework | model | tokens | inline ms | inline + JSON ms | ours ms | speedup | speedup vs + JSON | reps |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     if args.quick:
         run(["Qwen3-30B-A3B"], [2048], {2048: 3})
     else:
