@@ -722,8 +722,9 @@ class Spool:
 class RecordWriter:
     """Appends rows to one record. One writer per rid; not shared between threads.
 
-    Creation publishes `rows=0` before truncating `.bin`, so a reader never trusts stale bytes of an
-    older record with the same rid. An append only counts its rows; `meta` is built when it is read
+    Creation publishes `rows=0` before replacing `.bin` with a new file, so a reader never trusts stale bytes
+    of an older record with the same rid, and one that opened the older `.bin` still reads that record's rows.
+    An append only counts its rows; `meta` is built when it is read
     (a publish), so a live record's per-step append costs a write, not a new `RecordMeta`.
     """
 
@@ -736,9 +737,10 @@ class RecordWriter:
         self._dtype = np.dtype(meta.dtype)
         self._lock = threading.Lock()
         spool.write_meta(meta)
-        self._fd: int | None = os.open(
-            spool.bin_path(meta.rid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644
-        )
+        path = spool.bin_path(meta.rid)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a new file, not a truncated one: a reader still streaming the old record keeps its rows
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
 
     @property
     def meta(self) -> RecordMeta:

@@ -178,3 +178,26 @@ def test_reclaim_leftovers_takes_only_old_unnamed_files(tmp_path: Path) -> None:
     assert sorted(p.name for p in removed) == [".e.json.1.3.tmp", ".orphan.json.1.2.tmp", "orphan.bin"]
     assert sorted(os.listdir(records)) == ["fresh.bin", "kept.bin", "kept.json"]
     assert spool.read_array(spool.read_meta("kept")).shape == (3, 2, 2)
+
+
+def test_a_reused_rid_leaves_readers_of_the_old_record_its_rows(tmp_path: Path) -> None:
+    """A new request under a used rid (verl's resume) replaces the record; a reader mid-stream keeps the old rows."""
+    spool = Spool(tmp_path)
+    old_rows = np.arange(2 * 4 * 2, dtype=np.uint8).reshape(2, 4, 2)
+    writer = spool.writer("r", num_experts=8, topk=2, layers=[0, 1, 2, 3], prompt_len=2)
+    writer.append(old_rows)
+    old = writer.finalize()
+    fd = spool.open_rows(old)  # a stream of the old record has begun
+    try:
+        new = spool.writer("r", num_experts=8, topk=2, layers=[0, 1, 2, 3], prompt_len=3)
+        assert spool.read_meta("r").rows == 0 and not spool.read_meta("r").final  # never the old rows under new meta
+        new.append(np.full((5, 4, 2), 7, dtype=np.uint8))
+        new.finalize()
+        streamed = b"".join(spool.iter_rows(old, fd=fd))
+    finally:
+        os.close(fd)
+    assert streamed == old_rows.tobytes()
+    assert (
+        spool.read_array(spool.read_meta("r")).shape == (5, 4, 2)
+        and (spool.read_array(spool.read_meta("r")) == 7).all()
+    )
