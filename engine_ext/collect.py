@@ -275,6 +275,7 @@ class Collector:
         self._host_buffer: torch.Tensor | None = None
         self._ready = threading.Event()
         self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
+        self._reopened: set[str] = set()  # rids whose old record `reopen` replaced, until their finish
 
     def spec(self, fin: Finished) -> RecordSpec:
         lo, _ = fin.rows()
@@ -290,8 +291,37 @@ class Collector:
             num_hidden_layers=self.shape.num_hidden_layers,
         )
 
+    def reopen(self, rid: str, *, prompt_len: int, start_len: int) -> bool:
+        """A new request under a rid this writer already wrote: replace the old record now, at arrival.
+
+        Why: its finish-time record reaches the spool only after SGLang has answered, so a trainer fetching at
+        once would be served the old request's rows (verl resumes an aborted request under the same rid). The
+        replacement (`rows=0`, not final) makes the sidecar wait for this request's record instead. One
+        metadata write, only for reused rids; refused like any reservation (then nothing changes).
+        """
+        if not self.writer.written(rid):
+            return False
+        spec = RecordSpec(
+            rid=rid,
+            num_experts=self.shape.num_experts,
+            topk=self.shape.topk,
+            layers=self.shape.layers,
+            start=start_len,
+            prompt_len=prompt_len,
+            dtype=self.dtype,
+            engine=self.engine,
+            num_hidden_layers=self.shape.num_hidden_layers,
+        )
+        if self.writer.reserve(0) is not None:
+            return False
+        self.writer.submit(Op(rid, spec=spec), reserved=True)
+        self._reopened.add(rid)
+        return True
+
     def finish(self, fin: Finished, *, publisher: bool) -> str:
         """Decide and, for the spool, reserve and queue the request's slot read. Returns its `Route`."""
+        reopened = fin.rid in self._reopened
+        self._reopened.discard(fin.rid)
         route = choose_route(
             mode=self.mode,
             wants_inline=fin.wants_inline,
@@ -316,6 +346,8 @@ class Collector:
             inline = route == Route.INLINE
             self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
             self.dropped += 0 if inline else 1
+            if reopened:  # the record `reopen` started ends at once: the sidecar answers 410, not a wait
+                self.writer.submit(Op(fin.rid, status="error"))
             return route
         status = "aborted" if fin.aborted else "ok"
         if route == Route.BOTH:  # SGLang's inline rows start at start_len: skip those this server did not route

@@ -82,6 +82,7 @@ HOOKS: tuple[Hook, ...] = (
         ("delivery",),
     ),
     Hook("sglang.srt.state_capturer.base.TopkCaptureOutput.finalize", "_around_finalize", AROUND, ("delivery",)),
+    Hook("sglang.srt.managers.scheduler.Scheduler.handle_generate_request", "_around_arrival", AROUND, ("delivery",)),
     # pointer: `routed_experts_url` in meta_info and in the OpenAI responses' `sglext` (main process)
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
@@ -678,6 +679,20 @@ def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:
         limit=prompt_len + len(req.output_ids_through_stop) - 1,
         pool_idx=req.kv.req_pool_idx,
     )
+
+
+def _around_arrival(original, self, recv_req, *args, **kwargs):
+    """A request arrives: under a rid this process already wrote, its old record is replaced now (`reopen`)."""
+    delivery = PROCESS.delivery
+    if delivery is not None and delivery.publisher:
+        with Contained("arrival"):
+            if recv_req.return_routed_experts or delivery.settings.capture_all:
+                delivery.collector.reopen(
+                    recv_req.rid,
+                    prompt_len=len(recv_req.input_ids or ()),
+                    start_len=int(recv_req.routed_experts_start_len or 0),
+                )
+    return original(self, recv_req, *args, **kwargs)
 
 
 def _around_disagg_prefill_done(original, self, *args, **kwargs):

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,9 @@ META_ESTIMATE_BYTES = 1024
 """A record's metadata file, counted before the next rescan sees it."""
 MAX_OPS_PER_PUBLISH = 1024
 """Ops the writer thread applies before publishing the records they grew (a backlog coalesces publishes)."""
+RECENT_RIDS = 65536
+"""Rids of records this writer finished, remembered (oldest forgotten first) so that a new request under one of
+them can replace the old record at arrival (`Collector.reopen`): about 100 bytes each."""
 DEFAULT_PUBLISH_INTERVAL_S = 0.1
 """Least time between two publishes of open records' rows (`R3_LIVE_PUBLISH_S`); finals are immediate.
 
@@ -184,6 +187,7 @@ class SpoolWriter:
         self._dirty: dict[str, RecordWriter] = {}
         self._next_publish = 0.0
         self._publish_all = False  # `flush` asks for every waiting publish now
+        self._recent: OrderedDict[str, None] = OrderedDict()  # rids of finished records, newest last (under _lock)
         self._probe()
 
     # ---- scheduler thread: in-memory counters only ---------------------------------------------------
@@ -269,6 +273,11 @@ class SpoolWriter:
                 "SGLang's inline payload kept" if inline else "no inline payload was asked for: rows lost",
                 total,
             )
+
+    def written(self, rid: str) -> bool:
+        """Whether this writer finished a record of `rid` recently (the last `RECENT_RIDS` rids)."""
+        with self._lock:
+            return rid in self._recent
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -438,6 +447,10 @@ class SpoolWriter:
                 writer.finalize(op.status)
                 with self._lock:
                     self.stats.records_written += 1
+                    self._recent[op.rid] = None
+                    self._recent.move_to_end(op.rid)
+                    if len(self._recent) > RECENT_RIDS:
+                        self._recent.popitem(last=False)
         except Exception as exc:  # the writer thread must outlive any one record
             logger.error("r3-sidecar: writing record %r failed: %s", op.rid, exc)
             if op.rid not in self._failed:  # once per request; its later ops find no open record

@@ -201,8 +201,13 @@ class _Server:
                 (await http.post("/abort_request", json={"rid": request_id})).raise_for_status()
             response = (await request).json()
         url = response["meta_info"]["routed_experts_url"]
-        with RoutedExpertsClient(url.rsplit("/routed_experts/", 1)[0], timeout=30) as client:
-            rows = await asyncio.to_thread(record_of, client, response)
+        with RoutedExpertsClient(url.rsplit("/routed_experts/", 1)[0], timeout=30) as client:  # at once, no retry
+            rows = await asyncio.to_thread(client.get, request_id, wait=30)
+        meta = response["meta_info"]
+        assert (rows.prompt_len, rows.end) == (
+            meta["prompt_tokens"],
+            meta["prompt_tokens"] + meta["completion_tokens"] - 1,
+        )
         return TokenOutput(
             token_ids=response["output_ids"],
             routed_experts=trainers.verl(rows),
@@ -244,3 +249,36 @@ def test_verl_resume_loop_concatenates_to_the_uninterrupted_rows(served):
     assert output.routed_experts.dtype == np.int32
     assert output.routed_experts.shape == expected.shape
     assert np.array_equal(output.routed_experts, expected)
+
+
+def test_a_rid_used_again_is_never_served_the_old_requests_rows(served):
+    """Abort, then a new request under the same rid, fetched through its pointer the moment SGLang answers.
+
+    Without the plugin's arrival hook (`Collector.reopen`) about one such fetch in six got the aborted request's
+    record (measured on this server): the new record reached the spool after the response did.
+    """
+    stack = served["stack"]
+    with sidecar(stack) as client:
+        for i in range(6):
+            rid, ids = f"ingest-reuse-{i}", prompt(30, 20 + i)
+            params = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+            async def aborted(rid=rid, ids=ids, params=params) -> dict:
+                body = {"rid": rid, "input_ids": ids, "sampling_params": params, "return_routed_experts": True}
+                async with httpx.AsyncClient(base_url=stack.url, timeout=300) as http:
+                    request = asyncio.ensure_future(http.post("/generate", json=body))
+                    await asyncio.sleep(0.5)
+                    (await http.post("/abort_request", json={"rid": rid})).raise_for_status()
+                    return (await request).json()
+
+            first = asyncio.run(aborted())
+            second = stack.generate(
+                ids + first["output_ids"],
+                rid=rid,
+                return_routed_experts=True,
+                sampling_params=params | {"max_new_tokens": 20},
+            )
+            r = client.get(rid, wait=30)  # at once: no retry, no check before this one
+            meta = second["meta_info"]
+            assert (r.status, r.prompt_len, r.end) == ("ok", meta["prompt_tokens"], meta["prompt_tokens"] + 19), i
+            assert np.array_equal(trainers.verl(r), stack.inline_rows(second)), i

@@ -302,3 +302,36 @@ def test_finish_path_against_sglang(tmp_path):
     g = res["g"]
     assert g["inline"] is False and g["record"] is False and g["dropped"] == 1
     assert g["stats"]["undelivered"]["spool_full"] == 1 and g["stats"]["fallback_inline"] == 0
+
+
+def test_a_reused_rid_replaces_the_old_record_at_arrival(tmp_path):
+    """verl resumes under the same rid: the old record must not be readable as the new request's once it arrives."""
+    import numpy as np
+
+    from engine_ext.collect import Collector, Finished, ModelShape
+    from engine_ext.writer import Op, RecordSpec, SpoolWriter
+    from service.spool import Spool
+
+    writer = SpoolWriter(tmp_path, engine="t/dp0").start()
+    shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), layer_slots=None, num_hidden_layers=2)
+    collector = Collector(writer, shape, mode=Mode.SIDECAR, capture_all=False, dtype="uint8", engine="t/dp0")
+    spool = Spool(tmp_path)
+    try:
+        assert not collector.reopen("fresh", prompt_len=3, start_len=0)  # never written: nothing to replace
+        spec = RecordSpec("r", 8, 2, (0, 1), 0, 3, "uint8", "t/dp0")
+        writer.submit(Op("r", spec=spec, rows=np.ones((4, 2, 2), np.uint8), status="aborted"))
+        assert writer.flush()
+        assert spool.read_meta("r").final and spool.read_meta("r").rows == 4
+        assert collector.reopen("r", prompt_len=5, start_len=0)  # the resumed request arrives
+        assert writer.flush()
+        meta = spool.read_meta("r")
+        assert (meta.final, meta.rows, meta.prompt_len) == (False, 0, 5)  # a reader now waits for the new rows
+        # Its rows refused at finish (a spool cap of 0 bytes from here on): the record ends at once, `error`.
+        writer.max_bytes, writer._capacity = 1, 1
+        fin = Finished("r", wants_inline=True, start_len=0, prompt_len=5, seqlen=9, pool_idx=0, aborted=False)
+        assert collector.finish(fin, publisher=True) == Route.INLINE
+        assert writer.flush()
+        meta = spool.read_meta("r")
+        assert (meta.final, meta.status, meta.rows) == (True, "error", 0)
+    finally:
+        writer.close()
