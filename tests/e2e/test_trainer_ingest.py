@@ -45,11 +45,7 @@ def sidecar(stack: Stack) -> RoutedExpertsClient:
 
 
 def record_of(client: RoutedExpertsClient, response: dict, *, timeout: float = 30.0) -> RoutedExperts:
-    """The rows of this response's request: a record whose prompt and row count are the response's.
-
-    A rid reused by a resumed request names the earlier request's record until the writer has replaced it
-    (milliseconds after SGLang answers); the response's own counts tell the two apart.
-    """
+    """The rows of this response's request, checked against the response's own prompt and token counts."""
     meta = response["meta_info"]
     rid = meta["id"]
     want = (meta["prompt_tokens"], meta["prompt_tokens"] + meta["completion_tokens"] - 1)
