@@ -39,7 +39,20 @@ class Connections:
 
     def get(self, path: str, params: dict[str, str], timeout: float) -> tuple[int, httpx.Headers, bytearray]:
         """GET `path?params`: status, headers and the whole body."""
-        with self.request("GET", path, params, timeout=timeout) as resp:
+        return self.send("GET", path, params, timeout=timeout)
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, str] | None = None,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float,
+    ) -> tuple[int, httpx.Headers, bytearray]:
+        """Any request: status, headers and the whole body."""
+        with self.request(method, path, params, body=body, headers=headers, timeout=timeout) as resp:
             return resp.status, httpx.Headers(resp.getheaders()), _read_into_buffer(resp)
 
     @contextmanager
