@@ -38,6 +38,7 @@ class RoutedExperts:
     status: str = "ok"  # the record's status: `aborted` rows are the request's rows up to its abort
     num_hidden_layers: int | None = None  # the model's layer count, when the record says it
     clamped: bool = False  # `clamp=True` cut the range asked for to the rows the record holds
+    created: float | None = None  # the record's creation time: which request wrote these rows (a rid can be reused)
 
     @property
     def rows(self) -> int:
@@ -108,6 +109,7 @@ def meta_from_headers(rid: str, headers: httpx.Headers) -> dict[str, Any]:
         "status": headers.get("x-r3-status", "ok"),
         "num_hidden_layers": int(n) if (n := headers.get("x-r3-num-hidden-layers")) else None,
         "clamped": headers.get("x-r3-clamped", "false").lower() == "true",
+        "created": float(c) if (c := headers.get("x-r3-created")) else None,
     }
 
 
@@ -138,6 +140,7 @@ class Frame:
             status=str(h.get("record_status") or "ok"),
             num_hidden_layers=h.get("num_hidden_layers"),
             clamped=bool(h.get("clamped", False)),
+            created=h.get("created"),
         )
 
     def error(self) -> R3Error:

@@ -406,3 +406,25 @@ def test_async_client_over_https_style_transport_takes_the_httpx_path(pods) -> N
     np.testing.assert_array_equal(one.array, array)
     np.testing.assert_array_equal(many[0].array, array)
     assert isinstance(many[1], RecordNotFound)
+
+
+# ---- a reused rid ----------------------------------------------------------------------------------------
+
+
+def test_a_reused_rid_says_which_request_wrote_the_rows(pods, pool: SidecarPool) -> None:
+    """verl resumes an aborted request under the same rid: the record is replaced, and every answer says which."""
+    base, spool = pods[0]
+    first = put(spool, "reused", 6, seed=7)
+    with RoutedExpertsClient(base) as client:
+        a = client.get("reused")
+        (a_batch,) = client.get_many(["reused"])
+        second = put(spool, "reused", 9, seed=8)
+        b = client.get("reused")
+        (b_batch,) = client.get_many(["reused"])
+        blocks = list(client.stream("reused"))
+    assert a.created is not None and b.created is not None and a.created != b.created
+    assert (a_batch.created, b_batch.created) == (a.created, b.created)
+    assert {blk.created for blk in blocks} == {b.created}
+    np.testing.assert_array_equal(a.array, first)
+    np.testing.assert_array_equal(b.array, second)
+    assert spool.read_meta("reused").created == b.created
