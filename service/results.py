@@ -118,7 +118,7 @@ class Frame:
     """One frame of `application/vnd.r3.frames`: its JSON header and its payload bytes (writable)."""
 
     header: dict[str, Any]
-    payload: bytearray
+    payload: bytearray | memoryview
 
     @property
     def status(self) -> int:
@@ -182,7 +182,7 @@ class Reply:
 
     status: int
     headers: httpx.Headers
-    body: bytearray
+    body: bytearray | memoryview
 
     def checked(self, rid: str | None) -> Reply:
         """Self on a 2xx with content; else the matching `R3Error` (202 means not final yet)."""
