@@ -92,6 +92,9 @@ def stalls(url: str, n: int, threads: int) -> dict[str, tuple[float, float]]:
     out: dict[str, tuple[float, float]] = {}
 
     async def main() -> None:
+        out["control: the probe alone, no fetch (this machine's own scheduling noise)"] = await stall_during(
+            lambda: asyncio.sleep(1.0)
+        )
         async with AsyncRoutedExpertsClient(url, **({"threads": threads} if threads else {})) as ac:
             await asyncio.gather(*(ac.get(r) for r in rids[:8]))  # warm connections
             out["AsyncRoutedExpertsClient.get x64 (gather)"] = await stall_during(

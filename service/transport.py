@@ -152,7 +152,7 @@ class AsyncTransport:
     most at once: each waits out its own `wait`), everything else through `httpx.AsyncClient` on the loop."""
 
     def __init__(
-        self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None, *, threads: int = 64
+        self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None, *, threads: int = 8
     ) -> None:
         self.cfg = cfg
         self._http = httpx.AsyncClient(base_url=cfg.base_url, headers=cfg.headers, transport=transport)
