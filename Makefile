@@ -39,6 +39,7 @@ env-service: $(VENV)/.service-stamp
 env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
 
 $(VENV)/.service-stamp: pyproject.toml
+	@echo "r3-sidecar: building $(VENV) for the service (first run only; pip is quiet for about a minute)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
@@ -48,6 +49,9 @@ $(VENV)/.service-stamp: pyproject.toml
 # then the explicit list it needs (requirements/sglang-cpu.txt), then two .pth-loaded test shims: the
 # torchvision schema shim, and the CPU server shim (inert unless R3_TEST_SGLANG_CPU=1; tests/e2e sets it).
 $(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt $(wildcard tests/sglang_cpu/_sglang_cpu_*_shim.py)
+	@echo "r3-sidecar: installing torch (CPU) and SGLang 0.5.23 into $(VENV) (first run only; several minutes)."
+	@echo "  pip's resolver then prints ERROR lines saying sglang's own pins (CUDA torch, flashinfer, ...) are not met:"
+	@echo "  expected here, the CPU build is installed on purpose; requirements/sglang-cpu.txt lists what is."
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
 	$(BIN)/python -m pip install -q -r requirements/sglang-cpu.txt

@@ -67,6 +67,7 @@ async def batch_frames(
             "prompt_len": meta.prompt_len,
             "record_status": meta.status,
             "num_hidden_layers": meta.sglang_layers,
+            "created": meta.created,
             **({"clamped": clamped} if request.clamp else {}),
         }
         try:

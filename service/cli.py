@@ -169,14 +169,11 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     except R3Error as exc:
         print(f"r3-sidecar fetch: {type(exc).__name__} (HTTP {exc.status}): {exc}", file=sys.stderr)
         return 1
-    if args.out == "-":
-        sys.stdout.buffer.write(body)
-    elif args.out:
+    if args.out and args.out != "-":
         Path(args.out).write_bytes(body)
         print(f"{args.rid}: {len(body)} bytes of {args.format} → {args.out}", file=sys.stderr)
-    elif args.format in ("json", "sglang_b64"):
-        sys.stdout.write(body.decode())
-        sys.stdout.write("\n")
+    elif args.out == "-" or args.format in ("json", "sglang_b64"):
+        return _to_stdout(body if args.out == "-" else body + b"\n")
     else:
         from service.client import parse_npy
 
@@ -185,6 +182,18 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             array = parse_npy(body)
             summary = f"shape {array.shape} dtype {array.dtype}"
         print(f"{args.rid}: {summary} (use --out FILE to save it)")
+    return 0
+
+
+def _to_stdout(data: bytes) -> int:
+    """Write to stdout; a reader that stops early (`| head`) ends the command quietly, as for any Unix tool."""
+    try:
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit; point it at /dev/null so that flush cannot raise a second time
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer cut off by its reader
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
+import numpy as np
 
 _STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
@@ -37,9 +38,24 @@ class Connections:
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
-    def get(self, path: str, params: dict[str, str], timeout: float) -> tuple[int, httpx.Headers, bytearray]:
+    def get(
+        self, path: str, params: dict[str, str], timeout: float
+    ) -> tuple[int, httpx.Headers, bytearray | memoryview]:
         """GET `path?params`: status, headers and the whole body."""
-        with self.request("GET", path, params, timeout=timeout) as resp:
+        return self.send("GET", path, params, timeout=timeout)
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, str] | None = None,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float,
+    ) -> tuple[int, httpx.Headers, bytearray | memoryview]:
+        """Any request: status, headers and the whole body."""
+        with self.request(method, path, params, body=body, headers=headers, timeout=timeout) as resp:
             return resp.status, httpx.Headers(resp.getheaders()), _read_into_buffer(resp)
 
     @contextmanager
@@ -130,19 +146,25 @@ def _idle_and_open(conn: http.client.HTTPConnection) -> bool:
     return not readable
 
 
-def _read_into_buffer(resp: http.client.HTTPResponse) -> bytearray:
+def _read_into_buffer(resp: http.client.HTTPResponse) -> bytearray | memoryview:
     """The body in one writable buffer (arrays over it need no copy; torch accepts it)."""
     length = resp.getheader("Content-Length")
     if length is None or not length.isdigit():
         return bytearray(resp.read())
-    buf = bytearray(int(length))
+    buf = uninitialized(int(length))
     filled = fill(resp, buf)
     if filled < len(buf):
         raise http.client.IncompleteRead(bytes(buf[:filled]), len(buf) - filled)
     return buf
 
 
-def fill(body: Any, buf: bytearray) -> int:
+def uninitialized(n: int) -> memoryview:
+    """A writable buffer of `n` bytes left unfilled: the socket fills it (zeroing 12 MB first would hold the
+    GIL for milliseconds, stalling an asyncio client's event loop while its reader threads allocate)."""
+    return np.empty(n, dtype=np.uint8).data
+
+
+def fill(body: Any, buf: bytearray | memoryview) -> int:
     """`readinto` until `buf` is full or `body` ends; the number of bytes read."""
     view, filled = memoryview(buf), 0
     while filled < len(buf) and (n := body.readinto(view[filled:])):

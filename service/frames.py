@@ -22,7 +22,8 @@ MAX_HEADER_BYTES = 1 << 20
 _LEN = struct.Struct("<I")
 LENGTH_BYTES = _LEN.size
 
-Decoded = tuple[dict[str, Any], bytearray]
+Buffer = bytearray | memoryview
+Decoded = tuple[dict[str, Any], Buffer]
 """One decoded frame: its header and its payload, in a buffer of its own (arrays over it are writable)."""
 
 
@@ -129,7 +130,7 @@ class FrameDecoder:
         return frame
 
 
-def read_frames(fill: Callable[[bytearray], int]) -> list[Decoded]:
+def read_frames(fill: Callable[[Buffer], int]) -> list[Decoded]:
     """Every frame of a body read through `fill(buf)` (fills `buf`, returns the bytes read; fewer at its end).
 
     Each payload lands in its own buffer with one copy (`readinto`), no intermediate chunk.
@@ -143,10 +144,11 @@ def read_frames(fill: Callable[[bytearray], int]) -> list[Decoded]:
         if filled < LENGTH_BYTES:
             raise FrameTruncated("body ended inside a frame")
         header = orjson.loads(_read_exact(fill, bytearray(_header_length(head))))
-        frames.append((header, _read_exact(fill, bytearray(payload_size(header)))))
+        # left unfilled: `fill` writes every byte (no zeroing pass under the GIL)
+        frames.append((header, _read_exact(fill, np.empty(payload_size(header), dtype=np.uint8).data)))
 
 
-def _read_exact(fill: Callable[[bytearray], int], buf: bytearray) -> bytearray:
+def _read_exact(fill: Callable[[Buffer], int], buf: Buffer) -> Buffer:
     if buf and fill(buf) < len(buf):
         raise FrameTruncated("body ended inside a frame")
     return buf

@@ -39,6 +39,8 @@ _X_HEADERS = {
     "X-R3-Final": "`true` when the record is complete.",
     "X-R3-Status": "The record's status: `ok`, or `aborted` (the rows the request produced before it was aborted).",
     "X-R3-Num-Hidden-Layers": "The model's layer count (SGLang's payload width), when the record says it.",
+    "X-R3-Created": "The record's creation time (Unix seconds, as in its metadata): which request wrote the rows. "
+    "A rid reused by a new request gets a new record with a new value.",
     "X-R3-Clamped": "`true` when `clamp=true` cut the range asked for to the rows the record holds.",
 }
 

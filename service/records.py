@@ -195,6 +195,7 @@ def ok_headers(
         "X-R3-Layers": ",".join(map(str, layers)),
         "X-R3-Final": "true" if final else "false",
         "X-R3-Status": meta.status,
+        "X-R3-Created": repr(meta.created),
     }
     if meta.sglang_layers is not None:
         headers["X-R3-Num-Hidden-Layers"] = str(meta.sglang_layers)

@@ -18,18 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from service.client import (
-    AsyncRoutedExpertsClient,
-    BadRequest,
-    BatchItem,
-    Layers,
-    R3Error,
-    RangeNotSatisfiable,
-    RoutedExperts,
-    RoutedExpertsClient,
-)
+from service.client_errors import BadRequest, R3Error, RangeNotSatisfiable
+from service.clients import AsyncRoutedExpertsClient, RoutedExpertsClient
 from service.formats import parse_layers, resolve_layers
+from service.requests import BatchItem, Layers
 from service.responses import Inline, decode_inline, parse_response, sidecar_base, split_pointer
+from service.results import RoutedExperts
 
 __all__ = [
     "AsyncSidecarPool",

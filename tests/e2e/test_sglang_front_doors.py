@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from sglang_server import Config, Stack, free_port, server_env, spawn, write_model, write_tokenizer
 
+from service.client import RoutedExpertsRef, fetch_many
+
 pytestmark = pytest.mark.sglang
 
 TOK = {"tokenizer": True}
@@ -72,8 +74,10 @@ def door_generate(stack: Stack, model: str) -> list[dict]:
         "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
         "return_routed_experts": True,
     }
-    meta = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()["meta_info"]
-    return [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
+    resp = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()
+    meta = resp["meta_info"]
+    out = [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
+    return with_refs(stack, resp, out)
 
 
 def door_generate_stream(stack: Stack, model: str) -> list[dict]:
@@ -86,7 +90,8 @@ def door_generate_stream(stack: Stack, model: str) -> list[dict]:
     chunks = sse(httpx.post(f"{stack.url}/generate", json=body, timeout=120))
     meta = chunks[-1]["meta_info"]
     assert meta["finish_reason"] is not None
-    return [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
+    out = [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
+    return with_refs(stack, chunks, out)
 
 
 def _openai(stack: Stack, route: str, body: dict, n: int) -> list[dict]:
@@ -99,7 +104,8 @@ def _openai(stack: Stack, route: str, body: dict, n: int) -> list[dict]:
         assert len(response["choices"]) == n
         if sglext.get("routed_experts_url"):
             assert sglext["routed_experts_url"] == urls[0]
-        return [{"inline": sglext.get("routed_experts") if i == 0 else None, "url": urls[i]} for i in range(n)]
+        out = [{"inline": sglext.get("routed_experts") if i == 0 else None, "url": urls[i]} for i in range(n)]
+        return with_refs(stack, response, out)
     chunks = sse(httpx.post(f"{stack.url}{route}", json=body, timeout=120))
     rids = {}
     for chunk in chunks:
@@ -114,7 +120,19 @@ def _openai(stack: Stack, route: str, body: dict, n: int) -> list[dict]:
         if urls[i] is not None:  # the pointer names the rid the stream showed for that choice
             assert urls[i].endswith(f"/routed_experts/{rids[i]}"), (urls[i], rids)
         out.append({"inline": sglext.get("routed_experts") if i == 0 else None, "url": urls[i], "rid": rids[i]})
-    return out
+    return with_refs(stack, chunks, out)
+
+
+def with_refs(stack: Stack, resp: object, answers: list[dict]) -> list[dict]:
+    """Each answer plus the ref `RoutedExpertsRef.from_response` makes of the same response: same rid, pointer, rows."""
+    refs = RoutedExpertsRef.from_response(resp, num_hidden_layers=stack.num_hidden_layers, topk=stack.topk)
+    assert len(refs) == len(answers), (refs, answers)
+    for ref, answer in zip(refs, answers, strict=True):
+        assert (ref.url, ref.inline.data if ref.inline else None) == (answer["url"], answer["inline"]), (ref, answer)
+        if answer.get("rid"):
+            assert ref.record_rid == answer["rid"], (ref, answer)
+        answer["ref"] = ref
+    return answers
 
 
 def door_completions(stack, model):
@@ -214,6 +232,18 @@ def test_mirror_every_door_returns_inline_rows_and_a_pointer_to_the_same_rows(mi
             assert answer["url"] and answer["url"].startswith(stack.sidecar_url), (name, i)
             pointed = rows_of(stack, answer | {"inline": None})
             assert np.array_equal(pointed, inline), (name, i)  # greedy: every choice routed the same tokens
+
+
+def test_refs_of_every_door_fetch_the_same_rows(mirror, sidecar):
+    """Contract 4 on the real server: `fetch_many` over each door's refs (inline decoded, pointers batched) gives
+    the rows the raw payload or pointer gives, in SGLang's layout."""
+    for config in (mirror, sidecar):
+        stack = config["stack"]
+        for name, answers in config["answers"].items():
+            got = fetch_many([a["ref"] for a in answers], wait=30)
+            for i, (answer, r) in enumerate(zip(answers, got, strict=True)):
+                rows = r.to_sglang_layout(stack.num_hidden_layers)
+                assert np.array_equal(rows, rows_of(stack, answer)), (stack.config.name, name, i)
 
 
 def test_sidecar_every_door_drops_inline_rows_and_points_to_mirrors_rows(mirror, sidecar):

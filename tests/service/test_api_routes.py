@@ -192,15 +192,17 @@ def test_odd_rids_roundtrip(shared: tuple[str, Spool]) -> None:
     assert all(p.parent == spool.records_dir for p in spool.records_dir.iterdir())
 
 
-def test_wait_returns_as_soon_as_final(shared: tuple[str, Spool]) -> None:
+def test_wait_returns_as_soon_as_final(shared: tuple[str, Spool], clock: FakeClock) -> None:
     """Woken by the file-system event, not by polling nor the deadline: the clock does not move during the
-    wait, and the rescan (60 s) lies past the client's 30 s timeout."""
+    wait, and the rescan (60 s) lies past the client's 30 s timeout. The rows are written once the server
+    has read its clock (its wait has begun), so the test always exercises the wake-up."""
     base, spool = shared
     rows = random_rows(20)
     writer = spool.writer("late", num_experts=128, topk=8, layers=[0, 1, 2, 3])
+    reads = clock.reads
 
     def finish() -> None:
-        time.sleep(0.4)
+        clock.wait_reads(reads + 1)
         writer.append(rows)
         writer.finalize()
 
@@ -344,6 +346,14 @@ def test_405_allow_lists_every_method_of_the_path(shared: tuple[str, Spool]) -> 
     assert r.status_code == 405 and r.headers["allow"] == "POST"
 
 
+def served_499(base: str) -> float:
+    """`r3_served_total{code="499",format="raw"}`: answers cut off because the client stopped reading."""
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("r3_served_total{") and 'code="499"' in line and 'format="raw"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_stalled_reader_is_cut_off_by_the_send_timeout(spool: Spool, make_settings) -> None:
     """A client that stops reading loses its connection after `send_timeout_s`, not at the end of time."""
     rows = random_rows(1 << 19, layers=8, topk=8)  # 32 MiB: far more than the socket buffers hold
@@ -353,7 +363,11 @@ def test_stalled_reader_is_cut_off_by_the_send_timeout(spool: Spool, make_settin
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
         sock.sendall(b"GET /routed_experts/huge?format=raw HTTP/1.1\r\nHost: x\r\n\r\n")
-        time.sleep(1.5)  # read nothing for three timeouts
+        # read nothing until the server has cut the answer off (it counts it as 499: the reader stopped)
+        deadline = time.monotonic() + 30
+        while served_499(base) == 0:
+            assert time.monotonic() < deadline, "the stalled reader was never cut off"
+            time.sleep(0.05)
         received = 0
         sock.settimeout(10)
         with contextlib.suppress(ConnectionResetError):

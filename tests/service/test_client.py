@@ -36,6 +36,7 @@ from service.client import (
     read_frames,
 )
 from service.frames import frame_header
+from service.requests import Retry
 from service.settings import Settings
 from service.spool import Spool
 
@@ -140,7 +141,7 @@ def test_get_ranges_and_layers(spool: Spool, client: RoutedExpertsClient) -> Non
     assert bad.value.status == 422 and "2" in bad.value.detail
 
 
-def test_wait_until_final(spool: Spool, client: RoutedExpertsClient) -> None:
+def test_wait_until_final(spool: Spool, client: RoutedExpertsClient, clock: FakeClock) -> None:
     array, writer = put(spool, "get-wait", rows=5, final=False)
     with pytest.raises(NotReady) as exc:
         client.get("get-wait")
@@ -148,8 +149,10 @@ def test_wait_until_final(spool: Spool, client: RoutedExpertsClient) -> None:
 
     more = np.full((3, len(LAYERS), TOPK), 9, dtype=np.uint8)
 
+    reads = clock.reads
+
     def finish() -> None:
-        time.sleep(0.3)
+        clock.wait_reads(reads + 1)  # the server's wait has begun: the rows arrive during it
         writer.append(more)
         writer.finalize()
 
@@ -412,12 +415,22 @@ def test_retries_connection_refused_until_the_server_comes_up(tmp_path: Path) ->
             except Exception as exc:
                 result["r"] = exc
 
+    retried = threading.Event()
+    delay = Retry.delay
+
+    def spied(self: Retry, attempt: int) -> float | None:
+        if attempt >= 1:
+            retried.set()  # refused twice: the client is retrying while nothing listens
+        return delay(self, attempt)
+
     thread = threading.Thread(target=fetch)
-    thread.start()
-    time.sleep(0.6)
-    assert thread.is_alive(), "the client should still be retrying while nothing listens"
-    with sidecar_on_port(tmp_path, port):
-        thread.join(15)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Retry, "delay", spied)
+        thread.start()
+        assert retried.wait(15), "the client never retried"
+        assert thread.is_alive(), "the client should still be retrying while nothing listens"
+        with sidecar_on_port(tmp_path, port):
+            thread.join(15)
     assert isinstance(result["r"], RoutedExperts), result["r"]
     np.testing.assert_array_equal(result["r"].array, array)
 

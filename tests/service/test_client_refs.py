@@ -9,6 +9,7 @@ encoder (tests/engine/test_sglang_layout.py).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import pickle
 from collections.abc import Iterator
@@ -353,3 +354,77 @@ def test_without_inline_keeps_the_pointer(pods) -> None:
 def test_pointer_path_prefix(tmp_path: Path) -> None:
     """A sidecar behind a path prefix (an ingress): the base keeps the prefix."""
     assert sidecar_base("http://gw/pod-a/routed_experts/r1") == "http://gw/pod-a"
+
+
+# ---- both clients alike ------------------------------------------------------------------------------------
+
+
+def _public(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n))}
+
+
+def test_both_clients_have_the_same_public_methods() -> None:
+    from service.client import AsyncRoutedExpertsClient
+
+    closing = {"close": "aclose"}  # the only rename: asyncio's convention for a coroutine close
+    assert {closing.get(n, n) for n in _public(RoutedExpertsClient)} == _public(AsyncRoutedExpertsClient)
+    for name in _public(RoutedExpertsClient) - set(closing):
+        sync_sig = inspect.signature(getattr(RoutedExpertsClient, name))
+        async_sig = inspect.signature(getattr(AsyncRoutedExpertsClient, name))
+        assert list(sync_sig.parameters) == list(async_sig.parameters), name
+
+
+def test_async_fetch_bytes_and_sglang_b64_match_the_blocking_client(pods) -> None:
+    from service.client import AsyncRoutedExpertsClient
+
+    base, spool = pods[1]
+    put(spool, "bytes-1", 17)
+
+    async def main() -> list[bytes]:
+        async with AsyncRoutedExpertsClient(base) as ac:
+            return [await ac.fetch_bytes("bytes-1", fmt, start=2, end=9) for fmt in ("npy", "raw", "sglang_b64")]
+
+    with RoutedExpertsClient(base) as sc:
+        want = [sc.fetch_bytes("bytes-1", fmt, start=2, end=9) for fmt in ("npy", "raw", "sglang_b64")]
+    assert asyncio.run(main()) == want
+    assert want[2] == httpx.get(f"{base}/routed_experts/bytes-1?format=sglang_b64&start=2&end=9").content
+
+
+def test_async_client_over_https_style_transport_takes_the_httpx_path(pods) -> None:
+    """A custom transport (https, proxies) is served by httpx on the loop, with the same answers."""
+    from service.client import AsyncRoutedExpertsClient
+
+    base, spool = pods[0]
+    array = put(spool, "httpx-path", 8)
+
+    async def main() -> tuple[RoutedExperts, list]:
+        async with AsyncRoutedExpertsClient(base, transport=httpx.AsyncHTTPTransport()) as ac:
+            assert ac._io.direct is None
+            return await ac.get("httpx-path"), await ac.get_many(["httpx-path", "nope"])
+
+    one, many = asyncio.run(main())
+    np.testing.assert_array_equal(one.array, array)
+    np.testing.assert_array_equal(many[0].array, array)
+    assert isinstance(many[1], RecordNotFound)
+
+
+# ---- a reused rid ----------------------------------------------------------------------------------------
+
+
+def test_a_reused_rid_says_which_request_wrote_the_rows(pods, pool: SidecarPool) -> None:
+    """verl resumes an aborted request under the same rid: the record is replaced, and every answer says which."""
+    base, spool = pods[0]
+    first = put(spool, "reused", 6, seed=7)
+    with RoutedExpertsClient(base) as client:
+        a = client.get("reused")
+        (a_batch,) = client.get_many(["reused"])
+        second = put(spool, "reused", 9, seed=8)
+        b = client.get("reused")
+        (b_batch,) = client.get_many(["reused"])
+        blocks = list(client.stream("reused"))
+    assert a.created is not None and b.created is not None and a.created != b.created
+    assert (a_batch.created, b_batch.created) == (a.created, b.created)
+    assert {blk.created for blk in blocks} == {b.created}
+    np.testing.assert_array_equal(a.array, first)
+    np.testing.assert_array_equal(b.array, second)
+    assert spool.read_meta("reused").created == b.created

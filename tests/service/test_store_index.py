@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -116,16 +115,19 @@ class FullSpool(Spool):
 def test_stale_record_on_a_full_spool_is_aborted_in_the_index(spool: Spool) -> None:
     writer = spool.writer("silent", num_experts=8, topk=1, layers=[0])
     writer.append(np.zeros((3, 1, 1)))
+    now = [spool.read_meta("silent").updated]  # wall time as the store reads it: moved by the test, not slept
     store = Store(
-        FullSpool(spool.root), Settings.model_validate({"spool_dir": spool.root, "stale_s": 0.2, "ttl_s": 0.4})
+        FullSpool(spool.root),
+        Settings.model_validate({"spool_dir": spool.root, "stale_s": 0.2, "ttl_s": 0.4}),
+        clock=lambda: now[0],
     )
     assert not store.lookup("silent").final
-    time.sleep(0.25)
+    now[0] += 0.25  # past stale_s since its last update
     meta = store.lookup("silent")
     assert meta.final and meta.status == "aborted" and meta.rows == 3
     assert not spool.read_meta("silent").final, "the file could not be rewritten"
     asyncio.run(store.rescan())
     assert store.lookup("silent").status == "aborted", "an unchanged file keeps the index's verdict"
-    time.sleep(0.45)
+    now[0] += 0.45  # past ttl_s since it was marked aborted
     assert store.lookup("silent") is None and store.expired("silent")
     assert not spool.meta_path("silent").exists(), "expiry deletes (unlink needs no space)"

@@ -1,0 +1,161 @@
+"""The trainer API's two async claims and the size of a ref (BENCHMARKS.md, "Trainer API").
+
+1. `afetch` ÷ `fetch` GB/s for one 32k-token record (Qwen3-30B-A3B shape: 48 MoE layers, top-8, uint8),
+   alternating the two, median of `--reps` each.
+2. The longest event-loop stall while 64 such records are fetched concurrently: a probe task sleeps 1 ms in a
+   loop and records how late it wakes. Measured for `AsyncRoutedExpertsClient.get` ×64 (gather),
+   `afetch_many` (one batch), and, as the baseline a trainer has without it, the blocking client called
+   from the loop.
+3. `pickle.dumps` of a pointer ref at 8k and 32k tokens, against the rows it stands for.
+
+`python -m benchmarks.trainer_api [--reps N]`: the sidecar runs in its own process (benchmarks.servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pickle
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.servers import serve
+from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, afetch_many
+from service.refs import AsyncSidecarPool
+from service.spool import Spool
+
+LAYERS, TOPK, EXPERTS = 48, 8, 128
+
+
+def write(spool: Spool, rid: str, tokens: int, seed: int) -> int:
+    rows = np.random.default_rng(seed).integers(0, EXPERTS, (tokens - 1, LAYERS, TOPK), dtype=np.uint8)
+    w = spool.writer(
+        rid, num_experts=EXPERTS, topk=TOPK, layers=list(range(LAYERS)), prompt_len=tokens // 2, num_hidden_layers=48
+    )
+    w.append(rows)
+    w.finalize()
+    return rows.nbytes
+
+
+async def lag_probe(stop: asyncio.Event, out: list[float], period: float = 0.001) -> None:
+    """How late the loop wakes a 1 ms sleeper: the longest value is the longest stall."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        out.append(time.perf_counter() - t - period)
+
+
+async def stall_during(work: Callable[[], Awaitable[object]]) -> tuple[float, float]:
+    lags: list[float] = []
+    stop = asyncio.Event()
+    probe = asyncio.create_task(lag_probe(stop, lags))
+    await asyncio.sleep(0.05)
+    t = time.perf_counter()
+    await work()
+    took = time.perf_counter() - t
+    stop.set()
+    await probe
+    return max(lags) * 1e3, took
+
+
+def throughput(url: str, nbytes: int, reps: int) -> tuple[float, float]:
+    sync_s, async_s = [], []
+
+    async def arun(c: AsyncRoutedExpertsClient) -> float:
+        t = time.perf_counter()
+        await c.get("big-0")
+        return time.perf_counter() - t
+
+    async def main() -> None:
+        async with AsyncRoutedExpertsClient(url) as ac:
+            with RoutedExpertsClient(url) as sc:
+                for _ in range(3):
+                    sc.get("big-0")
+                    await ac.get("big-0")
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    sc.get("big-0")
+                    sync_s.append(time.perf_counter() - t)
+                    async_s.append(await arun(ac))
+
+    asyncio.run(main())
+    return nbytes / statistics.median(sync_s) / 1e9, nbytes / statistics.median(async_s) / 1e9
+
+
+def stalls(url: str, n: int, threads: int) -> dict[str, tuple[float, float]]:
+    rids = [f"big-{i}" for i in range(n)]
+    out: dict[str, tuple[float, float]] = {}
+
+    async def main() -> None:
+        out["control: the probe alone, no fetch (this machine's own scheduling noise)"] = await stall_during(
+            lambda: asyncio.sleep(1.0)
+        )
+        async with AsyncRoutedExpertsClient(url, **({"threads": threads} if threads else {})) as ac:
+            await asyncio.gather(*(ac.get(r) for r in rids[:8]))  # warm connections
+            out["AsyncRoutedExpertsClient.get x64 (gather)"] = await stall_during(
+                lambda: asyncio.gather(*(ac.get(r) for r in rids))
+            )
+        refs = [RoutedExpertsRef(rid=r, url=f"{url}/routed_experts/{r}") for r in rids]
+        async with AsyncSidecarPool() as pool:
+            await afetch_many(refs[:2], pool=pool)
+            out["afetch_many(64 refs): one batch"] = await stall_during(lambda: afetch_many(refs, pool=pool))
+        with RoutedExpertsClient(url) as sc:
+            sc.get(rids[0])
+
+            async def blocking() -> None:
+                for r in rids:
+                    sc.get(r)
+
+            out["baseline: blocking client.get x64 on the loop"] = await stall_during(blocking)
+
+    asyncio.run(main())
+    return out
+
+
+def pickle_sizes() -> list[tuple[int, int, int]]:
+    sizes = []
+    for tokens in (8192, 32768):
+        rid = "3f2a1b9c0d8e4f6a8b7c6d5e4f3a2b1c"
+        meta = {
+            "id": rid,
+            "prompt_tokens": tokens // 2,
+            "completion_tokens": tokens // 2,
+            "routed_experts_url": f"http://pod-17.r3-sidecar.inference.svc:8000/routed_experts/{rid}",
+        }
+        (ref,) = RoutedExpertsRef.from_response({"meta_info": meta}, num_hidden_layers=48, topk=8)
+        sizes.append((tokens, len(pickle.dumps(ref)), (tokens - 1) * LAYERS * TOPK))
+    return sizes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--records", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--threads", type=int, default=None, help="AsyncRoutedExpertsClient(threads=) (default: its own)")
+    ap.add_argument("--only-stalls", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
+        spool = Spool(Path(d))
+        nbytes = 0
+        for i in range(args.records):
+            nbytes = write(spool, f"big-{i}", args.tokens, i)
+        with serve("sidecar", Path(d)) as server:
+            if not args.only_stalls:
+                sync_gbs, async_gbs = throughput(server.url, nbytes, args.reps)
+                print(f"one record of {args.tokens} tokens ({nbytes / 1e6:.1f} MB), median of {args.reps}:")
+                print(f"  fetch {sync_gbs:.2f} GB/s, afetch {async_gbs:.2f} GB/s, ratio {async_gbs / sync_gbs:.2f}")
+            print(f"{args.records} records of {args.tokens} tokens concurrently: longest event-loop stall, wall time")
+            for name, (stall_ms, took) in stalls(server.url, args.records, args.threads).items():
+                print(f"  {name}: {stall_ms:.1f} ms stall, {took:.2f} s")
+    for tokens, size, rows in pickle_sizes():
+        print(f"pointer ref at {tokens} tokens: pickle {size} B; its rows {rows / 1e6:.1f} MB uint8")
+
+
+if __name__ == "__main__":
+    main()

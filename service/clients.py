@@ -1,0 +1,274 @@
+"""The blocking and the asyncio sidecar clients: the same methods, one implementation, two transports.
+
+Each method is a `Call` built in service.requests, sent under the shared retry policy through its transport
+(service.transport), and read by service.results. Import them from `service.client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from service import requests as req
+from service.client_errors import R3Error, RecordNotFound
+from service.requests import BatchRid, Call, Layers, Retry
+from service.responses import sidecar_base
+from service.results import FrameDecoder, RoutedExperts, record_of
+from service.transport import AsyncTransport, ClientConfig, SyncTransport
+
+__all__ = ["AsyncRoutedExpertsClient", "RoutedExpertsClient"]
+
+T = TypeVar("T")
+
+
+class _Base:
+    """Configuration both clients share; `base_url` may be a sidecar's base URL or a pointer into it."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+        stream_idle_s: float = 120.0,
+    ) -> None:
+        self.base_url = sidecar_base(base_url)  # a pointer (…/routed_experts/<rid>) names its sidecar too
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.stream_idle_s = stream_idle_s
+        self._retry = Retry(retries, backoff_s, backoff_max_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._config = ClientConfig(self.base_url, headers, timeout, connect_timeout, stream_idle_s)
+
+
+class RoutedExpertsClient(_Base):
+    """Blocking client. Use as a context manager, or call `close()`."""
+
+    def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self._io = SyncTransport(self._config, transport)
+
+    def __enter__(self) -> RoutedExpertsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._io.close()
+
+    @property
+    def _conns(self) -> Any:
+        """The plain-http body reader, None when httpx serves every request (https, a custom transport)."""
+        return self._io.direct
+
+    def _run(self, send: Callable[[Call], T], call: Call) -> T:
+        attempt = 0
+        while True:
+            try:
+                return send(call)
+            except req.RETRYABLE:
+                delay = self._retry.delay(attempt)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+                attempt += 1
+
+    def _body(self, call: Call) -> bytearray:
+        return self._run(self._io.send, call).checked(call.rid).body
+
+    def get(
+        self,
+        rid: str,
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> RoutedExperts:
+        """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final.
+
+        `layers`: model layer indices, or a range such as `"0-15"` (a pipeline stage: the MoE layers inside).
+        `clamp=True`: a range past the record's rows returns the rows that exist (`.clamped` says so), not a 416.
+        """
+        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
+        return record_of(rid, self._run(self._io.send, call).checked(rid))
+
+    def fetch_bytes(
+        self,
+        rid: str,
+        fmt: str = "npy",
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> bytes:
+        """The body in any of the server's formats (`npy`, `raw`, `json`, `sglang_b64`) as bytes."""
+        return bytes(self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
+
+    def get_many(
+        self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
+    ) -> list[RoutedExperts | R3Error]:
+        """One round trip for many records; results in request order, each a record or its error (not raised).
+
+        Each rid may carry its own range: `BatchItem(rid, start, end)` (or a `(rid, start, end)` tuple).
+        """
+        return req.batch_of(self._run(self._io.frames, req.batch_call(rids, wait, layers, clamp)))
+
+    def stream(
+        self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
+    ) -> Iterator[RoutedExperts]:
+        """Yield blocks of rows as the engine produces them, until the record is final.
+
+        A dropped connection is resumed from the next row (`start=`), so no row is yielded twice or lost.
+        """
+        state = req.stream_state(rid, start, layers, wait, self._retry)
+        while True:
+            decoder = FrameDecoder()
+            try:
+                with self._io.chunks(state.call()) as chunks:
+                    for chunk in chunks:
+                        for frame in decoder.feed(chunk):
+                            block = state.on_frame(frame)
+                            if block is not None:
+                                yield block
+                            if state.done:
+                                return
+                raise httpx.RemoteProtocolError("stream ended before the record was final")
+            except req.STREAM_RETRYABLE:
+                delay = state.failed()
+                if delay is None:
+                    raise
+                time.sleep(delay)
+
+    def ack(self, rid: str, missing_ok: bool = False) -> bool:
+        """Tell the sidecar the trainer has the rows (`DELETE`): frees the spool. False when already gone."""
+        try:
+            self._body(req.ack_call(rid))
+        except RecordNotFound:
+            if missing_ok:
+                return False
+            raise
+        return True
+
+    def engines(self) -> list[dict[str, Any]]:
+        """Every engine's budget and occupancy report (`GET /v1/engines`, Contract 1 engine files)."""
+        return req.engines_of(self._body(req.engines_call()))
+
+
+class AsyncRoutedExpertsClient(_Base):
+    """The same API for asyncio trainers and rollout managers; no method blocks the event loop.
+
+    Over plain http, whole bodies are read on the client's threads (`threads` at most at once, default 8: more
+    threads contend for the GIL with the loop; a `wait` holds its thread, so many long waits belong in one
+    `get_many` / `afetch_many`).
+    """
+
+    def __init__(
+        self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, threads: int = 8, **kwargs: Any
+    ) -> None:
+        super().__init__(base_url, **kwargs)
+        self._io = AsyncTransport(self._config, transport, threads=threads)
+
+    async def __aenter__(self) -> AsyncRoutedExpertsClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._io.aclose()
+
+    async def _run(self, send: Callable[[Call], Awaitable[T]], call: Call) -> T:
+        attempt = 0
+        while True:
+            try:
+                return await send(call)
+            except req.RETRYABLE:
+                delay = self._retry.delay(attempt)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+                attempt += 1
+
+    async def _body(self, call: Call) -> bytearray:
+        return (await self._run(self._io.send, call)).checked(call.rid).body
+
+    async def get(
+        self,
+        rid: str,
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> RoutedExperts:
+        """`RoutedExpertsClient.get`."""
+        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
+        return record_of(rid, (await self._run(self._io.send, call)).checked(rid))
+
+    async def fetch_bytes(
+        self,
+        rid: str,
+        fmt: str = "npy",
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> bytes:
+        """`RoutedExpertsClient.fetch_bytes`."""
+        return bytes(await self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
+
+    async def get_many(
+        self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
+    ) -> list[RoutedExperts | R3Error]:
+        """`RoutedExpertsClient.get_many`."""
+        return req.batch_of(await self._run(self._io.frames, req.batch_call(rids, wait, layers, clamp)))
+
+    async def stream(
+        self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
+    ) -> AsyncIterator[RoutedExperts]:
+        """`RoutedExpertsClient.stream`, as an async iterator."""
+        state = req.stream_state(rid, start, layers, wait, self._retry)
+        while True:
+            decoder = FrameDecoder()
+            try:
+                async with self._io.chunks(state.call()) as chunks:
+                    async for chunk in chunks:
+                        for frame in decoder.feed(chunk):
+                            block = state.on_frame(frame)
+                            if block is not None:
+                                yield block
+                            if state.done:
+                                return
+                raise httpx.RemoteProtocolError("stream ended before the record was final")
+            except req.STREAM_RETRYABLE:
+                delay = state.failed()
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+
+    async def ack(self, rid: str, missing_ok: bool = False) -> bool:
+        """`RoutedExpertsClient.ack`."""
+        try:
+            await self._body(req.ack_call(rid))
+        except RecordNotFound:
+            if missing_ok:
+                return False
+            raise
+        return True
+
+    async def engines(self) -> list[dict[str, Any]]:
+        """`RoutedExpertsClient.engines`."""
+        return req.engines_of(await self._body(req.engines_call()))

@@ -1,0 +1,205 @@
+"""Every request the clients make, built once: what to send, when to retry, how a stream resumes. No I/O.
+
+`RoutedExpertsClient` and `AsyncRoutedExpertsClient` differ only in their transport (service.transport);
+each public method is a `Call` built here, sent with the shared `Retry` policy, and read by service.results.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+
+from service.client_errors import RESTARTED_DETAIL, RecordRestarted
+from service.results import Frame, RoutedExperts
+
+__all__ = ["BatchItem", "BatchRid", "Call", "Layers", "Retry", "StreamState"]
+
+# Transport failures worth another try: the request never reached a server, or the connection dropped.
+# Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
+RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+# A stream also resumes after sitting idle past its read timeout (a half-open connection looks the same).
+STREAM_RETRYABLE = (*RETRYABLE, httpx.ReadTimeout)
+
+Layers = Iterable[int] | str
+"""Model layers to fetch: indices (each must be stored), or the server's text, ranges included: `"0-15"`."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One rid of `get_many` with its own token range `[start, end)` (multi-turn, resumed requests)."""
+
+    rid: str
+    start: int | None = None
+    end: int | None = None
+
+
+BatchRid = str | BatchItem | tuple[str, int | None, int | None] | dict[str, Any]
+"""A rid, or a rid with a range: `BatchItem(rid, start, end)`, `(rid, start, end)` or `{"rid", "start", "end"}`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One HTTP request of the API: `wait` lengthens its read timeout; `stream` gives it the idle timeout."""
+
+    method: str
+    path: str
+    rid: str | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None
+    wait: float = 0
+    stream: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json"} if self.body is not None else {}
+
+
+def layers_param(layers: Layers) -> str:
+    return layers if isinstance(layers, str) else ",".join(str(int(x)) for x in layers)
+
+
+def record_path(rid: str) -> str:
+    """Percent-encode every byte; a rid of dots alone goes as `%2E`s, since URL normalisation drops `.`/`..`."""
+    encoded = quote(rid, safe="")
+    if rid and set(rid) == {"."}:
+        encoded = "%2E" * len(rid)
+    return f"/routed_experts/{encoded}"
+
+
+def _params(
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    layers: Layers | None = None,
+    wait: float = 0,
+    **extra: Any,
+) -> dict[str, str]:
+    params = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in extra.items() if v is not None}
+    if start is not None:
+        params["start"] = str(start)
+    if end is not None:
+        params["end"] = str(end)
+    if layers is not None:
+        params["layers"] = layers_param(layers)
+    if wait:
+        params["wait"] = str(wait)
+    return params
+
+
+def get_call(
+    rid: str,
+    fmt: str = "npy",
+    start: int | None = None,
+    end: int | None = None,
+    layers: Layers | None = None,
+    wait: float = 0,
+    clamp: bool = False,
+) -> Call:
+    """`GET /routed_experts/<rid>` in any format."""
+    params = _params(start=start, end=end, layers=layers, wait=wait, format=fmt, clamp=clamp or None)
+    return Call("GET", record_path(rid), rid, params, wait=wait)
+
+
+def batch_call(rids: Sequence[BatchRid], wait: float, layers: Layers | None, clamp: bool) -> Call:
+    """`POST /routed_experts/batch`: plain rids stay strings, ranged ones become objects."""
+    items: list[Any] = []
+    for item in rids:
+        if isinstance(item, str):
+            items.append(item)
+            continue
+        if isinstance(item, dict):
+            item = BatchItem(**item)
+        elif isinstance(item, tuple):
+            item = BatchItem(*item)
+        ranged = {"rid": item.rid, "start": item.start, "end": item.end}
+        items.append({k: v for k, v in ranged.items() if v is not None})
+    body: dict[str, Any] = {"rids": items, "wait": wait}
+    if layers is not None:
+        body["layers"] = layers if isinstance(layers, str) else [int(x) for x in layers]
+    if clamp:
+        body["clamp"] = True
+    return Call("POST", "/routed_experts/batch", None, body=orjson.dumps(body), wait=wait)
+
+
+def ack_call(rid: str) -> Call:
+    return Call("DELETE", record_path(rid), rid)
+
+
+def engines_call() -> Call:
+    return Call("GET", "/v1/engines")
+
+
+def engines_of(body: bytes | bytearray) -> list[dict[str, Any]]:
+    return orjson.loads(body)["engines"]
+
+
+def batch_of(frames: list[Frame]) -> list[Any]:
+    """Each frame's record, or its error in its place (not raised)."""
+    return [f.result() if f.status == 200 else f.error() for f in frames]
+
+
+@dataclass(slots=True)
+class Retry:
+    """Connection failures are retried with full-jitter exponential backoff (spreads many trainers' retries
+    after a sidecar restart); `delay(attempt)` says how long to sleep, or None when the retries are spent."""
+
+    retries: int = 5
+    base_s: float = 0.1
+    cap_s: float = 2.0
+
+    def delay(self, attempt: int) -> float | None:
+        if attempt >= self.retries:
+            return None
+        return random.uniform(0, min(self.cap_s, self.base_s * (2**attempt)))
+
+
+@dataclass(slots=True)
+class StreamState:
+    """One `stream()`'s progress across reconnects: each attempt asks from the next row, so no row is yielded
+    twice or lost, and a resume that meets a recomputed record (another `created`) raises `RecordRestarted`."""
+
+    rid: str
+    start: int | None
+    layers: str | None
+    wait: float
+    retry: Retry
+    failures: int = 0
+    created: float | None = None
+    done: bool = False
+
+    def call(self) -> Call:
+        params = _params(start=self.start, layers=self.layers, wait=self.wait, stream="true")
+        return Call("GET", record_path(self.rid), self.rid, params, wait=self.wait, stream=True)
+
+    def on_frame(self, frame: Frame) -> RoutedExperts | None:
+        """The rows to yield for a frame (None when it holds none); raises the frame's error."""
+        self.failures = 0
+        if frame.status != 200:
+            raise frame.error()
+        stamp = frame.header.get("created")
+        if stamp is not None:
+            if self.created is not None and self.created != stamp:
+                raise RecordRestarted(RESTARTED_DETAIL, rid=frame.header.get("rid"), status=409, body=frame.header)
+            self.created = stamp
+        block = frame.result()
+        self.done = block.final
+        if not block.rows:
+            return None
+        self.start = block.end
+        return block
+
+    def failed(self) -> float | None:
+        """After a dropped stream: seconds to wait before resuming, or None when the retries are spent."""
+        delay = self.retry.delay(self.failures)
+        self.failures += 1
+        return delay
+
+
+def stream_state(rid: str, start: int | None, layers: Layers | None, wait: float, retry: Retry) -> StreamState:
+    return StreamState(rid, start, layers_param(layers) if layers is not None else None, wait, retry)

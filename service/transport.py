@@ -1,0 +1,208 @@
+"""The clients' two thin transports: send a `Call`, hand back the whole answer, its frames, or a stream's chunks.
+
+Over plain `http://` both read whole bodies through `service.connections` (one copy from the socket into the
+body's final buffer); the async one runs those reads on its own threads, so the event loop never copies or
+parses a body and the async path is as fast as the blocking one. `https://`, custom httpx transports and
+`stream=true` go through httpx (`httpx.Client` / `httpx.AsyncClient`). Nothing here decides a retry or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
+
+from service.client_errors import error_for, json_or_text
+from service.connections import Connections
+from service.requests import Call
+from service.results import Frame, FrameDecoder, Reply, read_frames
+
+__all__ = ["AsyncTransport", "ClientConfig", "SyncTransport"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """What both transports need to know of the client: where, who, and how long to wait."""
+
+    base_url: str
+    headers: dict[str, str]
+    timeout: float = 30.0
+    connect_timeout: float = 5.0
+    stream_idle_s: float = 120.0
+
+    def timeout_for(self, call: Call) -> httpx.Timeout:
+        """Reads may block for `wait` seconds while the server waits; a stream may sit idle past that, up to
+        `stream_idle_s`, while the engine prefills or pauses (then it reconnects)."""
+        if call.stream:
+            return httpx.Timeout(self.timeout, read=self.stream_idle_s + call.wait, connect=self.connect_timeout)
+        return httpx.Timeout(self.timeout + call.wait, connect=self.connect_timeout)
+
+    @property
+    def plain(self) -> bool:
+        return self.base_url.startswith("http://")
+
+
+class BodyBuffer:
+    """A body read chunk by chunk into one writable buffer, sized from Content-Length when given: arrays over it
+    need no copy, and torch accepts them."""
+
+    def __init__(self, headers: httpx.Headers) -> None:
+        length = headers.get("content-length")
+        self.buf = bytearray(int(length)) if length and length.isdigit() else bytearray()
+        self._sized, self._filled = bool(self.buf), 0
+
+    def add(self, chunk: bytes) -> None:
+        n, buf = len(chunk), self.buf
+        if self._sized and self._filled + n <= len(buf):
+            buf[self._filled : self._filled + n] = chunk
+        else:
+            self._sized = False
+            del buf[self._filled :]
+            buf += chunk
+        self._filled += n
+
+    def done(self) -> bytearray:
+        del self.buf[self._filled :]
+        return self.buf
+
+
+def _direct_send(conns: Connections, cfg: ClientConfig, call: Call) -> Reply:
+    status, headers, body = conns.send(
+        call.method, call.path, call.params, body=call.body, headers=call.headers, timeout=cfg.timeout + call.wait
+    )
+    return Reply(status, headers, body)
+
+
+def _direct_frames(conns: Connections, cfg: ClientConfig, call: Call) -> list[Frame]:
+    with conns.request(
+        call.method, call.path, call.params, body=call.body, headers=call.headers, timeout=cfg.timeout + call.wait
+    ) as resp:
+        if resp.status != 200:
+            raise error_for(resp.status, json_or_text(resp.read()), call.rid)
+        return read_frames(resp)
+
+
+def _ended(decoder: FrameDecoder, frames: list[Frame]) -> list[Frame]:
+    if decoder.pending:
+        raise httpx.RemoteProtocolError("batch response ended inside a frame")
+    return frames
+
+
+class SyncTransport:
+    """Blocking I/O: `service.connections` for whole bodies over plain http, `httpx.Client` for the rest."""
+
+    def __init__(self, cfg: ClientConfig, transport: httpx.BaseTransport | None = None) -> None:
+        self.cfg = cfg
+        self._http = httpx.Client(base_url=cfg.base_url, headers=cfg.headers, transport=transport)
+        direct = transport is None and cfg.plain
+        self.direct = Connections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
+
+    def send(self, call: Call) -> Reply:
+        if self.direct is not None:
+            return _direct_send(self.direct, self.cfg, call)
+        with self._open(call) as resp:
+            body = BodyBuffer(resp.headers)
+            for chunk in resp.iter_bytes():
+                body.add(chunk)
+            return Reply(resp.status_code, resp.headers, body.done())
+
+    def frames(self, call: Call) -> list[Frame]:
+        if self.direct is not None:
+            return _direct_frames(self.direct, self.cfg, call)
+        decoder, frames = FrameDecoder(), []
+        with self.chunks(call) as chunks:
+            for chunk in chunks:
+                frames += decoder.feed(chunk)
+        return _ended(decoder, frames)
+
+    @contextmanager
+    def chunks(self, call: Call) -> Iterator[Iterator[bytes]]:
+        """A 200's body as it arrives; any other status raises its error."""
+        with self._open(call) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
+            yield resp.iter_bytes()
+
+    def _open(self, call: Call) -> httpx.Response:
+        return self._http.stream(
+            call.method,
+            call.path,
+            params=call.params,
+            content=call.body,
+            headers=call.headers,
+            timeout=self.cfg.timeout_for(call),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+        if self.direct is not None:
+            self.direct.close()
+
+
+class AsyncTransport:
+    """The same for asyncio: whole bodies over plain http are read on this transport's threads (`threads` at
+    most at once: each waits out its own `wait`), everything else through `httpx.AsyncClient` on the loop."""
+
+    def __init__(
+        self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None, *, threads: int = 8
+    ) -> None:
+        self.cfg = cfg
+        self._http = httpx.AsyncClient(base_url=cfg.base_url, headers=cfg.headers, transport=transport)
+        direct = transport is None and cfg.plain
+        self.direct = Connections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="r3-client") if direct else None
+
+    async def send(self, call: Call) -> Reply:
+        if self.direct is not None:
+            return await self._off_loop(_direct_send, call)
+        async with self._open(call) as resp:
+            body = BodyBuffer(resp.headers)
+            async for chunk in resp.aiter_bytes():
+                body.add(chunk)
+            return Reply(resp.status_code, resp.headers, body.done())
+
+    async def frames(self, call: Call) -> list[Frame]:
+        if self.direct is not None:
+            return await self._off_loop(_direct_frames, call)
+        decoder, frames = FrameDecoder(), []
+        async with self.chunks(call) as chunks:
+            async for chunk in chunks:
+                frames += decoder.feed(chunk)
+        return _ended(decoder, frames)
+
+    @asynccontextmanager
+    async def chunks(self, call: Call) -> AsyncIterator[AsyncIterator[bytes]]:
+        async with self._open(call) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
+            yield resp.aiter_bytes()
+
+    def _open(self, call: Call) -> httpx.Response:
+        return self._http.stream(
+            call.method,
+            call.path,
+            params=call.params,
+            content=call.body,
+            headers=call.headers,
+            timeout=self.cfg.timeout_for(call),
+        )
+
+    async def _off_loop(self, fn: Callable[[Connections, ClientConfig, Call], T], call: Call) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, fn, self.direct, self.cfg, call)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        if self.direct is not None:
+            self.direct.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
