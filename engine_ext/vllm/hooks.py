@@ -15,6 +15,7 @@ those processes); building it wraps the others, whose modules the API server imp
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import inspect
@@ -147,6 +148,7 @@ def _start(vllm_config: Any, client_index: int) -> None:
         _wrap(hook)
     engine = f"{_settings.engine_id}/api{client_index}"
     SPOOLER = Spooler(_settings, model_shape(vllm_config.model_config), engine=engine, vllm=_vllm_version)
+    atexit.register(SPOOLER.close)
     log.info(
         "r3-sidecar: vLLM routed experts to the spool %s (R3_MODE=%s, engine %s)",
         _settings.spool_dir,

@@ -158,8 +158,13 @@ class Spooler:
         return None
 
     def close(self) -> None:
+        """Write what is queued, then the engine file once more (a server that stops says what it wrote)."""
         self.telemetry.close()
         self.writer.close()
+        try:
+            self.telemetry.tick()
+        except OSError as exc:
+            log.warning("r3-sidecar: last engine file not written: %s", exc)
 
 
 def refusal_report(settings: EngineSettings, *, engine: str, vllm: str | None, reason: str) -> dict[str, Any]:
