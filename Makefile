@@ -32,6 +32,9 @@ bench: env
 bench-sglang: env ## real SGLang servers, plugin vs upstream (~10 min): the "Real SGLang server" section of BENCHMARKS.md
 	$(BIN)/python -m benchmarks.real_server
 
+bench-vllm: env env-vllm ## vLLM: plugin in sidecar mode vs inline routed experts vs no capture (~5 min): BENCHMARKS.md
+	$(BIN)/python -m benchmarks.vllm_server
+
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests
 

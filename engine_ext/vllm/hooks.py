@@ -26,8 +26,9 @@ from typing import Any
 
 from engine_ext.collect import moe_layer_ids
 from engine_ext.settings import EngineSettings
-from engine_ext.vllm.rids import choice_rid, record_rid
+from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, status_of
+from service.responses import vllm_choice_rid
 
 log = logging.getLogger("r3_sidecar.vllm")
 
@@ -178,8 +179,9 @@ def _around_completion_output(original: Callable[..., Any], self: Any, *args: An
 
 def _finished(state: Any, output: Any) -> Finished:
     """A finished `RequestState` and its `CompletionOutput` as plain values."""
+    parent = state.parent_req
     return Finished(
-        rid=record_rid(state.external_req_id, state.request_index if state.parent_req is not None else None),
+        rid=record_rid(state.external_req_id, state.request_index, parent.n) if parent else state.external_req_id,
         rows=output.routed_experts,
         start=getattr(state, "_r3_start", 0),
         prompt_len=int(state.prompt_len),
@@ -187,23 +189,23 @@ def _finished(state: Any, output: Any) -> Finished:
     )
 
 
-def _attach(response: Any, n: int) -> None:
+def _attach(response: Any) -> None:
     """Set `routed_experts_url` on each choice of a built response whose record the spool accepted."""
     if SPOOLER is None or not getattr(response, "choices", None) or not isinstance(response.id, str):
         return
     for choice in response.choices:
-        url = SPOOLER.pointer(choice_rid(response.id, choice.index, n))
+        url = SPOOLER.pointer(vllm_choice_rid(response.id, choice.index, len(response.choices)))
         if url is not None:
             choice.routed_experts_url = url  # the response models allow extra fields
 
 
 def _pointers(original: Callable[..., Any], self: Any, final_res_batch: Any, request: Any, *a: Any, **kw: Any) -> Any:
     response = original(self, final_res_batch, request, *a, **kw)
-    _contained("attaching pointers", lambda: _attach(response, int(getattr(request, "n", 1) or 1)))
+    _contained("attaching pointers", lambda: _attach(response))
     return response
 
 
 async def _apointers(original: Callable[..., Any], self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     response = await original(self, request, *args, **kwargs)
-    _contained("attaching pointers", lambda: _attach(response, int(getattr(request, "n", 1) or 1)))
+    _contained("attaching pointers", lambda: _attach(response))
     return response

@@ -26,7 +26,8 @@ import pytest
 import vllm_server
 from vllm_server import VllmServer, inline_rows
 
-from engine_ext.vllm.rids import choice_rid
+from service.refs import RoutedExpertsRef, fetch_many
+from service.responses import vllm_choice_rid
 
 pytestmark = pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)
 
@@ -99,13 +100,12 @@ def workload(server: VllmServer) -> dict[str, Any]:
 
 FULL = ("plain", "start", "concurrent0", "concurrent1", "concurrent2", "concurrent3", "n2", "multi", "chat", "long")
 FULL += ("hit", "stream_ref")
-N = {"n2": 2}
 
 
 def choices(results: dict[str, Any], names: tuple[str, ...] = FULL) -> list[tuple[str, str, dict[str, Any]]]:
     """(case, record rid, choice) for every choice of every finished (not aborted) case."""
     return [
-        (name, choice_rid(results[name]["id"], c["index"], N.get(name, 1)), c)
+        (name, vllm_choice_rid(results[name]["id"], c["index"], len(results[name]["choices"])), c)
         for name in names
         for c in results[name]["choices"]
     ]
@@ -233,3 +233,22 @@ def test_nothing_dropped_and_engine_file(runs: dict) -> None:
         assert writer["records_written"] == len(expected) and writer["fallback_inline"] == 0, mode
         assert not any(writer["undelivered"].values()) and writer["queued_bytes"] == 0, mode
         assert engine["vllm"] == "0.32.0" and engine["delivery"]["mode"] == mode
+
+
+def test_refs_from_vllm_responses(runs: dict) -> None:
+    """Contract 4 on vLLM's real responses: `RoutedExpertsRef.from_response` gives one ref per choice, inline
+    (upstream, mirror: decoded locally) or through the pointer (sidecar: fetched, one batch per sidecar), and
+    every ref's rows are upstream's."""
+    _, up = runs["upstream"]
+    expected = [inline_rows(c) for _, _, c in choices(up)]
+    for mode in ("upstream", "mirror", "sidecar"):
+        _, results = runs[mode]
+        refs = [ref for name in FULL for ref in RoutedExpertsRef.from_response(results[name])]
+        assert [r.record_rid for r in refs] == [rid for _, rid, _ in choices(up)], mode
+        assert all((r.inline is None) == (mode == "sidecar") for r in refs), mode
+        got = fetch_many(refs, wait=30) if mode == "sidecar" else [r.fetch() for r in refs]
+        for ref, rows, want in zip(refs, got, expected, strict=True):
+            assert rows.array.tobytes() == want.tobytes(), (mode, ref.record_rid)
+            assert rows.to_vllm_layout().tobytes() == want.tobytes() and rows.to_vllm_layout().dtype == want.dtype
+    (ref,) = RoutedExpertsRef.from_response(runs["sidecar"][1]["abort"])
+    assert ref.aborted and ref.fetch(wait=30).status == "aborted"

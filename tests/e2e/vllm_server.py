@@ -130,9 +130,13 @@ def start(
     plugin: bool,
     env: dict[str, str] | None = None,
     sidecar: bool = False,
+    capture: bool = True,
     args: tuple[str, ...] = (),
 ) -> VllmServer:
-    """Start a vLLM server under `workdir` (and `r3-sidecar serve` on its spool); raise with the log tail."""
+    """Start a vLLM server under `workdir` (and `r3-sidecar serve` on its spool); raise with the log tail.
+
+    `capture=False` leaves out `--enable-return-routed-experts` (the benchmark's no-capture baseline).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     spool = workdir / "spool"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "VLLM_"))}
@@ -159,7 +163,8 @@ def start(
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model_dir), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)),
-        *("--enforce-eager", "--enable-return-routed-experts", "--max-model-len", "1024"),
+        *("--enforce-eager", "--max-model-len", "1024"),
+        *(("--enable-return-routed-experts",) if capture else ()),
         *("--dtype", "bfloat16", "--seed", "0", "--enable-scale-out", *args),
     ]
     server = spawn(cmd, server_env, workdir / "server.log", f"http://127.0.0.1:{port}")

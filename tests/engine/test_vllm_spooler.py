@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from engine_ext.settings import EngineSettings, Mode
-from engine_ext.vllm.rids import choice_rid, record_rid
+from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, refusal_report, status_of
 from engine_ext.vllm.versions import SUPPORTED_VLLM, refusal
+from service.responses import vllm_choice_rid
 from service.spool import EngineReport, Spool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,19 +34,16 @@ def _spooler(tmp_path: Path, mode: Mode, shape: ModelShape = SHAPE, **settings: 
     return Spooler(env, shape, engine="t/api0", vllm="0.32.0")
 
 
-def test_record_and_choice_rids_follow_vllms_ids():
-    assert record_rid("cmpl-B-0", None) == "cmpl-B-0"
-    assert record_rid("cmpl-B-1", 1) == "1_cmpl-B-1"
-    # completion: n samples per prompt, choices prompt-major
-    assert [choice_rid("cmpl-B", k, 2) for k in range(4)] == ["0_cmpl-B-0", "1_cmpl-B-0", "0_cmpl-B-1", "1_cmpl-B-1"]
-    assert [choice_rid("cmpl-B", k) for k in range(2)] == ["cmpl-B-0", "cmpl-B-1"]
-    # chat: one prompt, the choice index is the child
-    assert choice_rid("chatcmpl-B", 0) == "chatcmpl-B"
-    assert choice_rid("chatcmpl-B", 1, 3) == "1_chatcmpl-B"
-    with pytest.raises(ValueError, match="one choice"):
-        choice_rid("chatcmpl-B", 1)
-    with pytest.raises(ValueError, match="n must be"):
-        choice_rid("cmpl-B", 0, 0)
+def test_record_rids_are_the_choices_the_client_sees():
+    """The plugin names a record from vLLM's external id and child; the client from the response alone."""
+    # completion, two prompts, n=2: choice k = prompt k // 2, child k % 2
+    engine = [record_rid(f"cmpl-B-{i}", j, 2) for i in range(2) for j in range(2)]
+    assert engine == [vllm_choice_rid("cmpl-B", k, 4) for k in range(4)] == [f"cmpl-B-{k}" for k in range(4)]
+    assert record_rid("cmpl-B-1") == vllm_choice_rid("cmpl-B", 1, 2) == "cmpl-B-1"  # n=1: vLLM's external id
+    # chat: one prompt; its one choice is the response id, several are numbered
+    assert record_rid("chatcmpl-B") == vllm_choice_rid("chatcmpl-B", 0, 1) == "chatcmpl-B"
+    assert record_rid("chatcmpl-B", 2, 3) == vllm_choice_rid("chatcmpl-B", 2, 3) == "chatcmpl-B-2"
+    assert record_rid("cmpl-x-y", 1, 2) == "cmpl-x-y-1"  # no prompt index: numbered like chat
 
 
 def test_status_from_finish_reason():
