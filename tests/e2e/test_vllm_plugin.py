@@ -29,7 +29,7 @@ from vllm_server import VllmServer, inline_rows
 from service.refs import RoutedExpertsRef, fetch_many
 from service.responses import vllm_choice_rid
 
-pytestmark = pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)]
 
 LONG = "".join(chr(ord("a") + (i * 7) % 26) for i in range(300))  # 300 byte tokens: two full 128-token blocks
 ABORT_AFTER_S = 2.0

@@ -52,10 +52,11 @@ def available() -> bool:
     return VLLM_PYTHON.exists()
 
 
-def write_model(directory: Path) -> Path:
-    """The tiny model, written by the vLLM venv (torch, safetensors and tokenizers are there)."""
+def write_model(directory: Path, shape: tuple[int, int, int] = (4, 16, 4)) -> Path:
+    """The tiny model (`shape`: layers, experts, top-k), written by the vLLM venv (torch, safetensors, tokenizers)."""
     if not (directory / "model.safetensors").exists():
-        subprocess.run([str(VLLM_PYTHON), str(REPO / "tests/vllm_cpu/tiny_moe.py"), str(directory)], check=True)
+        script = str(REPO / "tests/vllm_cpu/tiny_moe.py")
+        subprocess.run([str(VLLM_PYTHON), script, str(directory), *map(str, shape)], check=True)
     return directory
 
 

@@ -6,7 +6,7 @@ weights are large against RMS-normalised hidden states (wide top-k margins, stab
 byte-level tokenizer (ids 0-255 are bytes, then the specials) makes text prompts deterministic token ids.
 The same seed writes byte-identical files. Needs torch, safetensors and tokenizers (the vLLM venv has them).
 
-    python tests/vllm_cpu/tiny_moe.py OUT_DIR
+    python tests/vllm_cpu/tiny_moe.py OUT_DIR [LAYERS EXPERTS TOPK]
 """
 
 from __future__ import annotations
@@ -127,4 +127,5 @@ def write_model(out: Path, *, layers: int = 4, experts: int = 16, topk: int = 4,
 
 
 if __name__ == "__main__":
-    print(write_model(Path(sys.argv[1])))
+    shape = dict(zip(("layers", "experts", "topk"), map(int, sys.argv[2:5]), strict=False))
+    print(write_model(Path(sys.argv[1]), **shape))
