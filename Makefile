@@ -34,6 +34,7 @@ bench-sglang: env ## real SGLang servers, plugin vs upstream (~10 min): the "Rea
 
 bench-vllm: env env-vllm ## vLLM: plugin in sidecar mode vs inline routed experts vs no capture (~5 min): BENCHMARKS.md
 	$(BIN)/python -m benchmarks.vllm_server
+	PYTHONPATH=. $(VBIN)/python -m benchmarks.vllm_payload
 
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests

@@ -41,6 +41,7 @@ import vllm_server  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "vllm_server.json"
 FRAGMENT = ROOT / "benchmarks" / "vllm_server.md"
+PAYLOAD_FRAGMENT = ROOT / "benchmarks" / "vllm_payload.md"  # written by benchmarks/vllm_payload.py
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 BEGIN, END = "<!-- vllm-server:begin -->", "<!-- vllm-server:end -->"
 MODES = ("none", "inline", "sidecar")
@@ -122,7 +123,7 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if not args.no_write:
         FRAGMENT.write_text(render(summary, args) + "\n")
-        splice(BENCHMARKS, FRAGMENT.read_text())
+        splice(BENCHMARKS, section())
 
 
 def summarise(runs: list[dict[str, Any]], reps: int) -> dict[str, Any]:
@@ -187,6 +188,12 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
             "(a pointer instead of the base64 `.npy`).",
         ]
     )
+
+
+def section() -> str:
+    """The BENCHMARKS.md section: the server run, then the per-response payload cost when measured."""
+    parts = [p.read_text().strip() for p in (FRAGMENT, PAYLOAD_FRAGMENT) if p.exists()]
+    return "\n\n".join(parts)
 
 
 def row_bytes(shape: str) -> int:
