@@ -15,7 +15,8 @@ from service.spool import Spool
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)]
 
 
-def test_in_process_asyncllm_records_equal_its_outputs(tmp_path):
+def test_in_process_asyncllm_records_equal_its_outputs(tmp_path, sglang_exclusive):
+    sglang_exclusive()  # no SGLang server of the real-engine suite stays up beside this engine
     model = vllm_server.write_model(tmp_path / "model")
     spool, out = tmp_path / "spool", tmp_path / "out.npz"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "VLLM_"))}

@@ -17,6 +17,7 @@ import io
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,11 @@ def choices(results: dict[str, Any], names: tuple[str, ...] = FULL) -> list[tupl
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[VllmServer, dict[str, Any]]]:
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, sglang_exclusive: Callable[[], Path]
+) -> dict[str, tuple[VllmServer, dict[str, Any]]]:
     """The workload on the three servers, one after the other; each server's spool stays for the tests."""
+    sglang_exclusive()  # no SGLang server of the real-engine suite stays up beside these
     root = tmp_path_factory.mktemp("vllm")
     model = vllm_server.write_model(root / "model")
     out: dict[str, tuple[VllmServer, dict[str, Any]]] = {}

@@ -26,9 +26,10 @@ async def main(model: str, out: str) -> None:
     try:
         for rid, n in (("verl-req-1", 1), ("grpo-2", 2)):
             params = SamplingParams(max_tokens=6, n=n, temperature=1.0, seed=3, ignore_eos=True)
-            outputs = [o async for o in llm.generate("In-process prompt", params, request_id=rid)]
-            for output in outputs[-1].outputs:
-                arrays[rid if n == 1 else f"{rid}-{output.index}"] = output.routed_experts
+            async for result in llm.generate("In-process prompt", params, request_id=rid):
+                for output in result.outputs:  # n > 1: a child's finished output comes once, maybe alone
+                    if output.finish_reason is not None:
+                        arrays[rid if n == 1 else f"{rid}-{output.index}"] = output.routed_experts
     finally:
         llm.shutdown()
     np.savez(out, **arrays)
