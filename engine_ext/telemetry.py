@@ -71,21 +71,18 @@ class Telemetry:
         if self._budget is None:  # the budget is fixed at launch: compute it once
             self._budget = self._part("budget", None)
         capacity, used = self._part("host_cache", (0, 0))
-        return (
-            {
-                "engine": self.engine,
-                "dp_rank": self.dp_rank,
-                "pid": os.getpid(),
-                "sglang": self.sglang,
-                "updated": time.time(),
-                "budget": self._budget or [],
-                "occupancy": self._part("occupancy", []),
-                "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
-                "writer": _writer_part(self._part("writer", WriterCounters().to_dict())),
-            }
-            | ({"delivery": self.delivery} if self.delivery is not None else {})
-            | ({"vllm": self.vllm} if self.vllm is not None else {})
-        )
+        report = {
+            "engine": self.engine,
+            "dp_rank": self.dp_rank,
+            "pid": os.getpid(),
+            "sglang": self.sglang,
+            "updated": time.time(),
+            "budget": self._budget or [],
+            "occupancy": self._part("occupancy", []),
+            "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
+            "writer": _writer_part(self._part("writer", WriterCounters().to_dict())),
+        } | ({"delivery": self.delivery} if self.delivery is not None else {})
+        return report | ({"vllm": self.vllm} if self.vllm is not None else {})
 
     def build(self) -> EngineReport:
         """This tick's report, parsed and validated against Contract 1 (`EngineReportError` names a bad field)."""

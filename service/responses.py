@@ -178,9 +178,10 @@ def _is_vllm(resp: Any) -> bool:
 
 
 def parse_vllm_openai(resp: Any, start_len: int) -> list[Output] | None:
-    """A vLLM `/v1/completions` or `/v1/chat/completions` response (not streamed: vLLM's chunks carry no rows)."""
+    """A vLLM `/v1/completions` or `/v1/chat/completions` response, or its stream (chunks or SSE text) when the
+    plugin added its pointer chunk (vLLM's chunks carry no rows)."""
     if not _is_vllm(resp):
-        return None
+        return _parse_vllm_stream(resp)
     choices = sorted(resp["choices"], key=lambda c: c.get("index", 0))
     usage = resp.get("usage") or {}
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -201,6 +202,28 @@ def parse_vllm_openai(resp: Any, start_len: int) -> list[Output] | None:
             )
         )
     return out
+
+
+def _parse_vllm_stream(resp: Any) -> list[Output] | None:
+    """A stream whose last chunk before `[DONE]` holds the plugin's `routed_experts_urls` (one per choice)."""
+    chunks = _sse_objects(resp) if isinstance(resp, str | bytes) else resp
+    if not isinstance(chunks, list) or not chunks or not all(_is_openai(c) for c in chunks):
+        return None
+    pointer = next((c for c in chunks if isinstance(c.get("routed_experts_urls"), list) and "sglext" not in c), None)
+    if pointer is None or not isinstance(pointer.get("id"), str):
+        return None
+    finish = {
+        c.get("index", 0): c.get("finish_reason") for chunk in chunks for c in chunk["choices"] if isinstance(c, dict)
+    }
+    urls = pointer["routed_experts_urls"]
+    return [
+        Output(
+            rid=split_pointer(url)[1] if url else vllm_choice_rid(pointer["id"], k, len(urls)),
+            url=url,
+            aborted=finish.get(k) == "abort",
+        )
+        for k, url in enumerate(urls)
+    ]
 
 
 # ---- the parsers, tried in order ---------------------------------------------------------------------

@@ -413,34 +413,31 @@ class EngineReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON object (without `v`, which `Spool.write_engine` adds)."""
-        return (
-            {
-                "engine": self.engine,
-                "dp_rank": self.dp_rank,
-                "pid": self.pid,
-                "sglang": self.sglang,
-                "updated": self.updated,
-                "budget": [
-                    {
-                        "buffer": b.buffer,
-                        "unit": b.unit,
-                        "capacity": b.capacity,
-                        "demand": b.demand,
-                        "ok": b.ok,
-                        "formula": b.formula,
-                    }
-                    for b in self.budget
-                ],
-                "occupancy": [
-                    {"buffer": o.buffer, "capacity": o.capacity, "peak": o.peak, "window_s": o.window_s}
-                    for o in self.occupancy
-                ],
-                "host_cache": {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens},
-                "writer": self.writer.to_dict(),
-            }
-            | ({} if self.delivery is None else {"delivery": self.delivery.to_dict()})
-            | ({} if self.vllm is None else {"vllm": self.vllm})
-        )
+        out = {
+            "engine": self.engine,
+            "dp_rank": self.dp_rank,
+            "pid": self.pid,
+            "sglang": self.sglang,
+            "updated": self.updated,
+            "budget": [
+                {
+                    "buffer": b.buffer,
+                    "unit": b.unit,
+                    "capacity": b.capacity,
+                    "demand": b.demand,
+                    "ok": b.ok,
+                    "formula": b.formula,
+                }
+                for b in self.budget
+            ],
+            "occupancy": [
+                {"buffer": o.buffer, "capacity": o.capacity, "peak": o.peak, "window_s": o.window_s}
+                for o in self.occupancy
+            ],
+            "host_cache": {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens},
+            "writer": self.writer.to_dict(),
+        } | ({} if self.delivery is None else {"delivery": self.delivery.to_dict()})
+        return out | ({} if self.vllm is None else {"vllm": self.vllm})
 
 
 def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:

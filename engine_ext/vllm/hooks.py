@@ -19,8 +19,10 @@ import atexit
 import functools
 import importlib
 import inspect
+import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +56,9 @@ HOOKS: tuple[Hook, ...] = (
     # `routed_experts_url` on each choice whose record the spool accepted
     Hook(f"{_SERVING}.completion.serving:OpenAIServingCompletion.request_output_to_completion_response", "_pointers"),
     Hook(f"{_SERVING}.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator", "_apointers"),
+    # streams: one last chunk before `data: [DONE]` with `routed_experts_urls` (choices: [])
+    Hook(f"{_SERVING}.completion.serving:OpenAIServingCompletion.completion_stream_generator", "_stream_pointers"),
+    Hook(f"{_SERVING}.chat_completion.serving:OpenAIServingChat.chat_completion_stream_generator", "_stream_pointers"),
 )
 
 _settings: EngineSettings | None = None
@@ -77,7 +82,13 @@ def _wrap(hook: Hook) -> None:
     if getattr(original, "_r3_hook", False):
         return
     around = globals()[hook.function]
-    if inspect.iscoroutinefunction(original):
+    if inspect.isasyncgenfunction(original):
+
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            async for item in around(original, *args, **kwargs):
+                yield item
+    elif inspect.iscoroutinefunction(original):
 
         @functools.wraps(original)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -203,6 +214,36 @@ def _pointers(original: Callable[..., Any], self: Any, final_res_batch: Any, req
     response = original(self, final_res_batch, request, *a, **kw)
     _contained("attaching pointers", lambda: _attach(response))
     return response
+
+
+async def _stream_pointers(original: Callable[..., Any], *args: Any, **kwargs: Any) -> AsyncIterator[str]:
+    """vLLM's SSE chunks as they are; before `data: [DONE]`, one chunk with each choice's pointer (or null)."""
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    request, response_id = bound["request"], bound["request_id"]
+    choices = int(getattr(request, "n", 1) or 1) * int(bound.get("num_prompts", 1) or 1)
+    async for chunk in original(*args, **kwargs):
+        if isinstance(chunk, str) and chunk.startswith("data: [DONE]") and SPOOLER is not None:
+            extra = _contained("attaching stream pointers", lambda: _pointer_chunk(bound, response_id, choices))
+            if extra:
+                yield extra
+        yield chunk
+
+
+def _pointer_chunk(bound: dict[str, Any], response_id: str, choices: int) -> str | None:
+    assert SPOOLER is not None
+    urls = [SPOOLER.pointer(vllm_choice_rid(response_id, k, choices)) for k in range(choices)]
+    if not any(urls):
+        return None
+    chat = response_id.startswith("chatcmpl-")
+    body = {
+        "id": response_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": bound.get("created_time", int(time.time())),
+        "model": bound.get("model_name"),
+        "choices": [],
+        "routed_experts_urls": urls,
+    }
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 async def _apointers(original: Callable[..., Any], self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:

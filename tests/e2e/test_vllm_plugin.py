@@ -62,14 +62,11 @@ def _hang_up(server: VllmServer) -> None:
 def _stream(server: VllmServer) -> str:
     """A streamed completion (vLLM sends no routed experts in chunks; the record is written all the same)."""
     body = {"model": "tiny", "prompt": "Streaming prompt", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-    text = ""
     with httpx.stream(
         "POST", f"{server.url}/v1/completions", json=body | {"stream": True}, headers={"X-Request-Id": "stream"}
     ) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            text += line
-    return text
+        return "".join(response.iter_text())
 
 
 def workload(server: VllmServer) -> dict[str, Any]:
@@ -187,13 +184,19 @@ def test_sidecar_serves_rows_through_the_pointer(runs: dict) -> None:
     assert side["hit_tokens"] >= 256
 
 
-def test_streamed_request_gets_a_record(runs: dict) -> None:
+def test_streamed_request_gets_a_record_and_a_pointer_chunk(runs: dict) -> None:
+    """vLLM streams no rows; the plugin's last chunk before `[DONE]` points at the record, which holds them."""
     _, up = runs["upstream"]
+    assert "routed_experts_urls" not in up["stream_text"]
     for mode in ("mirror", "sidecar"):
         server, results = runs[mode]
-        assert "[DONE]" in results["stream_text"], mode
+        assert results["stream_text"].rstrip().endswith("data: [DONE]"), mode
         _, rows = server.record("cmpl-stream-0")
         assert rows.tobytes() == inline_rows(up["stream_ref"]["choices"][0]).tobytes(), mode
+        (ref,) = RoutedExpertsRef.from_response(results["stream_text"])
+        assert ref.record_rid == "cmpl-stream-0" and ref.url and ref.inline is None, mode
+        if mode == "sidecar":  # the mirror server's sidecar stopped with it
+            assert ref.fetch(wait=30).array.tobytes() == rows.tobytes()
 
 
 def test_aborted_requests_keep_their_rows(runs: dict) -> None:
