@@ -21,6 +21,7 @@ from service.records import (
     select,
     served,
     token_range,
+    version_fields,
 )
 from service.store import Store
 
@@ -67,6 +68,7 @@ async def batch_frames(
             "prompt_len": meta.prompt_len,
             "record_status": meta.status,
             "num_hidden_layers": meta.sglang_layers,
+            **version_fields(meta),
             **({"clamped": clamped} if request.clamp else {}),
         }
         try:
