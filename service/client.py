@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import httpx
 import numpy as np
@@ -71,6 +71,8 @@ class RoutedExperts:
     status: str = "ok"  # the record's status: `aborted` rows are the request's rows up to its abort
     num_hidden_layers: int | None = None  # the model's layer count, when the record says it
     clamped: bool = False  # `clamp=True` cut the range asked for to the rows the record holds
+    weight_version: str | int | None = None  # the engine's weight version that routed the last row
+    weight_versions: tuple[tuple[int, str | int], ...] = ()  # (position, version) when the rows span an update
 
     @property
     def rows(self) -> int:
@@ -249,6 +251,11 @@ def _meta_from_headers(rid: str, headers: httpx.Headers) -> dict[str, Any]:
         "status": headers.get("x-r3-status", "ok"),
         "num_hidden_layers": int(n) if (n := headers.get("x-r3-num-hidden-layers")) else None,
         "clamped": headers.get("x-r3-clamped", "false").lower() == "true",
+        "weight_version": unquote(v) if (v := headers.get("x-r3-weight-version")) is not None else None,
+        "weight_versions": tuple(
+            (int(pos), unquote(ver))
+            for pos, _, ver in (p.partition(":") for p in headers.get("x-r3-weight-versions", "").split(",") if p)
+        ),
     }
 
 
@@ -279,6 +286,8 @@ class Frame:
             status=str(h.get("record_status") or "ok"),
             num_hidden_layers=h.get("num_hidden_layers"),
             clamped=bool(h.get("clamped", False)),
+            weight_version=h.get("weight_version"),
+            weight_versions=tuple((int(p), v) for p, v in h.get("weight_versions", ())),
         )
 
     def error(self) -> R3Error:
@@ -582,6 +591,14 @@ class RoutedExpertsClient(_Base):
             raise
         return True
 
+    def ack_many(
+        self, rids: Sequence[str] | None = None, *, before_weight_version: int | str | None = None
+    ) -> dict[str, Any]:
+        """Free a step's records in one call (`POST /routed_experts/ack`): by `rids`, or every final record whose
+        weight version is an integer below `before_weight_version`. Returns the sidecar's counts."""
+        body = _ack_body(rids, before_weight_version)
+        return orjson.loads(self._fetch("POST", "/routed_experts/ack", None, json=body).body)
+
     def engines(self) -> list[dict[str, Any]]:
         """Every engine's budget and occupancy report (`GET /v1/engines`, Contract 1 engine files)."""
         return orjson.loads(self._fetch("GET", "/v1/engines", None).body)["engines"]
@@ -700,8 +717,20 @@ class AsyncRoutedExpertsClient(_Base):
             raise
         return True
 
+    async def ack_many(
+        self, rids: Sequence[str] | None = None, *, before_weight_version: int | str | None = None
+    ) -> dict[str, Any]:
+        body = _ack_body(rids, before_weight_version)
+        return orjson.loads((await self._fetch("POST", "/routed_experts/ack", None, json=body)).body)
+
     async def engines(self) -> list[dict[str, Any]]:
         return orjson.loads((await self._fetch("GET", "/v1/engines", None)).body)["engines"]
+
+
+def _ack_body(rids: Sequence[str] | None, before_weight_version: int | str | None) -> dict[str, Any]:
+    if (rids is None) == (before_weight_version is None):
+        raise ValueError("give exactly one of rids and before_weight_version")
+    return {"rids": list(rids)} if rids is not None else {"before_weight_version": before_weight_version}
 
 
 # ---- shared response handling ---------------------------------------------------------------------------
