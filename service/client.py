@@ -24,6 +24,7 @@ from numpy.lib import format as npy_format
 
 from service import frames as wire
 from service.connections import Connections, fill
+from service.responses import sidecar_base
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,18 @@ __all__ = [
     "Unauthorized",
     "parse_npy",
 ]
+
+_REFS = ("RoutedExpertsRef", "fetch_many", "afetch_many", "SidecarPool", "AsyncSidecarPool")
+
+
+def __getattr__(name: str) -> Any:
+    """Contract 4's names live in `service.refs` (built on this module); importable from here as DESIGN.md says."""
+    if name in _REFS:
+        from service import refs
+
+        return getattr(refs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Transport failures worth another try: the request never reached a server, or the connection dropped.
 # Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
@@ -406,7 +419,7 @@ class _Base:
         backoff_max_s: float = 2.0,
         stream_idle_s: float = 120.0,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = sidecar_base(base_url)  # a pointer (…/routed_experts/<rid>) names its sidecar too
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.retries = retries
