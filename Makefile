@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service env-ray clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env ## the whole suite, as CI runs it
+test: env env-ray ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -37,6 +37,7 @@ reliability: env
 
 env-service: $(VENV)/.service-stamp
 env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
+env-ray: $(VENV)/.ray-stamp
 
 $(VENV)/.service-stamp: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,6 +55,13 @@ $(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt $(wild
 	cp tests/sglang_cpu/_sglang_cpu_tv_shim.py tests/sglang_cpu/_sglang_cpu_server_shim.py $(SITE)/
 	echo "import _sglang_cpu_tv_shim" > $(SITE)/_sglang_cpu_tv_shim.pth
 	echo "import _sglang_cpu_server_shim" > $(SITE)/_sglang_cpu_server_shim.pth
+	touch $@
+
+# Ray for tests/ray, after SGLang: torch must be the same before and after (the check fails the build if not).
+$(VENV)/.ray-stamp: $(VENV)/.sglang-stamp
+	$(BIN)/python -c 'import torch; print(torch.__version__)' > $(VENV)/.torch-before
+	$(BIN)/python -m pip install -q 'ray==2.60.0'
+	$(BIN)/python -c 'import torch; print(torch.__version__)' | cmp - $(VENV)/.torch-before
 	touch $@
 
 clean:
