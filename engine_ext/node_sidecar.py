@@ -32,7 +32,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from service.lifetime import register_client
 from service.spool import atomic_write
 
 log = logging.getLogger("r3_sidecar")
@@ -101,11 +103,12 @@ def ensure(
     env = dict(os.environ if env is None else env)
     with open(spool / LOCK_NAME, "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held while starting: a few ms (the server starts after we return)
+        register_client(spool, os.getpid())  # the sidecar stays while this process lives (service/lifetime.py)
         found = _alive_sidecar(spool)
         if found is not None:
             return found
         host = advertised_host(advertise)
-        listener = socket.create_server(("", port), backlog=1024)  # all interfaces; the URL names `host`
+        listener = _listen(port or _previous_port(spool))
         try:
             url = f"http://{_url_host(host)}:{listener.getsockname()[1]}"
             pid = _spawn_detached(listener.fileno(), spool, idle_s, env, log_path or spool / "sidecar.log")
@@ -114,6 +117,26 @@ def ensure(
         atomic_write(spool / INFO_NAME, json.dumps({"pid": pid, "url": url, "started": time.time()}).encode())
         log.warning("r3-sidecar: started this node's sidecar (pid %d) at %s for spool %s", pid, url, spool)
         return NodeSidecar(pid, url)
+
+
+def _previous_port(spool: Path) -> int:
+    """The port of the sidecar this spool had: a restarted sidecar takes it again, so pointers already handed
+    out (refs in flight through Ray's object store) stay valid."""
+    try:
+        return int(urlsplit(json.loads((spool / INFO_NAME).read_bytes())["url"]).port or 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _listen(port: int) -> socket.socket:
+    """A listening socket on every interface (the URL names the advertised host): `port`, else a free one."""
+    try:
+        return socket.create_server(("", port), backlog=1024)
+    except OSError:
+        if port == 0:
+            raise
+        log.warning("r3-sidecar: port %d is taken; the node's sidecar takes a free one", port)
+        return socket.create_server(("", 0), backlog=1024)
 
 
 def _url_host(host: str) -> str:

@@ -4,16 +4,20 @@ Why: on a Ray node the per-node sidecar has left the engine's process tree (`eng
 no kill of the job reaches it. It ends itself when (a) the process it was told to outlive no longer exists
 (`R3_EXIT_WITH_PID`: Ray's raylet, `RAY_RAYLET_PID`: the node left the cluster), or (b) no engine has
 reported for `R3_IDLE_EXIT_S` seconds and every record was acknowledged or expired (nothing is left to fetch).
-An engine restart within the idle time keeps it; records not fetched keep it until their TTL.
+An engine counts as reporting while its processes that asked for this sidecar are alive (`register_client`:
+a pid file each in `<spool>/sidecar.d/`), so a model that loads for minutes before its first engine file does not
+lose its sidecar; an engine restart within the idle time keeps it; records not fetched keep it until their TTL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from service.store import Store
 
@@ -32,17 +36,45 @@ def exit_reason(
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     return True
 
 
+CLIENTS_DIR = "sidecar.d"
+
+
+def register_client(spool_root: Path, pid: int) -> None:
+    """Keep the spool's sidecar while process `pid` lives (an engine process that starts or finds it)."""
+    directory = spool_root / CLIENTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / str(pid)).touch()
+
+
+def live_clients(spool_root: Path) -> int:
+    """How many registered client processes still run; the files of those gone are removed."""
+    alive = 0
+    with contextlib.suppress(FileNotFoundError):
+        for path in (spool_root / CLIENTS_DIR).iterdir():
+            if path.name.isdigit() and pid_alive(int(path.name)):
+                alive += 1
+            else:
+                path.unlink(missing_ok=True)
+    return alive
+
+
 def last_report(store: Store, since: float) -> float:
-    """The newest engine file's modification time (engines replace theirs every second), or `since`."""
+    """Now while a client process lives; else the newest engine file's modification time (engines replace
+    theirs every second), or `since`."""
+    if live_clients(store.spool.root):
+        return time.time()
     newest = since
     for path in store.spool.engine_paths():
         try:

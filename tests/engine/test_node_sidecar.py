@@ -147,7 +147,7 @@ def test_one_detached_sidecar_for_all_engines_and_it_outlives_their_group(tmp_pa
 
 def test_killed_sidecar_is_restarted_by_the_next_engine_with_nothing_lost(tmp_path: Path, sidecars, engines) -> None:
     spool = tmp_path / "spool"
-    _, ((pid, _url),) = run(engines, spool)
+    _, ((pid, url),) = run(engines, spool)
     sidecars.append(pid)
     rows = np.arange(16, dtype=np.uint8).reshape(2, 2, 4)
     writer = Spool(spool).writer("kept", num_experts=32, topk=4, layers=[0, 1], prompt_len=1)
@@ -157,7 +157,7 @@ def test_killed_sidecar_is_restarted_by_the_next_engine_with_nothing_lost(tmp_pa
     assert wait_gone(pid, 10)
     _, ((pid2, url2),) = run(engines, spool)
     sidecars.append(pid2)
-    assert pid2 != pid
+    assert pid2 != pid and url2 == url  # the same port again: pointers already handed out stay valid
     ready(url2)
     assert httpx.get(f"{url2}/routed_experts/kept", params={"format": "raw"}).content == rows.tobytes()
 
