@@ -5,10 +5,10 @@ theirs (a subprocess of the actor: AReaL `areal/engine/sglang_remote.py:352`), w
 but environment variables (`R3_SIDECAR=auto`, mirror mode so each response also carries SGLang's own rows).
 The actor turns responses into `RoutedExpertsRef`s, which travel through Ray's object store to a task on the
 trainer node; it resolves them (whole, and per rank: pipeline stage 1 of 2, CP rank 1 of 2) and gets SGLang's
-inline rows. The explicit alternative, one sidecar actor per node (`service.ray_nodes`), serves on both nodes
-and goes with its actors. Then the actor is killed (its server dies; the sidecar does not), the sidecar is killed by pid,
+inline rows. Then the actor is killed (its server dies; the sidecar does not), the sidecar is killed by pid,
 and the next engine start brings it back on the same address: the first refs resolve again, nothing lost.
-After the job and cluster end, no r3 or SGLang process of the test is left.
+The explicit alternative, one sidecar actor per node (`service.ray_nodes`), serves on both nodes and goes
+with its actors. After the job and cluster end, no r3 or SGLang process of the test is left.
 """
 
 from __future__ import annotations
