@@ -74,17 +74,24 @@ def advertised_host(advertise: str | None) -> str:
     return advertise if advertise else routable_host()
 
 
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None when gone or a
+    zombie. With the pid it names one process for good: a reused pid starts at another time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 def _alive_sidecar(spool: Path) -> NodeSidecar | None:
-    """The sidecar `sidecar.json` names, when its process still runs and is a sidecar of this spool."""
+    """The sidecar `sidecar.json` names, when that very process (pid and start time) still runs."""
     try:
         info = json.loads((spool / INFO_NAME).read_bytes())
-        pid, url = int(info["pid"]), str(info["url"])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        pid, url, started = int(info["pid"]), str(info["url"]), int(info["start_time"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if b"serve" in cmdline and str(spool).encode() in cmdline and any(b"service.cli" in a for a in cmdline):
-        return NodeSidecar(pid, url)
-    return None
+    return NodeSidecar(pid, url) if _start_time(pid) == started else None
 
 
 def ensure(
@@ -114,7 +121,8 @@ def ensure(
             pid = _spawn_detached(listener.fileno(), spool, idle_s, env, log_path or spool / "sidecar.log")
         finally:
             listener.close()
-        atomic_write(spool / INFO_NAME, json.dumps({"pid": pid, "url": url, "started": time.time()}).encode())
+        info = {"pid": pid, "url": url, "start_time": _start_time(pid), "started": time.time()}
+        atomic_write(spool / INFO_NAME, json.dumps(info).encode())
         log.warning("r3-sidecar: started this node's sidecar (pid %d) at %s for spool %s", pid, url, spool)
         return NodeSidecar(pid, url)
 

@@ -28,8 +28,9 @@ from engine_ext.node_sidecar import INFO_NAME, routable_host
 from service.spool import Spool
 
 ENSURE = (
-    "import sys, json; from pathlib import Path; from engine_ext.node_sidecar import ensure; "
-    "s = ensure(Path(sys.argv[1]), idle_s=float(sys.argv[2])); print(json.dumps([s.pid, s.url]))"
+    "import os, sys, json; from pathlib import Path; from engine_ext.node_sidecar import ensure; "
+    "s = ensure(Path(sys.argv[1]), idle_s=float(sys.argv[2])); "
+    "os.write(1, (json.dumps([s.pid, s.url]) + '\\n').encode())  # one write: lines of concurrent engines never mix"
 )
 
 
