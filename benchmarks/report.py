@@ -18,6 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ".venv/bin/python -m benchmarks.run"
 # The real-server section has its own run (`make bench-sglang`); both writers keep it between these markers.
 REAL_SERVER_BEGIN, REAL_SERVER_END = "<!-- real-server:begin -->", "<!-- real-server:end -->"
+RANKS_INTRO = """## Per-rank fetch and refs through Ray
+
+Reproduce: `.venv/bin/python -m benchmarks.ranks --reps 25` (writes `benchmarks/ranks.md`). What one training
+rank fetches with `service.ranks.fetch_rank` (its pipeline stage's layers, its load-balanced context-parallel
+chunks, sliced by the sidecar) against the whole record; bytes are the sidecar's `r3_served_bytes_total`, time
+the median of kept-alive loopback fetches; then `pickle.dumps` of a `RoutedExpertsRef` against its rows.
+"""
 
 
 def _ms(seconds: float) -> str:
@@ -581,6 +588,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
     if any(p.exists() for p in vllm_parts):  # written by benchmarks/vllm_server.py and vllm_payload.py, kept as is
         vllm = "\n\n".join(p.read_text().strip() for p in vllm_parts if p.exists())
         out += ["<!-- vllm-server:begin -->", vllm, "<!-- vllm-server:end -->", ""]
+    ranks = ROOT / "benchmarks" / "ranks.md"
+    if ranks.exists():  # written by `python -m benchmarks.ranks`, kept here with its introduction
+        out += [RANKS_INTRO, ranks.read_text().strip(), ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]

@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from engine_ext.settings import Mode
+from engine_ext.weight_versions import Span, record_weights
 from engine_ext.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
+from service.spool import Weights
 
 
 def row_range(start_len: int, seqlen: int) -> tuple[int, int]:
@@ -222,11 +224,18 @@ class Finished:
     # First token position this server's forwards routed: 0, or the prompt length on a PD decode server,
     # which receives the prompt's KV, never routes the prompt, and so holds no prompt rows.
     first_pos: int = 0
+    weight_version: str | None = None  # the engine's serving version at finish (`--weight-version`, updates)
+    version_spans: tuple[Span, ...] = ()  # SGLang's per-request spans over output tokens (`weight_versions.py`)
 
     def rows(self) -> tuple[int, int]:
         """Positions `[lo, hi)` of the record: upstream's `[start_len, seqlen - 1)` from `first_pos` on."""
         lo, hi = row_range(self.start_len, self.seqlen)
         return max(lo, min(self.first_pos, hi)), hi
+
+    def weights(self) -> Weights:
+        """The record's `(weight_version, weight_versions)`."""
+        lo, hi = self.rows()
+        return record_weights(self.version_spans, self.weight_version, prompt_len=self.prompt_len, lo=lo, hi=hi)
 
 
 class Ticket(Protocol):
@@ -279,6 +288,7 @@ class Collector:
 
     def spec(self, fin: Finished) -> RecordSpec:
         lo, _ = fin.rows()
+        version, versions = fin.weights()
         return RecordSpec(
             rid=fin.rid,
             num_experts=self.shape.num_experts,
@@ -288,6 +298,8 @@ class Collector:
             prompt_len=fin.prompt_len,
             dtype=self.dtype,
             engine=self.engine,
+            weight_version=version,
+            weight_versions=versions,
             num_hidden_layers=self.shape.num_hidden_layers,
         )
 

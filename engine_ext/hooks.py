@@ -561,7 +561,23 @@ def _finished_of(req) -> Finished:
         pool_idx=int(req.kv.req_pool_idx),
         aborted=isinstance(req.finished_reason, FINISH_ABORT),
         first_pos=prompt_len if _pd_decode_server() else 0,
+        **_weight_versions(req),
     )
+
+
+def _weight_versions(req) -> dict:
+    """The serving weight version and the request's spans, by SGLang's own span function (plain tuples)."""
+    from sglang.srt.runtime_context import get_serving
+    from sglang.srt.utils.weight_versions import compute_weight_version_spans
+
+    current = get_serving().weight_version
+    events = getattr(req, "weight_version_events", None)
+    if not events:
+        return {"weight_version": current}
+    spans = compute_weight_version_spans(
+        events, current_version=current, num_output_tokens=len(req.output_ids_through_stop)
+    )
+    return {"weight_version": current, "version_spans": tuple((s.version, s.start, s.end) for s in spans)}
 
 
 _pd_mode: list[bool] = []

@@ -316,7 +316,8 @@ class LiveRows:
         status = "aborted" if fin.aborted else "ok"
         lo, hi = fin.rows()
         if record.broken is None and not record.waiting and record.spec.start == lo and record.next_pos == hi:
-            self.writer.submit(Op(rid, spec=None if record.opened else record.spec, status=status))
+            spec = None if record.opened else record.spec
+            self.writer.submit(Op(rid, spec=spec, status=status, weights=fin.weights()))
             self.stats.completed += 1
             return
         self._break(rid, record, f"incomplete at finish: rows end at {record.next_pos}, want {hi}")

@@ -6,6 +6,7 @@ import os
 import socket
 from enum import StrEnum
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,8 +36,22 @@ class EngineSettings(BaseSettings):
     spool_max_bytes: int = Field(0, ge=0, description="0: the spool file system's size.")
     dtype: str = Field("auto", pattern="^(auto|uint8|uint16|int16|int32)$")
     budget: BudgetPolicy = BudgetPolicy.WARN
-    engine_id: str = Field(default_factory=socket.gethostname)
+    engine_id: str | None = Field(
+        None, description="Default: `<host name>-<pid of the SGLang server process>`, distinct per engine on a node."
+    )
     sidecar_url: str | None = None
+    sidecar: Literal["off", "auto"] = Field(
+        "off", description="`auto`: start or find this node's sidecar on the spool and point responses at it."
+    )
+    advertise_host: str | None = Field(
+        None, description="The address pointers name (default: the node's routable one)."
+    )
+    sidecar_port: int = Field(0, ge=0, le=65535, description="Port of the node's sidecar (0: a free one).")
+    sidecar_idle_s: float = Field(
+        60.0,
+        gt=0,
+        description="The node's sidecar exits once no engine has reported for this long and no record is left.",
+    )
     live_rows: bool = Field(False, description="Append rows as steps finish, for every captured request.")
     live_publish_s: float = Field(
         0.1,
@@ -48,5 +63,9 @@ class EngineSettings(BaseSettings):
     telemetry_interval_s: float = Field(1.0, gt=0)
 
     def engine_name(self, dp_rank: int | None) -> str:
-        """Engine id of one scheduler process: `<R3_ENGINE_ID>/dp<rank>` (pid when the rank is unknown)."""
-        return f"{self.engine_id}/dp{dp_rank}" if dp_rank is not None else f"{self.engine_id}/pid{os.getpid()}"
+        """Engine id of one scheduler process: `<R3_ENGINE_ID>/dp<rank>` (pid when the rank is unknown).
+
+        Without `R3_ENGINE_ID` the id names the host and the SGLang server process (the schedulers' parent), so
+        several engines on one node and spool keep distinct engine files with no per-engine setting."""
+        base = self.engine_id or f"{socket.gethostname()}-{os.getppid()}"  # the scheduler's parent: the server
+        return f"{base}/dp{dp_rank}" if dp_rank is not None else f"{base}/pid{os.getpid()}"

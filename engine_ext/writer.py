@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from service.spool import UNDELIVERED_REASONS, RecordWriter, Spool, WriterCounters, default_dtype, dtype_holds
+from service.spool import (
+    UNDELIVERED_REASONS,
+    RecordWriter,
+    Spool,
+    Weights,
+    WriterCounters,
+    default_dtype,
+    dtype_holds,
+)
 
 # `UNDELIVERED_REASONS` (Contract 1, `service.spool`): why a request's rows did not reach the spool: refused
 # reservations (`spool_full`, `queue_full`, `spool_not_writable`), a mirror-mode inline payload that did not
@@ -75,6 +83,7 @@ class RecordSpec:
     dtype: str
     engine: str = ""
     weight_version: str | int | None = None
+    weight_versions: tuple[tuple[int, str | int], ...] = ()  # (position, version) when the rows span an update
     num_hidden_layers: int | None = None  # the model's layer count: SGLang's payload has this many slots
 
     @property
@@ -94,6 +103,7 @@ class Op:
     spec: RecordSpec | None = None
     rows: np.ndarray | None = None
     status: str | None = None
+    weights: Weights | None = None  # with `status`: the versions known at the end (live records)
     nbytes: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -415,6 +425,7 @@ class SpoolWriter:
                     engine=s.engine,
                     dtype=s.dtype,
                     weight_version=s.weight_version,
+                    weight_versions=s.weight_versions,
                     num_hidden_layers=s.num_hidden_layers,
                 )
                 self._open[op.rid] = writer
@@ -444,7 +455,7 @@ class SpoolWriter:
                 self._open.pop(op.rid, None)
                 touched.pop(op.rid, None)
                 self._forget(op.rid)
-                writer.finalize(op.status)
+                writer.finalize(op.status, weights=op.weights)
                 with self._lock:
                     self.stats.records_written += 1
                     self._recent[op.rid] = None

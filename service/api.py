@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints
 
 from service import formats
+from service.ack import ack_request_model, version_number
 from service.asgi import BodyLimit, SidecarApp, any_char_rids
 from service.batch import batch_frames
 from service.errors import ApiError, ErrorBody, error_response, install_error_handlers
@@ -172,6 +173,15 @@ async def delete_record(rid: str, store: StoreDep) -> Response:
     return Response(status_code=204)
 
 
+# `POST /routed_experts/ack`: free many records at once, by rids or by weight version (`service.ack`).
+async def ack_records(request: Any, store: StoreDep) -> JSONResponse:
+    if request.rids is not None:
+        acked, missing = store.ack_rids(request.rids)
+        return JSONResponse({"acked": acked, "missing": missing})
+    acked, unordered = store.ack_before(version_number(request.before_weight_version), version_number)
+    return JSONResponse({"acked": acked, "unordered": unordered})
+
+
 # `GET /v1/engines`: the engine files as the engines wrote them.
 async def engines(store: StoreDep) -> Response:
     return Response(orjson.dumps({"engines": store.engines()}), media_type="application/json")
@@ -237,6 +247,22 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
             **errors(*auth_errors, 422),
         },
         summary="Several records at once, as frames",
+    )
+    guarded(
+        "/routed_experts/ack",
+        _with_limits(ack_records, request=ack_request_model(settings.max_batch)),
+        methods=["POST"],
+        response_class=JSONResponse,
+        responses={
+            200: {
+                "description": "`acked`: records freed; `missing`: unknown rids (by rids); `unordered`: final "
+                "records kept because their weight version is not an integer (by version).",
+            },
+            413: {"model": ErrorBody, "description": "Request body too large."},
+            **SERVER_400,
+            **errors(*auth_errors, 422),
+        },
+        summary="Acknowledge many records: by rids, or every final record older than a weight version",
     )
     guarded(
         "/routed_experts/{rid:path}",

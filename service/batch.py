@@ -21,6 +21,7 @@ from service.records import (
     select,
     served,
     token_range,
+    version_fields,
 )
 from service.store import Store
 
@@ -68,6 +69,7 @@ async def batch_frames(
             "record_status": meta.status,
             "num_hidden_layers": meta.sglang_layers,
             "created": meta.created,
+            **version_fields(meta),
             **({"clamped": clamped} if request.clamp else {}),
         }
         try:

@@ -55,7 +55,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Settings:
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def _serve(settings: Settings, banner: str | None = None) -> None:
+def _serve(settings: Settings, banner: str | None = None, fd: int | None = None) -> None:
     import uvicorn
 
     from service.api import create_app
@@ -63,15 +63,25 @@ def _serve(settings: Settings, banner: str | None = None) -> None:
 
     settings.spool_dir.mkdir(parents=True, exist_ok=True)
     keep_freed_chunks(settings.chunk_bytes)
+    app = create_app(settings)
+    listen = {"fd": fd} if fd is not None else {"host": settings.host, "port": settings.port}
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
+            app,
             log_level="info",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            **listen,  # type: ignore[arg-type]
         )
     )
+    if settings.idle_exit_s > 0 or settings.exit_with_pid > 0:
+        from service.lifetime import watch
+
+        watch(
+            app.state.store,
+            settings.idle_exit_s,
+            settings.exit_with_pid,
+            lambda _: setattr(server, "should_exit", True),
+        )
     if banner:
         print(banner, flush=True)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: turn that into a clean
@@ -86,7 +96,7 @@ def _exit_cleanly(_signum: int, _frame: object) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _serve(_settings(args))
+    _serve(_settings(args), fd=args.fd)
     return 0
 
 
@@ -222,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the spool over HTTP (GET /routed_experts/<rid>, /metrics)")
     _add_settings_flags(serve)
+    serve.add_argument(
+        "--fd", type=int, default=None, help="serve on this already-listening socket (inherited) instead of host:port"
+    )
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="serve with the built-in demo engine writing records (temp spool)")

@@ -161,6 +161,13 @@ class RoutedExpertsClient(_Base):
             raise
         return True
 
+    def ack_many(
+        self, rids: Sequence[str] | None = None, *, before_weight_version: int | str | None = None
+    ) -> dict[str, Any]:
+        """Free a step's records in one call (`POST /routed_experts/ack`): by `rids`, or every final record whose
+        weight version is an integer below `before_weight_version`. Returns the sidecar's counts."""
+        return req.json_of(self._body(req.ack_many_call(rids, before_weight_version)))
+
     def engines(self) -> list[dict[str, Any]]:
         """Every engine's budget and occupancy report (`GET /v1/engines`, Contract 1 engine files)."""
         return req.engines_of(self._body(req.engines_call()))
@@ -268,6 +275,12 @@ class AsyncRoutedExpertsClient(_Base):
                 return False
             raise
         return True
+
+    async def ack_many(
+        self, rids: Sequence[str] | None = None, *, before_weight_version: int | str | None = None
+    ) -> dict[str, Any]:
+        """`RoutedExpertsClient.ack_many`."""
+        return req.json_of(await self._body(req.ack_many_call(rids, before_weight_version)))
 
     async def engines(self) -> list[dict[str, Any]]:
         """`RoutedExpertsClient.engines`."""

@@ -119,10 +119,14 @@ def select_layers(
     if slots is None:
         yield from chunks
         return
-    index = np.asarray(slots, dtype=np.intp)
+    first, count = slots[0] if slots else 0, len(slots)
+    # A contiguous run (a pipeline stage's layers) is a strided copy, ~2x faster than a gather by index.
+    index: slice | np.ndarray = (
+        slice(first, first + count) if list(slots) == list(range(first, first + count)) else np.asarray(slots, np.intp)
+    )
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
-        yield rows[:, index, :].tobytes()
+        yield np.ascontiguousarray(rows[:, index, :]).data.cast("B")
 
 
 # ---- encoders ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ T = TypeVar("T")
 
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0)
 RECORD_STATES = ("open", "ok", "aborted", "error")
+ACK_KINDS = ("delete", "rids", "weight_version")
 
 
 # `code` values of `r3_served_total` that are not HTTP statuses: the answer started (200 headers sent) and
@@ -236,6 +237,15 @@ class SpoolCollector(Collector):
         yield CounterMetricFamily(
             "r3_records_expired", "Records deleted by retention (TTL).", value=store.expired_total
         )
+        acked = CounterMetricFamily(
+            "r3_acked",
+            "Records freed by a trainer's acknowledgement, by how: `delete` (DELETE one rid), `rids` and "
+            "`weight_version` (POST /routed_experts/ack by a list of rids, or everything older than a version).",
+            labels=["how"],
+        )
+        for how in ACK_KINDS:
+            acked.add_metric([how], store.acked.get(how, 0))
+        yield acked
         engines = store.engines()
         skipped = CounterMetricFamily(
             "r3_spool_skipped", "Malformed or foreign spool files skipped, by reason.", labels=["reason"]

@@ -199,7 +199,19 @@ def ok_headers(
     }
     if meta.sglang_layers is not None:
         headers["X-R3-Num-Hidden-Layers"] = str(meta.sglang_layers)
+    if meta.weight_version is not None:
+        headers["X-R3-Weight-Version"] = header_rid(str(meta.weight_version))
+    if meta.weight_versions:
+        headers["X-R3-Weight-Versions"] = ",".join(f"{pos}:{quote(str(v), safe='')}" for pos, v in meta.weight_versions)
     return headers
+
+
+def version_fields(meta: RecordMeta) -> dict[str, Any]:
+    """A frame header's `weight_version` and (when the rows span an update) `weight_versions`."""
+    out: dict[str, Any] = {"weight_version": meta.weight_version}
+    if meta.weight_versions:
+        out["weight_versions"] = [list(p) for p in meta.weight_versions]
+    return out
 
 
 async def counted(

@@ -131,12 +131,24 @@ def ack_call(rid: str) -> Call:
     return Call("DELETE", record_path(rid), rid)
 
 
+def ack_many_call(rids: Sequence[str] | None, before_weight_version: int | str | None) -> Call:
+    """`POST /routed_experts/ack`: a step's records by `rids`, or every final record older than a weight version."""
+    if (rids is None) == (before_weight_version is None):
+        raise ValueError("give exactly one of rids and before_weight_version")
+    body = {"rids": list(rids)} if rids is not None else {"before_weight_version": before_weight_version}
+    return Call("POST", "/routed_experts/ack", None, body=orjson.dumps(body))
+
+
 def engines_call() -> Call:
     return Call("GET", "/v1/engines")
 
 
 def engines_of(body: bytes | bytearray) -> list[dict[str, Any]]:
     return orjson.loads(body)["engines"]
+
+
+def json_of(body: bytes | bytearray) -> dict[str, Any]:
+    return orjson.loads(body)
 
 
 def batch_of(frames: list[Frame]) -> list[Any]:

@@ -9,6 +9,7 @@ import io
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import httpx
 import numpy as np
@@ -39,6 +40,8 @@ class RoutedExperts:
     num_hidden_layers: int | None = None  # the model's layer count, when the record says it
     clamped: bool = False  # `clamp=True` cut the range asked for to the rows the record holds
     created: float | None = None  # the record's creation time: which request wrote these rows (a rid can be reused)
+    weight_version: str | int | None = None  # the engine's weight version that routed the last row
+    weight_versions: tuple[tuple[int, str | int], ...] = ()  # (position, version) when the rows span an update
 
     @property
     def rows(self) -> int:
@@ -119,6 +122,11 @@ def meta_from_headers(rid: str, headers: httpx.Headers) -> dict[str, Any]:
         "num_hidden_layers": int(n) if (n := headers.get("x-r3-num-hidden-layers")) else None,
         "clamped": headers.get("x-r3-clamped", "false").lower() == "true",
         "created": float(c) if (c := headers.get("x-r3-created")) else None,
+        "weight_version": unquote(v) if (v := headers.get("x-r3-weight-version")) is not None else None,
+        "weight_versions": tuple(
+            (int(pos), unquote(ver))
+            for pos, _, ver in (p.partition(":") for p in headers.get("x-r3-weight-versions", "").split(",") if p)
+        ),
     }
 
 
@@ -150,6 +158,8 @@ class Frame:
             num_hidden_layers=h.get("num_hidden_layers"),
             clamped=bool(h.get("clamped", False)),
             created=h.get("created"),
+            weight_version=h.get("weight_version"),
+            weight_versions=tuple((int(p), v) for p, v in h.get("weight_versions", ())),
         )
 
     def error(self) -> R3Error:

@@ -27,6 +27,13 @@ class Settings(BaseSettings):
     max_batch: int = Field(1024, ge=1, description="Most rids one batch request may name.")
     chunk_bytes: int = Field(1 << 20, ge=4096, description="Body chunk size when streaming large records.")
     engine_stale_s: float = Field(10.0, gt=0, description="Engine file age after which r3_engine_stale is 1.")
+    idle_exit_s: float = Field(
+        0.0,
+        ge=0,
+        description="Exit once no engine has reported for this long and no record is left (0: never; the per-node "
+        "sidecar of R3_SIDECAR=auto sets it).",
+    )
+    exit_with_pid: int = Field(0, ge=0, description="Exit when this process is gone (0: none; e.g. Ray's raylet).")
     send_timeout_s: float = Field(
         60.0, ge=0, description="Close a response whose reader takes no bytes for this long (0: never)."
     )

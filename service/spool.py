@@ -39,6 +39,10 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _TMP_COUNTER = iter(range(1 << 62))
 
 
+Weights = tuple[str | int | None, tuple[tuple[int, str | int], ...]]
+"""A record's `(weight_version, weight_versions)`."""
+
+
 class SpoolFormatError(ValueError):
     """A spool file that does not follow the contract; `reason` is a short label for counting."""
 
@@ -84,7 +88,10 @@ class RecordMeta:
     final: bool = False
     status: str = "ok"
     engine: str = ""
-    weight_version: str | int | None = None
+    weight_version: str | int | None = None  # the version of the last row's weights (SGLang's `weight_version`)
+    # When the rows span a weight update: `(position, version)` pairs, the first at `start`; rows from a
+    # position up to the next pair's were routed by its version. Empty when one version routed every row.
+    weight_versions: tuple[tuple[int, str | int], ...] = ()
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
     v: int = VERSION
@@ -141,7 +148,17 @@ class RecordMeta:
             "created": self.created,
             "updated": self.updated,
             **({} if self.num_hidden_layers is None else {"num_hidden_layers": self.num_hidden_layers}),
+            **({"weight_versions": [list(p) for p in self.weight_versions]} if self.weight_versions else {}),
         }
+
+    def version_at(self, position: int) -> str | int | None:
+        """The weight version that routed the row of token `position` (the record's own when it never changed)."""
+        found = self.weight_version
+        for pos, version in self.weight_versions:
+            if pos > position:
+                break
+            found = version
+        return found
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.to_dict())
@@ -200,6 +217,7 @@ class RecordMeta:
         weight_version = obj.get("weight_version")
         if weight_version is not None and not isinstance(weight_version, str | int):
             raise SpoolFormatError("bad_field", f"weight_version={weight_version!r}")
+        weight_versions = parse_weight_versions(obj.get("weight_versions"))  # optional: v1 addition
         num_hidden_layers = obj.get("num_hidden_layers")  # optional: older writers do not write it
         if num_hidden_layers is not None:
             num_hidden_layers = count("num_hidden_layers", max(layers) + 1)
@@ -218,10 +236,28 @@ class RecordMeta:
             status=status,
             engine=need("engine", str),
             weight_version=weight_version,
+            weight_versions=weight_versions,
             created=float(need("created", int | float)),
             updated=float(need("updated", int | float)),
             num_hidden_layers=num_hidden_layers,
         )
+
+
+def parse_weight_versions(value: Any) -> tuple[tuple[int, str | int], ...]:
+    """A record's `weight_versions` (`[[position, version], ...]`, positions increasing), or `SpoolFormatError`."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_LAYERS:
+        raise SpoolFormatError("bad_field", f"weight_versions={value!r}")
+    pairs: list[tuple[int, str | int]] = []
+    for item in value:
+        ok = isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and not isinstance(item[0], bool)
+        if not ok or not isinstance(item[1], str | int) or item[0] < 0 or (pairs and item[0] <= pairs[-1][0]):
+            raise SpoolFormatError(
+                "bad_field", f"weight_versions entry {item!r} (want [position, version], increasing)"
+            )
+        pairs.append((item[0], item[1]))
+    return tuple(pairs)
 
 
 # ---- the engine file (Contract 1) ------------------------------------------------------------------
@@ -645,6 +681,7 @@ class Spool:
         engine: str = "",
         dtype: str | None = None,
         weight_version: str | int | None = None,
+        weight_versions: tuple[tuple[int, str | int], ...] = (),
         num_hidden_layers: int | None = None,
     ) -> RecordWriter:
         """Start a new record (replacing any old one with the same rid) and return its writer.
@@ -662,6 +699,7 @@ class Spool:
             prompt_len=prompt_len,
             engine=engine,
             weight_version=weight_version,
+            weight_versions=tuple(weight_versions),
             num_hidden_layers=num_hidden_layers,
         )
         RecordMeta.from_dict(meta.to_dict())
@@ -788,15 +826,17 @@ class RecordWriter:
         with self._lock:
             self.spool.write_meta(self.meta)
 
-    def finalize(self, status: str = "ok") -> RecordMeta:
-        """Close the record: no rows follow. `status` is one of `ok`, `aborted`, `error`."""
+    def finalize(self, status: str = "ok", *, weights: Weights | None = None) -> RecordMeta:
+        """Close the record: no rows follow. `status` is one of `ok`, `aborted`, `error`; `weights`, when
+        given, are the versions known at the end (a live record opened before a weight update)."""
         if status not in STATUSES:
             raise ValueError(f"status {status!r} not in {STATUSES}")
+        versions = {} if weights is None else {"weight_version": weights[0], "weight_versions": tuple(weights[1])}
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-            meta = self._meta = replace(self.meta, final=True, status=status, updated=time.time())
+            meta = self._meta = replace(self.meta, final=True, status=status, updated=time.time(), **versions)
             self.spool.write_meta(meta)
             return meta
 

@@ -83,6 +83,7 @@ class Store:
         self.deadline_clock = deadline_clock
         self.skipped: Counter[str] = Counter()
         self.expired_total = 0
+        self.acked: Counter[str] = Counter()  # records freed by trainers: `delete`, `rids`, `weight_version`
         self.ready = False
         self._entries: dict[str, Entry] = {}
         self._bad: dict[str, Stamp | None] = {}
@@ -350,9 +351,29 @@ class Store:
         self.spool.delete(rid)
         self._apply(safe_name(rid), None, None)
 
-    def delete(self, rid: str) -> bool:
+    def delete(self, rid: str, *, how: str = "delete") -> bool:
         """The trainer's acknowledgement: remove both files now. False when there is no such record."""
         if self.lookup(rid) is None:
             return False
         self._remove(rid)
+        self.acked[how] += 1
         return True
+
+    def ack_rids(self, rids: list[str]) -> tuple[int, list[str]]:
+        """Free each record of `rids` (`POST /routed_experts/ack`): (how many were freed, the unknown rids)."""
+        missing = [rid for rid in dict.fromkeys(rids) if not self.delete(rid, how="rids")]
+        return len(dict.fromkeys(rids)) - len(missing), missing
+
+    def ack_before(self, version: int, number: Callable[[object], int | None]) -> tuple[int, int]:
+        """Free every final record whose weight version (`number` of it) is below `version`: (freed, unordered),
+        `unordered` counting final records whose version is not a number and so were kept."""
+        freed = unordered = 0
+        for meta in self.records():
+            if not meta.final:
+                continue
+            mine = number(meta.weight_version)
+            if mine is None:
+                unordered += 1
+            elif mine < version and self.delete(meta.rid, how="weight_version"):
+                freed += 1
+        return freed, unordered

@@ -25,6 +25,7 @@ from service.records import (
     row_chunks,
     select,
     served,
+    version_fields,
 )
 from service.spool import RecordMeta
 from service.store import Store
@@ -129,6 +130,7 @@ async def stream_frames(store: Store, plan: StreamPlan, fetch: Fetch) -> AsyncIt
                 "final": is_last and served(current),
                 "record_status": current.status,
                 "created": current.created,
+                **version_fields(current),
             }
             try:
                 yield frame_header(header)

@@ -1,0 +1,109 @@
+"""Weight versions on a real SGLang 0.5.23 server: records carry the version SGLang serves under.
+
+Launched with `--weight-version v0`, mirror mode (SGLang's inline rows and its own `meta_info` spans beside
+each record). An update between requests (`/update_weight_version`, SGLang's endpoint for a version change
+without new weights; `update_weights_from_*` take the same path in the scheduler, `record_weight_version_change`)
+changes the next record's version. A request that spans an update records the position where the version
+changed, the same boundary as SGLang's own `meta_info["weight_versions"]` (spans over output tokens), on
+both delivery paths (finish-time and live rows), and the sidecar serves it in headers and frames.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from sglang_server import Config, Stack
+
+from service.client import RoutedExpertsClient
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+
+VERSIONED = Config("weight-versions", args={"weight-version": "v0"}, env={"R3_MODE": "mirror"})
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
+
+
+def set_version(stack: Stack, version: str) -> None:
+    response = httpx.post(f"{stack.url}/update_weight_version", json={"new_version": version}, timeout=30)
+    response.raise_for_status()
+    assert response.json()["success"], response.text
+
+
+def expected_positions(spans: list[dict], prompt_len: int) -> list[list]:
+    """SGLang's output-token spans as the positions of the rows each version routed (`engine_ext.weight_versions`)."""
+    return [[0 if s["start"] == 0 else prompt_len + s["start"] - 1, s["version"]] for s in spans]
+
+
+@pytest.fixture(scope="module")
+def stack(sglang_stack) -> Stack:
+    return sglang_stack(VERSIONED)
+
+
+def test_update_between_requests_changes_the_recorded_version(stack: Stack) -> None:
+    body = {"return_routed_experts": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    first = stack.generate(prompt(12, 1), rid="wv-before", **body)
+    set_version(stack, "v1")
+    second = stack.generate(prompt(12, 2), rid="wv-after", **body)
+    assert first["meta_info"]["weight_version"] == "v0" and second["meta_info"]["weight_version"] == "v1"
+    before, _ = stack.final_record("wv-before")
+    after, _ = stack.final_record("wv-after")
+    assert (before.weight_version, before.weight_versions) == ("v0", ())
+    assert (after.weight_version, after.weight_versions) == ("v1", ())
+    with RoutedExpertsClient(stack.sidecar_url) as client:
+        got = client.get("wv-after")
+        assert (got.weight_version, got.weight_versions) == ("v1", ())
+        (framed,) = client.get_many(["wv-before"])
+        assert framed.weight_version == "v0"
+
+
+def test_a_request_spanning_an_update_records_where_the_version_changed(stack: Stack) -> None:
+    """Two requests decode while the version changes: one delivered at finish, one as live rows."""
+    ids = {"wv-span": prompt(20, 3), "wv-span-live": prompt(24, 4)}
+    live = {"wv-span": False, "wv-span-live": True}
+    results: dict[str, dict] = {}
+
+    def send(rid: str) -> None:
+        params = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True, "custom_params": {}}
+        params["custom_params"]["r3_live_rows"] = live[rid]
+        response = httpx.post(
+            f"{stack.url}/generate",
+            json={"input_ids": ids[rid], "sampling_params": params, "return_routed_experts": True, "rid": rid},
+            timeout=300,
+        )
+        results[rid] = response.json()
+
+    threads = [threading.Thread(target=send, args=(rid,)) for rid in ids]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # both requests are decoding: the live record has rows past its prompt
+        meta, _ = stack.record("wv-span-live")
+        if meta is not None and meta.end > len(ids["wv-span-live"]) + 5:
+            break
+        time.sleep(0.05)
+    set_version(stack, "v2")
+    for thread in threads:
+        thread.join(300)
+
+    with RoutedExpertsClient(stack.sidecar_url) as client:
+        for rid, response in results.items():
+            spans = response["meta_info"]["weight_versions"]
+            assert [s["version"] for s in spans] == ["v1", "v2"], spans  # SGLang's own account: it spanned
+            meta, rows = stack.final_record(rid)
+            want = expected_positions(spans, len(ids[rid]))
+            assert meta.weight_version == "v2"
+            assert [list(p) for p in meta.weight_versions] == want
+            assert 0 < want[1][0] < meta.end
+            inline = stack.inline_rows(response)
+            np.testing.assert_array_equal(rows, inline[:, list(meta.layers)])  # the rows themselves are SGLang's
+            served = client.get(rid)
+            assert served.weight_version == "v2"
+            assert [list(p) for p in served.weight_versions] == want
+            (framed,) = client.get_many([rid])
+            assert [list(p) for p in framed.weight_versions] == want

@@ -1,0 +1,211 @@
+"""Beside Ray-launched engines, on a real local two-node Ray cluster (`ray.cluster_utils.Cluster`).
+
+The engine node runs a real CPU SGLang 0.5.23 server started from a Ray actor the way AReaL and verl start
+theirs (a subprocess of the actor: AReaL `areal/engine/sglang_remote.py:352`), with the plugin and nothing
+but environment variables (`R3_SIDECAR=auto`, mirror mode so each response also carries SGLang's own rows).
+The actor turns responses into `RoutedExpertsRef`s, which travel through Ray's object store to a task on the
+trainer node; it resolves them (whole, and per rank: pipeline stage 1 of 2, CP rank 1 of 2) and gets SGLang's
+inline rows. Then the actor is killed (its server dies; the sidecar does not), the sidecar is killed by pid,
+and the next engine start brings it back on the same address: the first refs resolve again, nothing lost.
+The explicit alternative, one sidecar actor per node (`service.ray_nodes`), serves on both nodes and goes
+with its actors. After the job and cluster end, no r3 or SGLang process of the test is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+import pytest
+from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+
+from service.ray_nodes import start_node_sidecars
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+
+NUM_LAYERS = 4
+PROMPTS = [list(range(10, 10 + n)) for n in (9, 30)]
+
+
+class EngineActor:
+    """A rollout engine as the trainers have it: an actor that launches `sglang.launch_server` as its child."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log: str) -> None:
+        self.url = url
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+
+    def ready(self, timeout: float = 300) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self.proc.pid
+            time.sleep(0.5)
+        raise RuntimeError(f"SGLang did not start (exit {self.proc.poll()})")
+
+    def rollout(self, prompts: list[list[int]]) -> tuple[list, list[np.ndarray], list[int]]:
+        """(refs without inline rows: what is shipped; SGLang's inline rows; each sequence's token count)."""
+        from service.refs import RoutedExpertsRef
+
+        refs, inline, lengths = [], [], []
+        for i, ids in enumerate(prompts):
+            body = {
+                "input_ids": ids,
+                "rid": f"ray-{os.getpid()}-{i}",
+                "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+            }
+            resp = httpx.post(f"{self.url}/generate", json=body, timeout=120).json()
+            (ref,) = RoutedExpertsRef.from_response(resp, num_hidden_layers=NUM_LAYERS)
+            assert ref.url is not None and ref.inline is not None, resp["meta_info"].keys()
+            inline.append(ref.fetch().array)
+            refs.append(ref.without_inline())
+            lengths.append(len(ids) + resp["meta_info"]["completion_tokens"])
+        return refs, inline, lengths
+
+
+def train(refs: list, lengths: list[int]) -> dict:
+    """On the trainer node: resolve the refs received through the object store, whole and for one rank."""
+    import ray as ray_
+
+    from service.ranks import Place, fetch_rank
+    from service.refs import fetch_many
+
+    whole = fetch_many(refs, wait=30)
+    place = Place(pp_size=2, pp_rank=1, cp_size=2, cp_rank=1)
+    ranked = fetch_rank(refs, lengths, place, NUM_LAYERS, wait=30)
+    return {
+        "node": ray_.get_runtime_context().get_node_id(),
+        "whole": [(r.array, r.layers, r.start) for r in whole],
+        "ranked": [(r.array, r.positions, r.layers) for r in ranked],
+        "pickled": [len(pickle.dumps(ref)) for ref in refs],
+    }
+
+
+def r3_processes(marker: str) -> list[tuple[int, str]]:
+    """Processes whose command line names `marker` (this test's spool or model directory)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if marker in cmdline:
+                    found.append((int(proc.name), cmdline[:200]))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def check_rows(got: dict, inline: list[np.ndarray], lengths: list[int]) -> None:
+    for (array, layers, start), rows in zip(got["whole"], inline, strict=True):
+        assert start == 0
+        np.testing.assert_array_equal(array, rows[:, list(layers)])  # the sidecar's rows are SGLang's own
+    for (array, positions, layers), rows, n in zip(got["ranked"], inline, lengths, strict=True):
+        assert layers == (2, 3)  # pipeline stage 1 of 2: model layers 2-3
+        want = [p for lo, hi in positions for p in range(lo, hi)]
+        chunk = -(-n // 4)  # CP rank 1 of 2 takes chunks 1 and 2 of 4
+        assert want == [p for p in [*range(chunk, 2 * chunk), *range(2 * chunk, 3 * chunk)] if p < n - 1]
+        np.testing.assert_array_equal(array, rows[want][:, [2, 3]])
+    assert max(got["pickled"]) < 400
+
+
+def test_refs_through_ray_and_a_node_sidecar_that_survives_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t0 = time.monotonic()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the roles below travel by value
+    spool, model = tmp_path / "spool", write_model(tmp_path / "model")
+    config = Config("ray", env={"R3_MODE": "mirror", "R3_SIDECAR": "auto", "R3_SIDECAR_IDLE_S": "30"})
+    env = server_env(config, spool)
+
+    def engine_cmd() -> tuple[list[str], str]:
+        port = free_port()
+        args = BASE_ARGS | {"model-path": str(model), "host": "127.0.0.1", "port": port}
+        return [sys.executable, "-m", "sglang.launch_server", *cli_args(args)], f"http://127.0.0.1:{port}"
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"engine": 1}, "object_store_memory": 80 << 20},
+    )
+    try:
+        cluster.add_node(num_cpus=1, resources={"trainer": 1}, object_store_memory=80 << 20)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        engine_cls = ray.remote(num_cpus=0, resources={"engine": 1})(EngineActor)
+        train_task = ray.remote(num_cpus=0, resources={"trainer": 1})(train)
+
+        cmd, url = engine_cmd()
+        engine = engine_cls.remote(cmd, env, url, str(tmp_path / "engine1.log"))
+        server_pid = ray.get(engine.ready.remote())
+        refs, inline, lengths = engine.rollout.options(num_returns=3).remote(PROMPTS)
+        got = ray.get(train_task.remote(refs, lengths))  # refs resolved from the object store on the other node
+        inline, lengths = ray.get(inline), ray.get(lengths)
+        assert got["node"] != ray.get_runtime_context().get_node_id()
+        check_rows(got, inline, lengths)
+
+        sidecar = json.loads((spool / "sidecar.json").read_text())
+        host = urlsplit(sidecar["url"]).hostname
+        assert not ipaddress.ip_address(host).is_loopback
+        assert all(urlsplit(r.url).hostname == host for r in ray.get(refs))
+
+        ray.kill(engine)  # the engine goes: its server with it, the node's sidecar stays
+        wait_until(lambda: not alive(server_pid), 60, "SGLang outlived its actor")
+        assert alive(sidecar["pid"])
+        assert httpx.get(f"{sidecar['url']}/readyz", timeout=5).status_code == 200
+
+        os.kill(sidecar["pid"], signal.SIGKILL)  # the sidecar dies; the next engine start brings it back
+        wait_until(lambda: not alive(sidecar["pid"]), 30, "sidecar survived SIGKILL")
+        cmd, url = engine_cmd()
+        engine = engine_cls.remote(cmd, env, url, str(tmp_path / "engine2.log"))
+        ray.get(engine.ready.remote())
+        again = json.loads((spool / "sidecar.json").read_text())
+        assert again["pid"] != sidecar["pid"] and again["url"] == sidecar["url"]
+        check_rows(ray.get(train_task.remote(refs, lengths)), inline, lengths)  # the first refs: nothing lost
+        ray.get(engine.rollout.remote(PROMPTS[:1]))
+        engines = {json.loads(p.read_text())["engine"] for p in (spool / "v1" / "engines").glob("*.json")}
+        assert len(engines) == 2, engines  # two engine processes on one node and spool: two engine files
+        sidecar = again
+
+        urls, actors = start_node_sidecars(str(tmp_path / "explicit-{node_id}"))  # the explicit way: an actor a node
+        assert len(urls) == 2
+        for node_url in urls.values():
+            assert not ipaddress.ip_address(urlsplit(node_url).hostname).is_loopback
+            assert httpx.get(f"{node_url}/readyz", timeout=10).status_code == 200
+        for actor in actors:
+            ray.kill(actor)
+        wait_until(lambda: not r3_processes("explicit-"), 30, "an explicit sidecar outlived its actor")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    wait_until(lambda: not alive(sidecar["pid"]), 30, "the sidecar outlived the cluster")
+    wait_until(lambda: not r3_processes(str(tmp_path)), 30, f"left behind: {r3_processes(str(tmp_path))}")
+    print(f"ray node-sidecar test: {time.monotonic() - t0:.1f} s")
