@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.run import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "hooks.json"
@@ -70,42 +73,66 @@ def _best_ns(fn, repeats: int, number: int) -> float:
     return statistics.median(times)
 
 
-def child(variant: str, layers: int, dp: int, kind: str, tokens: int, repeats: int) -> dict[str, Any]:
-    """One variant at one shape, in this (fresh) process."""
+def child(variant: str, repeats: int, quick: bool) -> list[dict[str, Any]]:
+    """One variant, every shape, in this (fresh) process."""
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_env import cpu_workarounds
+
+    from engine_ext import hooks
+    from engine_ext.settings import EngineSettings
+
+    cpu_workarounds()
+    HookRegistry.reset()
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", _model_body, HookType.REPLACE
+    )
+    if variant != "upstream":
+        hooks.install_capture_hooks(EngineSettings(hook_timers=variant == "timers_on"))
+    HookRegistry.apply_hooks()
+    rows = []
+    for layers in LAYERS[-1:] if quick else LAYERS:
+        for dp, kind, tokens in SHAPES[::3] if quick else SHAPES:
+            rows.append({"layers": layers, "dp": dp, "kind": kind, "tokens": tokens})
+            rows[-1] |= one_shape(variant, layers, dp, kind, tokens, repeats)
+    return rows
+
+
+_SHAPE: dict[str, Any] = {}
+
+
+def _model_body(runner, forward_batch, pp_proxy_tensors=None, *args, **kwargs):
+    """`_forward_raw` without a model: what `_prepare_eager_forward_batch` leaves for the capturer under DP."""
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+
+    dp, tokens = _SHAPE["dp"], _SHAPE["tokens"]
+    if dp > 1:  # prepare_mlp_sync_batch: a new padded list each forward
+        forward_batch.global_num_tokens_padded_cpu = [tokens] * dp
+    return ModelRunnerOutput(logits_output=None, can_run_graph=False)
+
+
+def one_shape(variant: str, layers: int, dp: int, kind: str, tokens: int, repeats: int) -> dict[str, Any]:
+    """One shape: a fresh published config, capturer and batch."""
     import torch
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
     from sglang.srt.layers.moe.topk import TopKConfig, capture_routed_experts_if_allowed
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerOutput
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-    from sglang_env import cpu_workarounds, publish_args
+    from sglang_env import publish_args
 
-    from engine_ext import hooks, timers
-    from engine_ext.settings import EngineSettings
+    from engine_ext import capturer, timers
 
-    cpu_workarounds()
     torch.set_num_threads(1)
+    _SHAPE.update(dp=dp, tokens=tokens)
+    capturer.ROUTED_LAYERS = capturer.RoutedLayers()  # this shape's model
+    timers.TIMERS.reset()
     gathered = tokens * dp  # DP attention: every rank's MoE routes the gathered batch
     server = {"enable_return_routed_experts": True, "chunked_prefill_size": 8192, "max_running_requests": 512}
     if dp > 1:
         server |= {"tp_size": dp, "attn_dp_size": dp}
     publish_args(world_rank=min(1, dp - 1), **server)
-
-    def model_body(runner, forward_batch, pp_proxy_tensors=None, *args, **kwargs):
-        if dp > 1:  # _prepare_eager_forward_batch → prepare_mlp_sync_batch: a new padded list each forward
-            forward_batch.global_num_tokens_padded_cpu = [tokens] * dp
-        return ModelRunnerOutput(logits_output=None, can_run_graph=False)
-
-    HookRegistry.reset()
-    HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", model_body, HookType.REPLACE
-    )
-    if variant != "upstream":
-        hooks.install_capture_hooks(EngineSettings(hook_timers=variant == "timers_on"))
-    HookRegistry.apply_hooks()
 
     with tempfile.TemporaryDirectory() as tmp:
         model_config = ModelConfig(str(_model_dir(Path(tmp), layers)))
@@ -143,13 +170,14 @@ def child(variant: str, layers: int, dp: int, kind: str, tokens: int, repeats: i
 
     extent(), body(), end()  # the first forward: routed layers noted, occupancy started
     number = 200 if gathered <= 512 else 10
-    out = {
+    out: dict[str, Any] = {
         "extent_ns": _best_ns(extent, repeats, 2000),
         "layers_ns": _best_ns(body, repeats, number),
         "end_ns": _best_ns(end, repeats, number),
     }
     if variant == "timers_on":
         out["hooks"] = timers.TIMERS.snapshot()
+    set_global_experts_capturer(None)
     return out
 
 
@@ -189,7 +217,7 @@ def run_child(*args: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **__import__("os").environ},
+        env={"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **os.environ},
         timeout=600,
     )
     if proc.returncode != 0:
@@ -199,30 +227,30 @@ def run_child(*args: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", nargs=6, metavar=("VARIANT", "LAYERS", "DP", "KIND", "TOKENS", "REPEATS"))
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "REPEATS"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     if args.child:
-        v, layers, dp, kind, tokens, repeats = args.child
-        print(json.dumps(child(v, int(layers), int(dp), kind, int(tokens), int(repeats))))
+        variant, repeats = args.child
+        print(json.dumps(child(variant, int(repeats), args.quick)))
         return
     repeats = 3 if args.quick else 7
-    shapes = SHAPES[::3] if args.quick else SHAPES
-    results: dict[str, Any] = {"timer_cost": timer_cost_ns(repeats), "rows": []}
-    for layers in LAYERS[-1:] if args.quick else LAYERS:
-        for dp, kind, tokens in shapes:
-            row: dict[str, Any] = {"layers": layers, "dp": dp, "kind": kind, "tokens": tokens}
-            for variant in VARIANTS:
-                row[variant] = run_child(variant, str(layers), str(dp), kind, str(tokens), str(repeats))
-            results["rows"].append(row)
-            up, on = row["upstream"], row["timers_on"]
-            print(
-                f"L={layers} dp={dp} {kind} {tokens}: added extent {on['extent_ns'] - up['extent_ns']:.0f} ns, "
-                f"per layer {(on['layers_ns'] - up['layers_ns']) / layers:.0f} ns, end {on['end_ns'] - up['end_ns']:.0f} ns",
-                file=sys.stderr,
-                flush=True,
-            )
+    results: dict[str, Any] = {"timer_cost": timer_cost_ns(repeats), "environment": environment(), "rows": []}
+    quick = ["--quick"] if args.quick else []
+    by_variant = {v: run_child(v, str(repeats), *quick) for v in VARIANTS}
+    for i, shape in enumerate(by_variant["upstream"]):
+        row = {k: shape[k] for k in ("layers", "dp", "kind", "tokens")} | {v: by_variant[v][i] for v in VARIANTS}
+        results["rows"].append(row)
+        up, on = row["upstream"], row["timers_on"]
+        per_layer = (on["layers_ns"] - up["layers_ns"]) / row["layers"]
+        print(
+            f"L={row['layers']} dp={row['dp']} {row['kind']} {row['tokens']}: added extent "
+            f"{on['extent_ns'] - up['extent_ns']:.0f} ns, per layer {per_layer:.0f} ns, "
+            f"end {on['end_ns'] - up['end_ns']:.0f} ns",
+            file=sys.stderr,
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results["timer_cost"]))

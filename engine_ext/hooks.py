@@ -255,6 +255,7 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     re-run on the same batch (`_maybe_rebalance_after_rank_fault`) is told apart too.
     """
     TIMERS.kind = _forward_kind(forward_batch.forward_mode)
+    _proved[0] = None  # a new forward: its first capture is checked again
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
     padded_before = forward_batch.global_num_tokens_padded_cpu
     output = original(runner, forward_batch, *args, **kwargs)
@@ -316,22 +317,39 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
     return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
 
 
+_proved: list = [None]  # the routed-experts device cache whose bound this forward's first capture proved
+
+
 def _checked_device_capture(original, self, layer_id, topk_indices):
-    """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
+    """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows.
+
+    Every MoE layer of one forward routes the same tokens, so the first routed-experts capture of a forward
+    proves the bound for all its layers before any writes; the others pass through on one identity test
+    (`_record_forward_extent` clears the proof per forward). Until the routed layers are known (the first
+    forward) and for other device caches, every capture is checked.
+    """
+    if self is not _proved[0]:
+        _check_device_capture(self, layer_id, topk_indices)
+    return original(self, layer_id, topk_indices)
+
+
+def _check_device_capture(cache, layer_id, topk_indices) -> None:
     t0 = timers.clock() if TIMERS.on else 0
-    if capturer.ROUTED_LAYERS.known is None and self.name == "routed_experts":
+    routed = cache.name == "routed_experts"
+    if routed and capturer.ROUTED_LAYERS.known is None:
         capturer.ROUTED_LAYERS.note(layer_id)
-    if topk_indices.shape[0] > self.buffer.shape[0]:  # the message is built only on failure: this runs per layer
+    if topk_indices.shape[0] > cache.buffer.shape[0]:  # the message is built only on failure
         capturer.check_fits(
             topk_indices.shape[0],
-            self.buffer.shape[0],
-            what=f"{self.name} device cache (layer {layer_id})",
+            cache.buffer.shape[0],
+            what=f"{cache.name} device cache (layer {layer_id})",
             remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
             "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
         )
+    if routed and capturer.ROUTED_LAYERS.known is not None:
+        _proved[0] = cache
     if t0:
         TIMERS.book(timers.DEVICE_CAPTURE, t0)
-    return original(self, layer_id, topk_indices)
 
 
 def _cutedsl_moe_max_num_tokens() -> int:

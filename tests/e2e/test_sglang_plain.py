@@ -276,9 +276,9 @@ def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_me
     for hook in ("forward_extent", "device_capture", "forward_end", "batch_result"):
         for kind in ("extend", "decode"):
             assert hooks[hook][kind]["calls"] > 0 and hooks[hook][kind]["seconds"] > 0, (hook, kind, hooks)
-    for kind in ("extend", "decode"):  # the per-layer hook runs once per routed layer of every forward
-        forwards = hooks["forward_extent"][kind]["calls"]
-        assert hooks["device_capture"][kind]["calls"] == stack.num_hidden_layers * forwards, (kind, hooks)
+    # The per-layer hook checks every layer of the first forward (routed layers unknown), then one per forward.
+    calls = {hook: sum(t["calls"] for t in hooks[hook].values()) for hook in ("device_capture", "forward_extent")}
+    assert calls["device_capture"] == calls["forward_extent"] + stack.num_hidden_layers - 1, hooks
     assert sum(t["calls"] for t in hooks["collect"].values()) >= len(REQUESTS)  # once per finished request
     text = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
     engine = _engine_reports(stack)[0]["engine"]
