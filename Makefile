@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks reliability env env-service clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -31,6 +31,12 @@ bench: env
 
 bench-sglang: env ## real SGLang servers, plugin vs upstream (~10 min): the "Real SGLang server" section of BENCHMARKS.md
 	$(BIN)/python -m benchmarks.real_server
+
+bench-ab: env ## paired rounds, upstream vs sidecar mode: throughput ratio with a 95% interval (~12 min)
+	$(BIN)/python -m benchmarks.paired
+
+bench-hooks: env ## each capture hook against the SGLang path it wraps, at deployment shapes (~3 min)
+	$(BIN)/python -m benchmarks.hooks
 
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests
