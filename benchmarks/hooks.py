@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,6 @@ from benchmarks.run import environment
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "hooks.json"
 TINY = ROOT / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"
-VARIANTS = ("upstream", "timers_on", "timers_off")
 SHAPES = [  # (dp, kind, tokens per rank)
     (1, "decode", 1),
     (1, "decode", 64),
@@ -62,40 +60,11 @@ def _model_dir(tmp: Path, layers: int) -> Path:
     return path
 
 
-def _best_ns(fn, repeats: int, number: int) -> float:
-    """Median over `repeats` of the mean time of `number` calls (ns per call)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter_ns() - t0) / number)
-    return statistics.median(times)
-
-
-def child(variant: str, repeats: int, quick: bool) -> list[dict[str, Any]]:
-    """One variant, every shape, in this (fresh) process."""
-    sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang_env import cpu_workarounds
-
-    from engine_ext import hooks
-    from engine_ext.settings import EngineSettings
-
-    cpu_workarounds()
-    HookRegistry.reset()
-    HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", _model_body, HookType.REPLACE
-    )
-    if variant != "upstream":
-        hooks.install_capture_hooks(EngineSettings(hook_timers=variant == "timers_on"))
-    HookRegistry.apply_hooks()
-    rows = []
-    for layers in LAYERS[-1:] if quick else LAYERS:
-        for dp, kind, tokens in SHAPES[::3] if quick else SHAPES:
-            rows.append({"layers": layers, "dp": dp, "kind": kind, "tokens": tokens})
-            rows[-1] |= one_shape(variant, layers, dp, kind, tokens, repeats)
-    return rows
+def _block_ns(fn, number: int) -> float:
+    t0 = time.perf_counter_ns()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter_ns() - t0) / number
 
 
 _SHAPE: dict[str, Any] = {}
@@ -111,8 +80,48 @@ def _model_body(runner, forward_batch, pp_proxy_tensors=None, *args, **kwargs):
     return ModelRunnerOutput(logits_output=None, can_run_graph=False)
 
 
-def one_shape(variant: str, layers: int, dp: int, kind: str, tokens: int, repeats: int) -> dict[str, Any]:
-    """One shape: a fresh published config, capturer and batch."""
+def _variants(before: str | None) -> dict[str, dict[tuple[type, str], Any]]:
+    """Each variant as the class attributes it sets: upstream's functions, or them wrapped by the plugin's
+    hooks through SGLang's own `HookRegistry` wrapper (`_wrap_fn`), as `apply_hooks` would."""
+    import importlib.util
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+    from sglang.srt.state_capturer.base import BaseDeviceCache
+    from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
+
+    from engine_ext import hooks
+
+    modules = {"timers_on": hooks, "timers_off": hooks}
+    if before:
+        spec = importlib.util.spec_from_file_location("r3_hooks_before", Path(before) / "engine_ext" / "hooks.py")
+        modules["before"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules["before"])
+    upstream = {
+        (ModelRunner, "_forward_raw"): _model_body,
+        (BaseDeviceCache, "capture"): BaseDeviceCache.capture,
+        (RoutedExpertsCapturer, "_get_local_slice"): RoutedExpertsCapturer._get_local_slice,
+        (RoutedExpertsCapturer, "on_forward_end"): RoutedExpertsCapturer.on_forward_end,
+    }
+    hooked = {
+        (ModelRunner, "_forward_raw"): ("_record_forward_extent", HookType.AROUND),
+        (BaseDeviceCache, "capture"): ("_checked_device_capture", HookType.AROUND),
+        (RoutedExpertsCapturer, "_get_local_slice"): ("_get_local_slice", HookType.REPLACE),
+        (RoutedExpertsCapturer, "on_forward_end"): ("_around_forward_end", HookType.AROUND),
+    }
+    out = {"upstream": upstream}
+    for variant, module in modules.items():
+        out[variant] = {}
+        for key, (name, kind) in hooked.items():
+            fn = getattr(module, name)
+            if variant == "timers_off":
+                fn = getattr(fn, "__r3_untimed__", fn)
+            out[variant][key] = _wrap_fn(upstream[key], fn, kind)
+    return out
+
+
+def one_shape(variants: dict, layers: int, dp: int, kind: str, tokens: int, rounds: int) -> dict[str, Any]:
+    """One shape: a fresh published config, capturer and batch; the variants interleaved, least of `rounds`."""
     import torch
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.configs.shared_experts import SharedExpertsConfig
@@ -122,24 +131,25 @@ def one_shape(variant: str, layers: int, dp: int, kind: str, tokens: int, repeat
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
     from sglang_env import publish_args
 
-    from engine_ext import capturer, timers
+    from engine_ext import capturer, hooks, timers
 
-    torch.set_num_threads(1)
     _SHAPE.update(dp=dp, tokens=tokens)
-    capturer.ROUTED_LAYERS = capturer.RoutedLayers()  # this shape's model
-    timers.TIMERS.reset()
     gathered = tokens * dp  # DP attention: every rank's MoE routes the gathered batch
     server = {"enable_return_routed_experts": True, "chunked_prefill_size": 8192, "max_running_requests": 512}
     if dp > 1:
         server |= {"tp_size": dp, "attn_dp_size": dp}
     publish_args(world_rank=min(1, dp - 1), **server)
-
     with tempfile.TemporaryDirectory() as tmp:
         model_config = ModelConfig(str(_model_dir(Path(tmp), layers)))
     model = torch.nn.Module()
     model.shared_experts_config = SharedExpertsConfig()
-    cap = RoutedExpertsCapturer.create(
-        model=model, model_config=model_config, num_tokens=8192, max_running_requests=512, device="cpu"
+    cap = hooks._create_sized_capturer(  # the plugin's sizing, for every variant (its slicing reads it)
+        RoutedExpertsCapturer.create,
+        model=model,
+        model_config=model_config,
+        num_tokens=8192,
+        max_running_requests=512,
+        device="cpu",
     )
     set_global_experts_capturer(cap)
     runner = ModelRunner.__new__(ModelRunner)
@@ -168,17 +178,45 @@ def one_shape(variant: str, layers: int, dp: int, kind: str, tokens: int, repeat
     def end() -> None:
         cap.on_forward_end(forward_batch=fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=True)
 
-    extent(), body(), end()  # the first forward: routed layers noted, occupancy started
-    number = 200 if gathered <= 512 else 10
-    out: dict[str, Any] = {
-        "extent_ns": _best_ns(extent, repeats, 2000),
-        "layers_ns": _best_ns(body, repeats, number),
-        "end_ns": _best_ns(end, repeats, number),
-    }
-    if variant == "timers_on":
-        out["hooks"] = timers.TIMERS.snapshot()
+    def forward() -> None:
+        extent(), body(), end()
+
+    parts = {"extent_ns": (extent, 200), "layers_ns": (body, 20 if gathered <= 512 else 2), "end_ns": (end, 50)}
+    best: dict[str, dict[str, float]] = {v: dict.fromkeys(parts, float("inf")) for v in variants}
+    capturer.ROUTED_LAYERS = capturer.RoutedLayers()  # this shape's model, learnt at the first forward
+    for r in range(rounds):
+        for v in list(variants)[r % 2 :] + list(variants)[: r % 2]:  # alternate which variant goes first
+            for (cls, name), fn in variants[v].items():
+                setattr(cls, name, fn)
+            timers.configure(v != "timers_off")
+            forward()  # a whole forward first: the next one starts as a new forward would
+            for part, (fn, number) in parts.items():
+                best[v][part] = min(best[v][part], _block_ns(fn, number))
     set_global_experts_capturer(None)
-    return out
+    return best
+
+
+def child(repeats: int, quick: bool, before: str | None) -> list[dict[str, Any]]:
+    """Every shape, every variant, in this (fresh) process."""
+    sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    import torch
+    from sglang_env import cpu_workarounds
+
+    cpu_workarounds()
+    torch.set_num_threads(1)
+    variants = _variants(before)
+    rows = []
+    for layers in LAYERS[-1:] if quick else LAYERS:
+        for dp, kind, tokens in SHAPES[::3] if quick else SHAPES:
+            row = {"layers": layers, "dp": dp, "kind": kind, "tokens": tokens}
+            rows.append(row | one_shape(variants, layers, dp, kind, tokens, repeats))
+            print(f"{row}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _best_ns(fn, repeats: int, number: int) -> float:
+    """Least over `repeats` blocks: on a shared machine other jobs only ever add time."""
+    return min(_block_ns(fn, number) for _ in range(repeats))
 
 
 def timer_cost_ns(repeats: int) -> dict[str, float]:
@@ -211,49 +249,88 @@ def timer_cost_ns(repeats: int) -> dict[str, float]:
     return out
 
 
-def run_child(*args: str) -> dict[str, Any]:
+def _added(row: dict[str, Any], variant: str) -> dict[str, float]:
+    """What `variant` adds to upstream at one shape: per forward (µs), per layer (ns), and its parts."""
+    up, on = row["upstream"], row[variant]
+    extent, end = on["extent_ns"] - up["extent_ns"], on["end_ns"] - up["end_ns"]
+    layers = on["layers_ns"] - up["layers_ns"]
+    return {
+        "forward_us": (extent + layers + end) / 1e3,
+        "per_layer_ns": layers / row["layers"],
+        "extent_ns": extent,
+        "end_ns": end,
+    }
+
+
+def render(results: dict[str, Any]) -> str:
+    """The microbenchmark table: upstream's capture path per forward, and what the plugin adds to it."""
+    variants = [v for v in ("timers_on", "timers_off", "before") if v in results["rows"][0]]
+    head = ["layers", "DP", "forward", "rows per layer", "upstream capture path µs"]
+    head += [f"added µs/forward ({v})" for v in variants] + [
+        "of which per layer ns (timers_on)",
+        "extent ns",
+        "forward_end ns",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["rows"]:
+        up = row["upstream"]
+        base = (up["extent_ns"] + up["layers_ns"] + up["end_ns"]) / 1e3
+        added = {v: _added(row, v) for v in variants}
+        on = added["timers_on"]
+        cells = [row["layers"], row["dp"], f"{row['kind']} {row['tokens']}", row["tokens"] * row["dp"], f"{base:.1f}"]
+        cells += [f"{added[v]['forward_us']:+.1f}" for v in variants]
+        cells += [f"{on['per_layer_ns']:+.0f}", f"{on['extent_ns']:+.0f}", f"{on['end_ns']:+.0f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    cost = results["timer_cost"]
+    lines += [
+        "",
+        f"Timers' own cost: a `timed` AROUND hook {cost['timed_around_ns']:.0f} ns per call, switched off "
+        f"{cost['timed_around_off_ns']:.0f} ns (one attribute test and a frame); the inline per-layer `book` "
+        f"{cost['inline_book_ns']:.0f} ns.",
+    ]
+    return "\n".join(lines)
+
+
+def run_child(*args: str) -> list[dict[str, Any]]:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.hooks", "--child", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
         env={"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **os.environ},
         timeout=600,
     )
     if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-4000:])
+        raise RuntimeError(f"benchmark child exited {proc.returncode}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "REPEATS"))
+    ap.add_argument("--child", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--before", type=Path, help="also time the plugin tree at this path (e.g. a `git archive`)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--render", type=Path, help="no run: print the table of a saved results file")
     args = ap.parse_args()
-    if args.child:
-        variant, repeats = args.child
-        print(json.dumps(child(variant, int(repeats), args.quick)))
+    before = str(args.before.resolve()) if args.before else None
+    if args.render:
+        print(render(json.loads(args.render.read_text())))
         return
-    repeats = 3 if args.quick else 7
-    results: dict[str, Any] = {"timer_cost": timer_cost_ns(repeats), "environment": environment(), "rows": []}
-    quick = ["--quick"] if args.quick else []
-    by_variant = {v: run_child(v, str(repeats), *quick) for v in VARIANTS}
-    for i, shape in enumerate(by_variant["upstream"]):
-        row = {k: shape[k] for k in ("layers", "dp", "kind", "tokens")} | {v: by_variant[v][i] for v in VARIANTS}
-        results["rows"].append(row)
-        up, on = row["upstream"], row["timers_on"]
-        per_layer = (on["layers_ns"] - up["layers_ns"]) / row["layers"]
-        print(
-            f"L={row['layers']} dp={row['dp']} {row['kind']} {row['tokens']}: added extent "
-            f"{on['extent_ns'] - up['extent_ns']:.0f} ns, per layer {per_layer:.0f} ns, "
-            f"end {on['end_ns'] - up['end_ns']:.0f} ns",
-            file=sys.stderr,
-            flush=True,
-        )
+    if args.child:
+        print(json.dumps(child(args.rounds, args.quick, before)))
+        return
+    flags = [
+        "--rounds",
+        str(args.rounds),
+        *(["--quick"] if args.quick else []),
+        *(["--before", before] if before else []),
+    ]
+    results: dict[str, Any] = {"timer_cost": timer_cost_ns(7), "environment": environment(), "rows": run_child(*flags)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results["timer_cost"]))
+    print(render(results))
 
 
 if __name__ == "__main__":
