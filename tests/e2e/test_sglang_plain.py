@@ -228,31 +228,6 @@ def test_capture_all_records_every_request_as_upstream_routed_it(upstream, captu
         assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
 
 
-def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full):
-    stack = spool_full["stack"]
-    inline, pointed = [], []
-    for name, (_, extra) in REQUESTS.items():
-        if extra.get("return_routed_experts") is False:
-            continue
-        response, reference = spool_full["responses"][name], upstream["responses"][name]
-        rows = upstream["stack"].inline_rows(reference)
-        if "routed_experts" in response["meta_info"]:  # the spool refused it: SGLang's own payload stays
-            assert response["meta_info"]["routed_experts"] == reference["meta_info"]["routed_experts"], name
-            inline.append(name)
-        else:
-            meta, stored = stack.final_record(f"{stack.config.name}-{name}")
-            assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
-            pointed.append(name)
-    assert inline and pointed, (inline, pointed)  # the budget took some records and refused others
-    deadline, counted = time.monotonic() + 15, 0  # the engine file is rewritten about once a second
-    while counted < len(inline) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        engine = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
-        reports = engine if isinstance(engine, list) else engine.get("engines", [])
-        counted = sum(r["writer"]["fallback_inline"] for r in reports)
-    assert counted == len(inline)
-
-
 def _engine_reports(stack: Stack) -> list[dict]:
     body = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
     return body if isinstance(body, list) else body.get("engines", [])
@@ -286,6 +261,31 @@ def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_me
         sample = f'{name}{{engine="{engine}",hook="device_capture",kind="decode"}} '
         line = next((ln for ln in text.splitlines() if ln.startswith(sample)), None)
         assert line is not None and float(line.split()[-1]) > 0, (sample, text[-2000:])
+
+
+def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full):
+    stack = spool_full["stack"]
+    inline, pointed = [], []
+    for name, (_, extra) in REQUESTS.items():
+        if extra.get("return_routed_experts") is False:
+            continue
+        response, reference = spool_full["responses"][name], upstream["responses"][name]
+        rows = upstream["stack"].inline_rows(reference)
+        if "routed_experts" in response["meta_info"]:  # the spool refused it: SGLang's own payload stays
+            assert response["meta_info"]["routed_experts"] == reference["meta_info"]["routed_experts"], name
+            inline.append(name)
+        else:
+            meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+            assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
+            pointed.append(name)
+    assert inline and pointed, (inline, pointed)  # the budget took some records and refused others
+    deadline, counted = time.monotonic() + 15, 0  # the engine file is rewritten about once a second
+    while counted < len(inline) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        engine = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
+        reports = engine if isinstance(engine, list) else engine.get("engines", [])
+        counted = sum(r["writer"]["fallback_inline"] for r in reports)
+    assert counted == len(inline)
 
 
 def test_hook_timers_switched_off_leave_no_hooks_and_no_hook_metrics(spool_full):
