@@ -95,7 +95,7 @@ def _variants(before: str | None) -> dict[str, dict[tuple[type, str], Any]]:
     modules = {"timers_on": hooks, "timers_off": hooks}
     if before:
         spec = importlib.util.spec_from_file_location("r3_hooks_before", Path(before) / "engine_ext" / "hooks.py")
-        modules["before"] = importlib.util.module_from_spec(spec)
+        modules["before"] = sys.modules["r3_hooks_before"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules["before"])
     upstream = {
         (ModelRunner, "_forward_raw"): _model_body,
@@ -192,8 +192,38 @@ def one_shape(variants: dict, layers: int, dp: int, kind: str, tokens: int, roun
             forward()  # a whole forward first: the next one starts as a new forward would
             for part, (fn, number) in parts.items():
                 best[v][part] = min(best[v][part], _block_ns(fn, number))
+    best["per_layer_hook_ns"] = _per_layer_hook_ns(variants, cap, topk, rounds)
     set_global_experts_capturer(None)
     return best
+
+
+def _per_layer_hook_ns(variants: dict, cap, topk, rounds: int) -> dict[str, float]:
+    """The per-layer hook's own cost in a steady forward, alone: SGLang's wrapper and the hook around a
+    no-op capture, less the no-op called directly (the tensor copy's noise on a shared machine is larger
+    than the hook)."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+    from sglang.srt.state_capturer.base import BaseDeviceCache
+
+    from engine_ext import timers
+
+    def noop(self, layer_id, topk_indices) -> None:
+        return None
+
+    cache = cap.device_cache
+    out = {}
+    for v, attrs in variants.items():
+        if v == "upstream":
+            continue
+        sglang_wrapper = attrs[(BaseDeviceCache, "capture")]
+        cells = dict(zip(sglang_wrapper.__code__.co_freevars, sglang_wrapper.__closure__, strict=True))
+        fn = cells["hook"].cell_contents
+        wrapped = _wrap_fn(noop, fn, HookType.AROUND)
+        timers.configure(v != "timers_off")
+        wrapped(cache, 0, topk)  # as the first layer of a forward: proves the bound for the rest
+        out[v] = min(_block_ns(lambda w=wrapped: w(cache, 1, topk), 20000) for _ in range(rounds)) - min(
+            _block_ns(lambda: noop(cache, 1, topk), 20000) for _ in range(rounds)
+        )
+    return out
 
 
 def child(repeats: int, quick: bool, before: str | None) -> list[dict[str, Any]]:

@@ -577,6 +577,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
     real_server = ROOT / "benchmarks" / "real_server.md"
     if real_server.exists():  # written by `make bench-sglang` (benchmarks/real_server.py), kept here as is
         out += [REAL_SERVER_BEGIN, real_server.read_text().strip(), REAL_SERVER_END, ""]
+    hook_cost = ROOT / "benchmarks" / "hook_cost.md"
+    if hook_cost.exists():  # `make bench-hooks` and `make bench-ab` tables with their reading, kept as is
+        out += [hook_cost.read_text().strip(), ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]
