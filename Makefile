@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-vllm reliability env env-service env-ray env-vllm trainers clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -35,6 +35,12 @@ bench-sglang: env ## real SGLang servers, plugin vs upstream (~10 min): the "Rea
 bench-vllm: env env-vllm ## vLLM: plugin in sidecar mode vs inline routed experts vs no capture (~5 min): BENCHMARKS.md
 	$(BIN)/python -m benchmarks.vllm_server
 	PYTHONPATH=. $(VBIN)/python -m benchmarks.vllm_payload
+
+bench-ab: env ## paired rounds, upstream vs sidecar mode: throughput ratio with a 95% interval (~12 min)
+	$(BIN)/python -m benchmarks.paired
+
+bench-hooks: env ## each capture hook against the SGLang path it wraps, at deployment shapes (~3 min)
+	$(BIN)/python -m benchmarks.hooks
 
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests

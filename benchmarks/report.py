@@ -591,6 +591,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
     ranks = ROOT / "benchmarks" / "ranks.md"
     if ranks.exists():  # written by `python -m benchmarks.ranks`, kept here with its introduction
         out += [RANKS_INTRO, ranks.read_text().strip(), ""]
+    hook_cost = ROOT / "benchmarks" / "hook_cost.md"
+    if hook_cost.exists():  # `make bench-hooks` and `make bench-ab` tables with their reading, kept as is
+        out += [hook_cost.read_text().strip(), ""]
     findings = ROOT / "benchmarks" / "findings.md"
     if findings.exists():
         out += [findings.read_text().strip(), ""]

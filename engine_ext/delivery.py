@@ -28,6 +28,7 @@ from engine_ext.collect import Collector, ModelShape
 from engine_ext.live import LiveRows, wants_live
 from engine_ext.settings import EngineSettings
 from engine_ext.telemetry import Sources, Telemetry
+from engine_ext.timers import TIMERS
 from engine_ext.writer import SpoolWriter, spool_dtype
 
 log = logging.getLogger("r3_sidecar")
@@ -103,7 +104,11 @@ class Delivery:
             engine=self.engine,
             dp_rank=placement.dp_rank,
             sources=Sources(
-                budget=budget, occupancy=occupancy, host_cache=host_cache.tokens, writer=self.writer.snapshot
+                budget=budget,
+                occupancy=occupancy,
+                host_cache=host_cache.tokens,
+                writer=self.writer.snapshot,
+                hooks=TIMERS.snapshot if TIMERS.on else None,
             ),
             interval_s=settings.telemetry_interval_s,
             sglang=placement.sglang,

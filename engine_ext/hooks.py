@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from engine_ext import capturer, frontdoors, slicing
+from engine_ext import capturer, frontdoors, slicing, timers
 from engine_ext.collect import Finished, ModelShape, Route, moe_layer_ids
 from engine_ext.delivery import PROCESS, Contained, Delivery, HostCache, Placement
 from engine_ext.live import StepRequest, decode_layout, extend_layout, verify_layout
 from engine_ext.settings import EngineSettings, Mode
+from engine_ext.timers import TIMERS, timed
 
 _RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
@@ -131,7 +132,7 @@ _registered: set[Hook] = set()  # a row wanted by two groups (on_forward_end) is
 def _register(*groups: str) -> None:
     for hook in HOOKS:
         if hook not in _registered and set(hook.groups) & set(groups):
-            HookRegistry.register(hook.target, globals()[hook.function], hook.type)
+            HookRegistry.register(hook.target, timers.untimed(globals()[hook.function]), hook.type)
             _registered.add(hook)
 
 
@@ -139,6 +140,7 @@ def install_capture_hooks(settings: EngineSettings) -> None:
     """Correct capturer sizing and sync-free DP slicing, check writes against capacities, track occupancy."""
     from sglang.srt.utils import is_hip
 
+    timers.configure(settings.hook_timers)
     _register("capture", *(("hip",) if is_hip() else ()))
 
 
@@ -223,6 +225,28 @@ def _create_sized_capturer(original, *args, **kwargs):
     return created
 
 
+_kinds: dict = {}  # SGLang's ForwardMode → `timers` kind, built at the first forward
+
+
+def _forward_kind(mode) -> int:
+    """The `timers` kind of a ForwardMode: extend (prefill, mixed chunks), decode, verify, idle, other."""
+    kind = _kinds.get(mode)
+    if kind is None:
+        if mode.is_target_verify():
+            kind = timers.VERIFY
+        elif mode.is_extend():
+            kind = timers.EXTEND
+        elif mode.is_decode():
+            kind = timers.DECODE
+        elif mode.is_idle():
+            kind = timers.IDLE
+        else:
+            kind = timers.OTHER
+        _kinds[mode] = kind
+    return kind
+
+
+@timed(timers.FORWARD_EXTENT)
 def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     """Stamp the ForwardBatch with the decode/verify graph extent when that graph is what ran.
 
@@ -231,6 +255,8 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     prefill-graph path also reports `can_run_graph`, but after that padding. Identity, not None-ness, so a
     re-run on the same batch (`_maybe_rebalance_after_rank_fault`) is told apart too.
     """
+    TIMERS.kind = _forward_kind(forward_batch.forward_mode)
+    _proved[0] = None  # a new forward: its first capture is checked again
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
     padded_before = forward_batch.global_num_tokens_padded_cpu
     output = original(runner, forward_batch, *args, **kwargs)
@@ -292,19 +318,39 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
     return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
 
 
+_proved: list = [None]  # the routed-experts device cache whose bound this forward's first capture proved
+
+
 def _checked_device_capture(original, self, layer_id, topk_indices):
-    """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows."""
-    if capturer.ROUTED_LAYERS.known is None and self.name == "routed_experts":
+    """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows.
+
+    Every MoE layer of one forward routes the same tokens, so the first routed-experts capture of a forward
+    proves the bound for all its layers before any writes; the others pass through on one identity test
+    (`_record_forward_extent` clears the proof per forward). Until the routed layers are known (the first
+    forward) and for other device caches, every capture is checked.
+    """
+    if self is not _proved[0]:
+        _check_device_capture(self, layer_id, topk_indices)
+    return original(self, layer_id, topk_indices)
+
+
+def _check_device_capture(cache, layer_id, topk_indices) -> None:
+    t0 = timers.clock() if TIMERS.on else 0
+    routed = cache.name == "routed_experts"
+    if routed and capturer.ROUTED_LAYERS.known is None:
         capturer.ROUTED_LAYERS.note(layer_id)
-    if topk_indices.shape[0] > self.buffer.shape[0]:  # the message is built only on failure: this runs per layer
+    if topk_indices.shape[0] > cache.buffer.shape[0]:  # the message is built only on failure
         capturer.check_fits(
             topk_indices.shape[0],
-            self.buffer.shape[0],
-            what=f"{self.name} device cache (layer {layer_id})",
+            cache.buffer.shape[0],
+            what=f"{cache.name} device cache (layer {layer_id})",
             remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
             "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
         )
-    return original(self, layer_id, topk_indices)
+    if routed and capturer.ROUTED_LAYERS.known is not None:
+        _proved[0] = cache
+    if t0:
+        TIMERS.book(timers.DEVICE_CAPTURE, t0)
 
 
 def _cutedsl_moe_max_num_tokens() -> int:
@@ -597,6 +643,7 @@ def _pd_decode_server() -> bool:
     return _pd_mode[0]
 
 
+@timed(timers.COLLECT)
 def _around_collect(original, self, req):
     """Finished request: spool (no inline payload), inline (refused or not captured), or both (mirror)."""
     settings = PROCESS.settings
@@ -634,7 +681,9 @@ def end_delivery_step(processor) -> None:
     delivery.collector.end_step(processor.req_to_token_pool.req_to_token, delivery.host_rows)
 
 
+@timed(timers.BATCH_RESULT)
 def _around_process_result(original, self, batch, result, *args, **kwargs):
+    TIMERS.kind = _forward_kind(batch.forward_mode)
     captured = getattr(result, "routed_experts_output", None)  # finalize() clears the field, not the object
     out = original(self, batch, result, *args, **kwargs)
     with Contained("batch result"):
@@ -656,6 +705,7 @@ def after_batch_result(processor, batch, result, captured) -> None:
     end_delivery_step(processor)
 
 
+@timed(timers.LIVE_STEP, around=False)
 def live_step(delivery: Delivery, batch, result, topk) -> None:
     """The batch's layout and requests as host integers, for `LiveRows.feed_step` (nothing to do: no read)."""
     live = delivery.live
@@ -720,6 +770,7 @@ def _around_disagg_prefill_done(original, self, *args, **kwargs):
     return out
 
 
+@timed(timers.FINALIZE)
 def _around_finalize(original, self):
     """Overlap path: gather finished rows before this forward's rows land in the host cache."""
     delivery = PROCESS.delivery
@@ -729,6 +780,7 @@ def _around_finalize(original, self):
     return original(self)
 
 
+@timed(timers.FORWARD_END)
 def _around_forward_end(original, self, *args, **kwargs):
     """Occupancy of the device cache; under delivery, the finished rows' gather and this forward's host rows.
 

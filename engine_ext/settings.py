@@ -61,6 +61,9 @@ class EngineSettings(BaseSettings):
     )
     writer_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="Bound of bytes awaiting the writer thread.")
     telemetry_interval_s: float = Field(1.0, gt=0)
+    hook_timers: bool = Field(
+        True, description="Time each scheduler-thread hook's own work (engine file `hooks`, r3_engine_hook_*)."
+    )
 
     def engine_name(self, dp_rank: int | None) -> str:
         """Engine id of one scheduler process: `<R3_ENGINE_ID>/dp<rank>` (pid when the rank is unknown).

@@ -37,6 +37,7 @@ class Sources:
     occupancy: Callable[[], list[dict[str, Any]]] = list
     host_cache: Callable[[], tuple[int, int]] = lambda: (0, 0)
     writer: Callable[[], dict[str, Any]] = lambda: WriterCounters().to_dict()
+    hooks: Callable[[], dict[str, Any]] | None = None  # `timers.TIMERS.snapshot`; None: timers off, no `hooks`
 
 
 @dataclass
@@ -68,6 +69,10 @@ class Telemetry:
 
     def report(self) -> dict[str, Any]:
         """This tick's report as the file's JSON object (not yet validated: `tick` does)."""
+        hooks = {} if self.sources.hooks is None else {"hooks": self._part("hooks", {})}
+        return self._contract_fields() | hooks
+
+    def _contract_fields(self) -> dict[str, Any]:
         if self._budget is None:  # the budget is fixed at launch: compute it once
             self._budget = self._part("budget", None)
         capacity, used = self._part("host_cache", (0, 0))

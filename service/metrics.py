@@ -168,6 +168,18 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
     write_errors = CounterMetricFamily(
         "r3_engine_write_errors", "Spool writes that failed on the engine's writer thread.", labels=["engine"]
     )
+    hook_seconds = CounterMetricFamily(
+        "r3_engine_hook_seconds",
+        "Seconds of the plugin's own work on the scheduler thread, by hook (forward_extent, device_capture, "
+        "forward_end, batch_result, live_step, collect, finalize) and forward kind (extend, decode, verify, idle, "
+        "other); the SGLang code each hook wraps is not counted. Absent when R3_HOOK_TIMERS=0.",
+        labels=["engine", "hook", "kind"],
+    )
+    hook_calls = CounterMetricFamily(
+        "r3_engine_hook_calls",
+        "Calls of each timed hook (see r3_engine_hook_seconds).",
+        labels=["engine", "hook", "kind"],
+    )
     for obj in engines:
         try:
             report = EngineReport.from_dict(obj)
@@ -200,7 +212,11 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
         if any(count for _, count in not_delivered):
             _log_undelivered(engine, not_delivered)
         g["r3_engine_stale"].add_metric([engine], 1.0 if now - report.updated > stale_after_s else 0.0)
-    return [*g.values(), fallback, undelivered, written, refused, write_errors]
+        for hook, kinds in sorted((report.hooks or {}).items()):
+            for kind, t in sorted(kinds.items()):
+                hook_seconds.add_metric([engine, hook, kind], float(t.seconds))
+                hook_calls.add_metric([engine, hook, kind], float(t.calls))
+    return [*g.values(), fallback, undelivered, written, refused, write_errors, hook_seconds, hook_calls]
 
 
 _undelivered_seen: dict[str, tuple[tuple[str, float], ...]] = {}

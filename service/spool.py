@@ -388,6 +388,35 @@ class Delivery:
 
 
 @dataclass(frozen=True, slots=True)
+class HookTime:
+    """One hook's own work on the scheduler thread under one forward kind, since the process started (`hooks`)."""
+
+    calls: int | float
+    seconds: int | float
+
+    @classmethod
+    def parse_all(cls, obj: Any) -> dict[str, dict[str, HookTime]]:
+        """`{hook: {kind: {"calls", "seconds"}}}`, each count checked."""
+        if not isinstance(obj, dict):
+            raise EngineReportError(f"hooks={obj!r} (an object of hooks)")
+        out: dict[str, dict[str, HookTime]] = {}
+        for hook, kinds in obj.items():
+            if not isinstance(kinds, dict):
+                raise EngineReportError(f"hooks.{hook}={kinds!r} (an object of forward kinds)")
+            out[str(hook)] = {
+                str(kind): cls(*(_count(t, key, f"hooks.{hook}.{kind}") for key in ("calls", "seconds")))
+                for kind, t in kinds.items()
+            }
+        return out
+
+    @staticmethod
+    def dump_all(hooks: dict[str, dict[str, HookTime]]) -> dict[str, dict[str, dict[str, int | float]]]:
+        return {
+            h: {k: {"calls": t.calls, "seconds": t.seconds} for k, t in kinds.items()} for h, kinds in hooks.items()
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class EngineReport:
     """One engine process's file, `<root>/v1/engines/<engine>.json`: exactly the JSON of Contract 1.
 
@@ -407,6 +436,7 @@ class EngineReport:
     writer: WriterCounters
     delivery: Delivery | None = None  # absent in older plugins' files and in the demo's
     vllm: str | None = None  # the vLLM version, in the vLLM plugin's files (`sglang` is "" there)
+    hooks: dict[str, dict[str, HookTime]] | None = None  # absent when R3_HOOK_TIMERS=0, in older files, the demo's
     v: int = VERSION
 
     @classmethod
@@ -445,6 +475,7 @@ class EngineReport:
             writer=WriterCounters.from_dict(report["writer"]),
             delivery=None if report.get("delivery") is None else Delivery.from_dict(report["delivery"]),
             vllm=_optional_text(report, "vllm"),
+            hooks=None if report.get("hooks") is None else HookTime.parse_all(report["hooks"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -473,7 +504,8 @@ class EngineReport:
             "host_cache": {"capacity_tokens": self.capacity_tokens, "used_tokens": self.used_tokens},
             "writer": self.writer.to_dict(),
         } | ({} if self.delivery is None else {"delivery": self.delivery.to_dict()})
-        return out | ({} if self.vllm is None else {"vllm": self.vllm})
+        out |= {} if self.vllm is None else {"vllm": self.vllm}
+        return out | ({} if self.hooks is None else {"hooks": HookTime.dump_all(self.hooks)})
 
 
 def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start co
 UPSTREAM = Config("plain-upstream", plugin=False, sidecar=False)
 MIRROR = Config("plain-mirror", env={"R3_MODE": "mirror"})
 CAPTURE_ALL = Config("plain-capture-all", env={"R3_MODE": "sidecar", "R3_CAPTURE_ALL": "1"})
-SPOOL_FULL = Config("plain-spool-full", env={"R3_MODE": "sidecar", "R3_SPOOL_MAX_BYTES": "3000"})
+SPOOL_FULL = Config(  # also the hook timers switched off
+    "plain-spool-full", env={"R3_MODE": "sidecar", "R3_SPOOL_MAX_BYTES": "3000", "R3_HOOK_TIMERS": "0"}
+)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -226,6 +228,41 @@ def test_capture_all_records_every_request_as_upstream_routed_it(upstream, captu
         assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
 
 
+def _engine_reports(stack: Stack) -> list[dict]:
+    body = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
+    return body if isinstance(body, list) else body.get("engines", [])
+
+
+def _settled_engine_file(stack: Stack, key: str = "writer") -> dict:
+    """The engine file once two consecutive writes agree on `key` (the server is idle after the requests)."""
+    deadline, last = time.monotonic() + 20, None
+    while time.monotonic() < deadline:
+        (report,) = _engine_reports(stack)
+        if last is not None and report["updated"] != last["updated"] and report.get(key) == last.get(key):
+            return report
+        last = report
+        time.sleep(0.6)
+    raise TimeoutError(f"engine file {key} did not settle: {last}")
+
+
+def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_metrics(capture_all):
+    stack = capture_all["stack"]
+    hooks = _settled_engine_file(stack, "hooks")["hooks"]
+    for hook in ("forward_extent", "device_capture", "forward_end", "batch_result"):
+        for kind in ("extend", "decode"):
+            assert hooks[hook][kind]["calls"] > 0 and hooks[hook][kind]["seconds"] > 0, (hook, kind, hooks)
+    # The per-layer hook checks every layer of the first forward (routed layers unknown), then one per forward.
+    calls = {hook: sum(t["calls"] for t in hooks[hook].values()) for hook in ("device_capture", "forward_extent")}
+    assert calls["device_capture"] == calls["forward_extent"] + stack.num_hidden_layers - 1, hooks
+    assert sum(t["calls"] for t in hooks["collect"].values()) >= len(REQUESTS)  # once per finished request
+    text = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
+    engine = _engine_reports(stack)[0]["engine"]
+    for name in ("r3_engine_hook_seconds_total", "r3_engine_hook_calls_total"):
+        sample = f'{name}{{engine="{engine}",hook="device_capture",kind="decode"}} '
+        line = next((ln for ln in text.splitlines() if ln.startswith(sample)), None)
+        assert line is not None and float(line.split()[-1]) > 0, (sample, text[-2000:])
+
+
 def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full):
     stack = spool_full["stack"]
     inline, pointed = [], []
@@ -251,3 +288,10 @@ def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full)
         reports = engine if isinstance(engine, list) else engine.get("engines", [])
         counted = sum(r["writer"]["fallback_inline"] for r in reports)
     assert counted == len(inline)
+
+
+def test_hook_timers_switched_off_leave_no_hooks_and_no_hook_metrics(spool_full):
+    stack = spool_full["stack"]
+    report = _settled_engine_file(stack)
+    assert "hooks" not in report, report
+    assert "r3_engine_hook_seconds_total{" not in httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
