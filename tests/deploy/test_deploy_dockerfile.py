@@ -18,7 +18,7 @@ import pytest
 import yaml
 from deploy_render import CHART
 
-from engine_ext import SUPPORTED_SGLANG
+from engine_ext.versions import NEWEST as SUPPORTED_SGLANG
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"

@@ -135,6 +135,19 @@ def test_upstream_returns_inline_rows_of_every_request_that_asks(upstream):
     assert responses["prefix_b"]["meta_info"]["cached_tokens"] >= 64  # the radix cache did serve a prefix
 
 
+def test_the_model_routes_differently_per_layer_and_per_token(upstream):
+    """The real weights make a layer mix-up visible: no two layers agree on most tokens, tokens vary."""
+    rows = upstream["stack"].inline_rows(upstream["responses"]["chunked"])
+    expert_sets = np.sort(rows, axis=2)  # a token's top-k as a set, per layer
+    layers = expert_sets.shape[1]
+    for a in range(layers):
+        for b in range(a + 1, layers):
+            same = np.all(expert_sets[:, a] == expert_sets[:, b], axis=1).mean()
+            assert same < 0.5, (a, b, same)  # dummy weights: 1.0 for every pair
+    assert len({row.tobytes() for row in expert_sets}) > rows.shape[0] // 2  # per token, too
+    assert not np.array_equal(rows, rows[:, ::-1]), "reversed layers would read the same"
+
+
 def test_loading_the_plugin_changes_nothing_sglang_returns(upstream, mirror):
     for name in REQUESTS:
         up, on = upstream["responses"][name], mirror["responses"][name]
