@@ -92,7 +92,7 @@ def resumed(mirror, sglang_stack) -> dict:
     stack = sglang_stack(MIRROR)
     ids, total = prompt(40, 8), 400
     params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
-    whole = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params)
+    whole = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params, timeout=400)
     first = abort_mid_decode(stack, "resume-part-0", ids=ids, max_new_tokens=total, after_s=0.8)
     done = first["output_ids"]
     start = len(ids) + len(done) - 1  # the first row the aborted part does not hold
@@ -102,6 +102,7 @@ def resumed(mirror, sglang_stack) -> dict:
         return_routed_experts=True,
         routed_experts_start_len=start,
         sampling_params=params | {"max_new_tokens": total - len(done)},
+        timeout=400,
     )
     return {"stack": stack, "whole": whole, "parts": (first, rest), "start": start}
 
