@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang reliability env env-service env-sglang-0.5.20 clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env ## the whole suite, as CI runs it
+test: env env-sglang-0.5.20 ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -56,5 +56,16 @@ $(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt $(wild
 	echo "import _sglang_cpu_server_shim" > $(SITE)/_sglang_cpu_server_shim.pth
 	touch $@
 
+# Older SGLangs, one venv each (.venv-sglang-<version>). 0.5.20 pins the torch 0.5.23 does (2.13.0), so its
+# venv holds only sglang 0.5.20 (--no-deps) and sees .venv's site-packages, shims included, behind it.
+SGLANG_0520 := .venv-sglang-0.5.20
+env-sglang-0.5.20: $(SGLANG_0520)/.sglang-stamp
+$(SGLANG_0520)/.sglang-stamp: $(VENV)/.sglang-stamp
+	test -x $(SGLANG_0520)/bin/python || $(BIN)/python -m venv --without-pip $(SGLANG_0520)
+	$(BIN)/python -m pip --python $(SGLANG_0520)/bin/python install -q --no-deps sglang==0.5.20
+	echo "import site; site.addsitedir('$(abspath $(SITE))')" > \
+	  $$($(SGLANG_0520)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_r3_base_venv.pth
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-sglang-* .pytest_cache .ruff_cache .hypothesis

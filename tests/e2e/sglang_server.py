@@ -210,6 +210,7 @@ class Config:
     model: dict[str, Any] = field(default_factory=dict)  # config.json overrides
     sidecar: bool = True  # start `r3-sidecar serve` on the same spool
     tokenizer: bool = False  # write `write_tokenizer` into the model dir and drop --skip-tokenizer-init
+    python: str = sys.executable  # another SGLang's venv (`make env-sglang-0.5.20`) runs another version
 
 
 @dataclass
@@ -315,7 +316,7 @@ def start(config: Config, workdir: Path) -> Stack:
     if config.tokenizer:
         args["skip-tokenizer-init"] = None
     server = spawn(
-        [sys.executable, "-m", "sglang.launch_server", *cli_args(args)],
+        [config.python, "-m", "sglang.launch_server", *cli_args(args)],
         env,
         workdir / "server.log",
         f"http://127.0.0.1:{port}",
