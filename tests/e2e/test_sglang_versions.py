@@ -7,6 +7,7 @@ sees `sglang==0.5.12` through the real `load_plugins()` of a real `sglang.launch
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from sglang_server import BASE_ARGS, Config, cli_args, free_port, server_env, write_model
+from sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+
+from engine_ext.versions import MATRIX
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
@@ -61,3 +64,24 @@ def test_enforce_refuses_to_start_on_an_unproven_sglang_naming_it(shadow_dist_in
     assert len(lines) == 1, output[-3000:]  # one message, not one per process
     assert f"sglang=={SHADOWED}" in lines[0] and "refusing to start (R3_BUDGET=enforce)" in lines[0]
     assert "Load weight begin" not in output  # stopped before any model work
+
+
+@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20"])
+def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
+    """Each version's real modules, imported by its own python: the targets and names it lacks are its row."""
+    python = REPO / venv / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"needs {venv} (make env-sglang-0.5.20)")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [str(python), str(REPO / "tests" / "e2e" / "resolve_targets.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    row = MATRIX[found["sglang"]]
+    assert sorted(found["targets"]) == sorted(row.missing_targets)
+    assert sorted(found["names"]) == sorted(row.missing_names)
