@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm trainers clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm env-sglang-0.5.20 trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env env-ray trainers env-vllm ## the whole suite, as CI runs it
+test: env env-ray trainers env-vllm env-sglang-0.5.20 ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -107,5 +107,16 @@ $(VENV)/.ray-stamp: $(VENV)/.sglang-stamp
 	$(BIN)/python -c 'import torch; print(torch.__version__)' | cmp - $(VENV)/.torch-before
 	touch $@
 
+# Older SGLangs, one venv each (.venv-sglang-<version>). 0.5.20 pins the torch 0.5.23 does (2.13.0), so its
+# venv holds only sglang 0.5.20 (--no-deps) and sees .venv's site-packages, shims included, behind it.
+SGLANG_0520 := .venv-sglang-0.5.20
+env-sglang-0.5.20: $(SGLANG_0520)/.sglang-stamp
+$(SGLANG_0520)/.sglang-stamp: $(VENV)/.sglang-stamp
+	test -x $(SGLANG_0520)/bin/python || $(BIN)/python -m venv --without-pip $(SGLANG_0520)
+	$(BIN)/python -m pip --python $(SGLANG_0520)/bin/python install -q --no-deps sglang==0.5.20
+	echo "import site; site.addsitedir('$(abspath $(SITE))')" > \
+	  $$($(SGLANG_0520)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_r3_base_venv.pth
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(TRAINERS) $(VVENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(TRAINERS) $(VVENV) .venv-sglang-* .pytest_cache .ruff_cache .hypothesis

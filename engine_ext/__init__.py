@@ -12,31 +12,36 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engine_ext.settings import EngineSettings
 
-SUPPORTED_SGLANG = "0.5.23"
-
 logger = logging.getLogger("r3_sidecar")
 
 
 def register() -> None:
-    """Entry point: register every hook, or none at all on an SGLang this plugin was not built for."""
+    """Entry point: register every hook where `versions.support` says the plugin is proven, else none, loudly.
+
+    Under `R3_BUDGET=enforce` an unsupported SGLang stops the start (`SystemExit`: SGLang's plugin loader
+    catches `Exception` only) with the one message naming the version.
+    """
     from importlib.metadata import PackageNotFoundError, version
+
+    from engine_ext.settings import BudgetPolicy, EngineSettings
+    from engine_ext.versions import support
 
     try:
         found = version("sglang")
     except PackageNotFoundError:
         found = None
-    if found != SUPPORTED_SGLANG:
-        logger.error(
-            "r3-sidecar: built for sglang==%s, found %s; registering no hooks (capture stays upstream's)",
-            SUPPORTED_SGLANG,
-            found,
-        )
+    plan = support(found)
+    settings = EngineSettings()
+    if not plan.full:
+        message = f"r3-sidecar: {plan.reason}"
+        if settings.budget is BudgetPolicy.ENFORCE:
+            raise SystemExit(f"{message}; refusing to start (R3_BUDGET=enforce)")
+        logger.error(message)
         return
 
     from engine_ext import hooks
-    from engine_ext.settings import EngineSettings
 
-    hooks.install(with_node_sidecar(EngineSettings()))
+    hooks.install(with_node_sidecar(settings))
 
 
 def with_node_sidecar(settings: EngineSettings) -> EngineSettings:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from deploy_render import CHART
 
-from engine_ext import SUPPORTED_SGLANG
+from engine_ext.versions import NEWEST as SUPPORTED_SGLANG
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -177,7 +177,8 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
     assert not any(n.startswith("tests/") for n in names)
     assert re.search(r"\[console_scripts\]\s*r3-sidecar = service\.cli:main", entry_points)
     assert re.search(r"\[sglang\.srt\.plugins\]\s*r3_sidecar = engine_ext:register", entry_points)
-    assert f'Requires-Dist: sglang=={SUPPORTED_SGLANG}; extra == "engine"' in metadata
+    assert f'Requires-Dist: sglang=={SUPPORTED_SGLANG}; extra == "engine-fresh"' in metadata
+    assert re.search(r'Requires-Dist: sglang<=[\d.]+,>=0\.5\.12; extra == "engine"', metadata)
 
 
 def test_healthcheck_command_passes_on_a_live_sidecar_and_fails_without_one(serve) -> None:

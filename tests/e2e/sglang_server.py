@@ -1,10 +1,12 @@
 """A real SGLang 0.5.23 server on this CPU machine, with or without the plugin, and a real sidecar beside it.
 
 What the real-engine suite (`tests/e2e/test_sglang_*.py`), `make demo-sglang` and the real-server benchmark
-share: a tiny random-weight Qwen3-MoE written as a `config.json` (`--load-format dummy`: deterministic
-weights, no download; `--skip-tokenizer-init`: requests carry `input_ids`), `python -m sglang.launch_server`
-in its own process group, `r3-sidecar serve` on the same spool, free loopback ports, and teardown by pid
-(the whole group: tokenizer manager, scheduler and detokenizer go with it), also when a test fails.
+share: a tiny Qwen3-MoE written by the test, `config.json` plus seeded random real weights
+(`tiny_weights.py`: routing differs per layer and per token, which `--load-format dummy` does not give; other
+architectures still load dummy weights), `--skip-tokenizer-init` (requests carry `input_ids`),
+`python -m sglang.launch_server` in its own process group, `r3-sidecar serve` on the same spool, free
+loopback ports, and teardown by pid (the whole group: tokenizer manager, scheduler and detokenizer go with
+it), also when a test fails.
 
 The plugin is loaded through its entry point; `plugin=False` sets `SGLANG_PLUGINS=__none__`, the upstream
 baseline on the same install. The two CPU workarounds are `tests/sglang_cpu/_sglang_cpu_server_shim.py`,
@@ -29,6 +31,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from tiny_weights import supports, write_weights
 
 from service.spool import RecordMeta, Spool
 
@@ -38,7 +41,6 @@ START_TIMEOUT_S = 240.0
 
 # The launch every configuration starts from (sglang-cpu facts: a small KV cache, no CUDA graphs on CPU).
 BASE_ARGS: dict[str, Any] = {
-    "load-format": "dummy",
     "skip-tokenizer-init": True,
     "device": "cpu",
     "dtype": "bfloat16",
@@ -85,13 +87,21 @@ def free_port() -> int:
             return port
 
 
-def write_model(directory: Path, **overrides: Any) -> Path:
-    """A model directory holding only `config.json`: the tiny Qwen3-MoE, 4 layers, 2048 positions by default."""
+def write_model(directory: Path, *, weights: bool = True, **overrides: Any) -> Path:
+    """The tiny Qwen3-MoE's directory, 4 layers, 2048 positions by default: `config.json` and, where
+    `tiny_weights` knows the architecture and `weights` is set, seeded random `model.safetensors`."""
     config = json.loads(TINY_MODEL.read_text())
     config.update({"num_hidden_layers": 4, "max_position_embeddings": 2048} | overrides)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=1))
+    if weights and supports(config):
+        write_weights(directory, config)
     return directory
+
+
+def load_format(model_dir: Path) -> str:
+    """`auto` where real weights were written, else `dummy` (SGLang's deterministic fill)."""
+    return "auto" if (model_dir / "model.safetensors").exists() else "dummy"
 
 
 # The tiny model's 256 ids as a word-level tokenizer: text and chat endpoints run without --skip-tokenizer-init.
@@ -216,6 +226,7 @@ class Config:
     model: dict[str, Any] = field(default_factory=dict)  # config.json overrides
     sidecar: bool = True  # start `r3-sidecar serve` on the same spool
     tokenizer: bool = False  # write `write_tokenizer` into the model dir and drop --skip-tokenizer-init
+    python: str = sys.executable  # another SGLang's venv (`make env-sglang-0.5.20`) runs another version
 
 
 @dataclass
@@ -316,11 +327,12 @@ def start(config: Config, workdir: Path) -> Stack:
             f"http://127.0.0.1:{sidecar_port}",
         )
         env.setdefault("R3_SIDECAR_URL", sidecar.url)
-    args = BASE_ARGS | {"model-path": str(model_dir), "host": "127.0.0.1", "port": port} | config.args
+    args = BASE_ARGS | {"model-path": str(model_dir), "load-format": load_format(model_dir)}
+    args |= {"host": "127.0.0.1", "port": port} | config.args
     if config.tokenizer:
         args["skip-tokenizer-init"] = None
     server = spawn(
-        [sys.executable, "-m", "sglang.launch_server", *cli_args(args)],
+        [config.python, "-m", "sglang.launch_server", *cli_args(args)],
         env,
         workdir / "server.log",
         f"http://127.0.0.1:{port}",

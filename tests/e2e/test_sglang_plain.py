@@ -94,7 +94,7 @@ def resumed(mirror, sglang_stack) -> dict:
     stack = sglang_stack(MIRROR)
     ids, total = prompt(40, 8), 400
     params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
-    whole = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params)
+    whole = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params, timeout=400)
     first = abort_mid_decode(stack, "resume-part-0", ids=ids, max_new_tokens=total, after_s=0.8)
     done = first["output_ids"]
     start = len(ids) + len(done) - 1  # the first row the aborted part does not hold
@@ -104,6 +104,7 @@ def resumed(mirror, sglang_stack) -> dict:
         return_routed_experts=True,
         routed_experts_start_len=start,
         sampling_params=params | {"max_new_tokens": total - len(done)},
+        timeout=400,
     )
     return {"stack": stack, "whole": whole, "parts": (first, rest), "start": start}
 
@@ -135,6 +136,19 @@ def test_upstream_returns_inline_rows_of_every_request_that_asks(upstream):
         assert rows.shape == (expected_rows(responses[name], extra.get("routed_experts_start_len", 0)), 4, 2), name
         assert rows.min() >= 0 and rows.max() < 8, name
     assert responses["prefix_b"]["meta_info"]["cached_tokens"] >= 64  # the radix cache did serve a prefix
+
+
+def test_the_model_routes_differently_per_layer_and_per_token(upstream):
+    """The real weights make a layer mix-up visible: no two layers agree on most tokens, tokens vary."""
+    rows = upstream["stack"].inline_rows(upstream["responses"]["chunked"])
+    expert_sets = np.sort(rows, axis=2)  # a token's top-k as a set, per layer
+    layers = expert_sets.shape[1]
+    for a in range(layers):
+        for b in range(a + 1, layers):
+            same = np.all(expert_sets[:, a] == expert_sets[:, b], axis=1).mean()
+            assert same < 0.5, (a, b, same)  # dummy weights: 1.0 for every pair
+    assert len({row.tobytes() for row in expert_sets}) > rows.shape[0] // 2  # per token, too
+    assert not np.array_equal(rows, rows[:, ::-1]), "reversed layers would read the same"
 
 
 def test_loading_the_plugin_changes_nothing_sglang_returns(upstream, mirror):

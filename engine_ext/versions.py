@@ -1,0 +1,162 @@
+"""The support matrix: per SGLang version, what differs for the plugin and what it may run there, as data.
+
+Why data: the trainers pin different SGLangs (verl 0.9.1: 0.5.12, miles: 0.5.16, AReaL 1.0.4: 0.5.10.post1),
+and a hook whose target or imported name is missing either crashes the server at start or, worse, patches
+half a data path. `hooks.py` asks `support(version)` which hook groups it may register; every difference
+read from a version's wheel is a row here, not a version check scattered in the hooks. Read from the wheels
+(`pip download --no-deps sglang==V`, unzip); docs/versions.md is this table in prose, checked by a test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+NEWEST = "0.5.23"
+GROUPS = ("capture", "hip", "delivery", "pointer")  # the hook groups of `hooks.HOOKS`
+
+_BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+
+
+class Seed(StrEnum):
+    """The five upstream routed-experts/buffer fixes the plugin was built around (sgl-project/sglang PRs)."""
+
+    DP_BUFFER = "#26123"  # routed-experts device buffer × DP ranks
+    SYNC_FREE_SLICE = "#24550"  # CPU DP slicing, no implicit sync
+    CUTEDSL_WORST_CASE = "#26696"  # CuteDSL MoE buffers sized for the worst-case forward
+    FLASHINFER_WORKSPACE = "#26643"  # FlashInfer dispatcher workspace + set_dp_buffer_len global tokens
+    EAGLE_KV_INDICES = "#27338"  # EAGLE draft kv_indices × topk
+
+
+class Upstream(StrEnum):
+    """Whether a version's own code carries a seed fix."""
+
+    PRESENT = "present"
+    PARTIAL = "partial"
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class Version:
+    """One SGLang version as the plugin sees it."""
+
+    version: str
+    plugin_mechanism: bool  # `sglang.srt.plugins` entry points + `HookRegistry`
+    proven: bool  # the plugin's hooks ran on this version's real server and matched its inline payload
+    missing_targets: tuple[str, ...]  # `hooks.HOOKS` targets absent from this version
+    missing_names: tuple[str, ...]  # names the hook bodies import or read, absent here (those that stop a start)
+    seeds: dict[Seed, Upstream]  # each seed fix as upstream ships it in this version
+    evidence: str  # where the seed column was read, so a reader can check it
+
+
+MATRIX: dict[str, Version] = {
+    v.version: v
+    for v in (
+        Version(
+            "0.5.23",
+            plugin_mechanism=True,
+            proven=True,
+            missing_targets=(),
+            missing_names=(),
+            seeds=dict.fromkeys(Seed, Upstream.PRESENT),
+            evidence="research/upstream-sglang-0.5.23.md §1",
+        ),
+        Version(
+            "0.5.20",
+            plugin_mechanism=True,
+            proven=False,
+            missing_targets=(),
+            missing_names=(
+                "sglang.srt.runtime_context.ParallelContext.num_dp_ranks",
+                "sglang.srt.layers.dp_attention.dp_gather_slot",
+                "sglang.srt.layers.dp_attention.dp_slot_in",
+            ),
+            seeds=dict.fromkeys(Seed, Upstream.PRESENT),
+            evidence="state_capturer/routed_experts.py sizes × dp_size; dp_attention.get_dp_local_slice_cpu; "
+            "runtime_context.cutedsl_moe_max_num_tokens; set_dp_buffer_len(global_num_tokens); "
+            "spec_utils.draft_kv_indices_buffer_width",
+        ),
+        Version(
+            "0.5.16",
+            plugin_mechanism=True,
+            proven=False,
+            missing_targets=(
+                "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
+                "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
+            ),
+            missing_names=(
+                "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
+                "sglang.srt.runtime_context.get_exec",
+                "sglang.srt.layers.dp_attention.dp_gather_slot",
+                "sglang.srt.layers.dp_attention.dp_slot_in",
+            ),
+            seeds=dict.fromkeys(Seed, Upstream.PRESENT),
+            evidence="as 0.5.20, cutedsl_moe_max_num_tokens in server_args.py",
+        ),
+        Version(
+            "0.5.12",
+            plugin_mechanism=True,
+            proven=False,
+            missing_targets=(
+                f"{_BRP}._maybe_collect_routed_experts",
+                f"{_BRP}.process_batch_result_prefill",
+                f"{_BRP}.process_batch_result_decode",
+                "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
+                "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
+            ),
+            missing_names=(
+                "sglang.srt.runtime_context",
+                "sglang.srt.arg_groups.overrides",
+                "sglang.srt.arg_groups.resolution_hooks",
+                "sglang.srt.model_executor.cuda_graph_config",
+            ),
+            seeds=dict.fromkeys(Seed, Upstream.PRESENT)
+            | {Seed.CUTEDSL_WORST_CASE: Upstream.PARTIAL, Seed.EAGLE_KV_INDICES: Upstream.ABSENT},
+            evidence="CuteDSL sized max(cuda_graph_max_bs, chunked_prefill_size), no fail-fast "
+            "(moe_runner/flashinfer_cutedsl.py:248); no spec_utils.draft_kv_indices_buffer_width",
+        ),
+        Version(
+            "0.5.10.post1",
+            plugin_mechanism=False,
+            proven=False,
+            missing_targets=(),
+            missing_names=("sglang.srt.plugins",),
+            seeds={},
+            evidence="no sglang.srt.plugins; capturer at srt/layers/moe/routed_experts_capturer.py",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Support:
+    """What the plugin does on one found version: the groups it registers, and why not more."""
+
+    version: str | None
+    groups: tuple[str, ...]
+    reason: str | None  # None: the whole plugin runs
+
+    @property
+    def full(self) -> bool:
+        return self.reason is None
+
+
+def support(found: str | None) -> Support:
+    """The plugin's plan for SGLang `found`: every group where proven, none otherwise (never half-installed)."""
+    row = MATRIX.get(found or "")
+    if row is None:
+        reason = f"sglang=={found} is outside the support matrix ({', '.join(supported())})"
+    elif not row.plugin_mechanism:
+        reason = f"sglang=={found} has no plugin mechanism (sglang.srt.plugins); r3-sidecar needs sglang>=0.5.12"
+    elif not row.proven:
+        missing = [*row.missing_targets, *row.missing_names]
+        reason = f"sglang=={found}: the plugin is not proven on it yet (missing: {', '.join(missing) or 'none'})"
+    else:
+        return Support(found, GROUPS, None)
+    return Support(found, (), reason + "; registering no hooks (capture stays upstream's)")
+
+
+def supported() -> list[str]:
+    """The versions with a plugin mechanism, newest first."""
+    rows = [v for v in MATRIX.values() if v.plugin_mechanism]
+    return [v.version for v in sorted(rows, key=lambda v: tuple(int(p) for p in v.version.split(".")), reverse=True)]

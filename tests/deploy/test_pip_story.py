@@ -1,0 +1,101 @@
+"""`pip install 'r3-sidecar[engine]'` next to each supported SGLang changes neither SGLang, torch nor FlashInfer.
+
+pip's own resolver answers, in a bare venv per version holding that SGLang's published metadata (PyPI's
+PEP 658 metadata of the real release, fetched by pip): our requirements as pip builds them from this
+checkout, the `engine` extra's applied in that venv with `--dry-run --report`, must install nothing. The
+`engine-fresh` extra in verl's 0.5.12 venv shows the check can fail: it would replace SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+
+from engine_ext.versions import supported
+
+pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_PACKAGES = {"sglang", "torch", "flashinfer-python", "sgl-kernel", "sglang-kernel"}
+
+
+def pip_report(*args: str, python: Path | None = None) -> dict:
+    """`pip install --dry-run --report -` with `args`; the resolver's plan as JSON."""
+    target = ["--python", str(python)] if python else []
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", *target, "install", "--dry-run", "-q", "--report", "-", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def our_requirements() -> list[Requirement]:
+    """`Requires-Dist` of this checkout as pip builds it (setuptools, not our reading of pyproject.toml)."""
+    (ours,) = pip_report("--no-deps", "--ignore-installed", str(REPO))["install"]
+    return [Requirement(r) for r in ours["metadata"]["requires_dist"]]
+
+
+def extra(requirements: list[Requirement], name: str | None) -> list[str]:
+    """The requirements that `name` (None: the base install) adds, as pip strings without markers."""
+    env = default_environment()
+    picked = []
+    for req in requirements:
+        if req.marker is None:
+            wanted = name is None
+        else:
+            wanted = name is not None and req.marker.evaluate(env | {"extra": name})
+            wanted = wanted and not req.marker.evaluate(env | {"extra": ""})
+        if wanted:
+            picked.append(f"{req.name}{req.specifier}")
+    return picked
+
+
+def venv_with_sglang(root: Path, version: str) -> Path:
+    """A bare venv whose site-packages holds `sglang-<version>.dist-info` with PyPI's metadata of it."""
+    (meta,) = pip_report("--no-deps", "--ignore-installed", f"sglang=={version}")["install"]
+    metadata = meta["metadata"]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    purelib = Path(
+        sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}, scheme="venv")
+        if "venv" in sysconfig.get_scheme_names()
+        else sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)})
+    )
+    dist_info = purelib / f"sglang-{version}.dist-info"
+    dist_info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {metadata['name']}", f"Version: {metadata['version']}"]
+    lines += [f"Requires-Dist: {r}" for r in metadata.get("requires_dist", [])]
+    (dist_info / "METADATA").write_text("\n".join(lines) + "\n")
+    (dist_info / "INSTALLER").write_text("pip\n")
+    (dist_info / "RECORD").write_text("")
+    return root / "bin" / "python"
+
+
+def test_the_base_install_names_no_engine_package(our_requirements):
+    assert not {Requirement(r).name for r in extra(our_requirements, None)} & ENGINE_PACKAGES
+
+
+@pytest.mark.parametrize("version", supported())
+def test_the_engine_extra_next_to_each_sglang_installs_nothing(version, our_requirements, tmp_path):
+    python = venv_with_sglang(tmp_path / "venv", version)
+    engine = extra(our_requirements, "engine")
+    assert engine, "the engine extra names SGLang's range"
+    plan = pip_report("--no-deps", *engine, python=python)
+    assert plan["install"] == [], [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan["install"]]
+
+
+def test_the_fresh_extra_would_replace_verls_sglang(our_requirements, tmp_path):
+    python = venv_with_sglang(tmp_path / "venv", "0.5.12")
+    plan = pip_report("--no-deps", *extra(our_requirements, "engine-fresh"), python=python)
+    installed = {p["metadata"]["name"]: p["metadata"]["version"] for p in plan["install"]}
+    assert installed.get("sglang") == "0.5.23"

@@ -1,0 +1,37 @@
+"""Print, as JSON, which of the plugin's hook targets and `MATRIX` names the running SGLang lacks.
+
+Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
+Targets of the `hip` group import only on ROCm and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import sys
+from importlib.metadata import version
+
+
+def missing(names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        try:
+            pkgutil.resolve_name(name)
+        except (ImportError, AttributeError):
+            out.append(name)
+    return out
+
+
+def main() -> None:
+    from engine_ext.hooks import HOOKS
+    from engine_ext.versions import MATRIX
+
+    names = sorted({n for row in MATRIX.values() if row.plugin_mechanism for n in row.missing_names})
+    targets = [hook.target for hook in HOOKS if "hip" not in hook.groups]
+    found = version("sglang")
+    result = {"sglang": found, "targets": missing(targets), "names": missing(names)}
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

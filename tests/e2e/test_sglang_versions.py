@@ -1,0 +1,87 @@
+"""A real SGLang server start that finds an SGLang the plugin is not proven on: one clear message, never half.
+
+`importlib.metadata` reads the first `sglang-*.dist-info` on `sys.path`; the test puts the real 0.5.12 wheel's
+dist-info (PyPI's own METADATA, verl 0.9.1's pin) ahead of the installed 0.5.23, so the plugin's entry point
+sees `sglang==0.5.12` through the real `load_plugins()` of a real `sglang.launch_server`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+
+from engine_ext.versions import MATRIX
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
+
+SHADOWED = "0.5.12"
+
+
+@pytest.fixture(scope="module")
+def shadow_dist_info(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding only `sglang-0.5.12.dist-info`, taken from the wheel on PyPI."""
+    wheels = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SHADOWED}", "-d", str(wheels)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("sglang-*.whl")
+    out = tmp_path_factory.mktemp("shadow")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(out, [n for n in zf.namelist() if n.startswith(f"sglang-{SHADOWED}.dist-info/")])
+    return out
+
+
+def launch(shadow: Path, workdir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    model_dir = write_model(workdir / "model", weights=False)
+    server = server_env(Config("versions"), workdir / "spool") | env
+    server["PYTHONPATH"] = os.pathsep.join([str(shadow), server["PYTHONPATH"]])
+    args = BASE_ARGS | {"model-path": str(model_dir), "load-format": "dummy", "port": free_port()}
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", *cli_args(args)],
+        env=server,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        start_new_session=True,
+    )
+
+
+def test_enforce_refuses_to_start_on_an_unproven_sglang_naming_it(shadow_dist_info, tmp_path):
+    done = launch(shadow_dist_info, tmp_path, R3_BUDGET="enforce", R3_MODE="sidecar")
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    lines = [line for line in output.splitlines() if "r3-sidecar: sglang==" in line]
+    assert len(lines) == 1, output[-3000:]  # one message, not one per process
+    assert f"sglang=={SHADOWED}" in lines[0] and "refusing to start (R3_BUDGET=enforce)" in lines[0]
+    assert "Load weight begin" not in output  # stopped before any model work
+
+
+@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20"])
+def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
+    """Each version's real modules, imported by its own python: the targets and names it lacks are its row."""
+    python = REPO / venv / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"needs {venv} (make env-sglang-0.5.20)")
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [str(python), str(REPO / "tests" / "e2e" / "resolve_targets.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    row = MATRIX[found["sglang"]]
+    assert sorted(found["targets"]) == sorted(row.missing_targets)
+    assert sorted(found["names"]) == sorted(row.missing_names)
