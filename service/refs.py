@@ -58,6 +58,7 @@ class RoutedExpertsRef:
     aborted: bool = False
     num_hidden_layers: int | None = None
     topk: int | None = None
+    weight_version: str | None = None  # the engine's weight version the response names (SGLang /generate)
 
     @classmethod
     def from_response(
@@ -85,6 +86,7 @@ class RoutedExpertsRef:
                 aborted=o.aborted,
                 num_hidden_layers=num_hidden_layers,
                 topk=topk,
+                weight_version=o.weight_version,
             )
             for o in parse_response(resp, start_len)
         ]
@@ -163,6 +165,7 @@ class RoutedExpertsRef:
             dtype=array.dtype.name,
             status="aborted" if self.aborted else "ok",
             num_hidden_layers=self.num_hidden_layers or slots,
+            weight_version=self.weight_version,
         )
 
     async def _adecode(self) -> RoutedExperts:

@@ -58,6 +58,7 @@ class Output:
     prompt_len: int | None = None
     rows: int | None = None  # rows the inline payload holds, when the response's token counts say
     aborted: bool = False
+    weight_version: str | None = None  # SGLang's `meta_info["weight_version"]`: the weights of the last token
 
 
 # ---- SGLang: /generate (dict, batch list, stream chunks), offline Engine -------------------------------
@@ -80,6 +81,7 @@ def _sglang_output(item: dict[str, Any], start_len: int) -> Output:
         prompt_len=prompt if isinstance(prompt, int) else None,
         rows=rows,
         aborted=isinstance(finish, dict) and finish.get("type") == "abort",
+        weight_version=meta.get("weight_version"),
     )
 
 
