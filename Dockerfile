@@ -54,6 +54,6 @@ FROM ${SGLANG_IMAGE} AS engine
 COPY --from=wheel /wheels /tmp/wheels
 RUN python3 -m pip list --format=freeze > /tmp/sglang-image.txt \
  && python3 -m pip install --no-cache-dir --constraint /tmp/sglang-image.txt "$(ls /tmp/wheels/*.whl)[engine]" \
- && python3 -c "from importlib.metadata import entry_points; assert any(e.value == 'engine_ext:register' for e in entry_points(group='sglang.srt.plugins'))" \
+ && python3 -c "from importlib.metadata import entry_points; assert any(e.value == 'engine_ext.sglang:register' for e in entry_points(group='sglang.srt.plugins'))" \
  && rm -rf /tmp/wheels /tmp/sglang-image.txt
 ENV R3_SPOOL_DIR=/var/run/r3-spool

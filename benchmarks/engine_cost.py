@@ -3,10 +3,10 @@
 Upstream (0.5.23): `BaseTopkCapturer.get_topk` gathers the request's rows from a real host cache through a
 real `ReqToTokenPool`, and the int32 tensor is then encoded for the detokenizer by the scheduler's own
 msgpack encoder (`io_struct._msgpack_encoder`, what `send_output` runs on the scheduler thread).
-Ours: the plugin's real finish-time path, `engine_ext.collect.Collector`: `finish` (route + reservation),
+Ours: the plugin's real finish-time path, `engine_ext.sglang.collect.Collector`: `finish` (route + reservation),
 then `end_step` (one batched slot read, the gather, compaction to the spool dtype and MoE layers, and the
-hand-off to `engine_ext.writer.SpoolWriter`). The inline payload is dropped, so nothing O(seqlen) crosses
-the IPC. With live rows (`engine_ext.live.LiveRows`) the scheduler hands one row per running request per
+hand-off to `engine_ext.core.writer.SpoolWriter`). The inline payload is dropped, so nothing O(seqlen) crosses
+the IPC. With live rows (`engine_ext.sglang.live.LiveRows`) the scheduler hands one row per running request per
 decode step, and only a final marker at finish.
 """
 
@@ -72,10 +72,10 @@ def _ipc_encode(rows: torch.Tensor) -> bytes:
 
 
 def _collector(shape: ModelShape, spool_dir: Path):
-    from engine_ext.collect import Collector
-    from engine_ext.collect import ModelShape as EngineShape
-    from engine_ext.settings import Mode
-    from engine_ext.writer import SpoolWriter
+    from engine_ext.core.settings import Mode
+    from engine_ext.core.writer import SpoolWriter
+    from engine_ext.sglang.collect import Collector
+    from engine_ext.sglang.collect import ModelShape as EngineShape
 
     writer = SpoolWriter(spool_dir, queue_bytes=1 << 30, engine="bench").start()
     moe = shape.moe_layers
@@ -94,7 +94,7 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
 
     Wall time and the thread's CPU time are both kept: on a shared machine the CPU time is the steadier one.
     """
-    from engine_ext.collect import Finished, Route
+    from engine_ext.sglang.collect import Finished, Route
     from service.spool import Spool
 
     expected = collection.get_topk(seqlen)
@@ -147,8 +147,8 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
 
 def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
     """Per decode step with `batch` live requests (`LiveRows.feed_step`, one row each); at finish, the marker."""
-    from engine_ext.collect import Finished
-    from engine_ext.live import LiveRows, StepRequest, decode_layout
+    from engine_ext.sglang.collect import Finished
+    from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout
 
     rng = np.random.default_rng(1)
     step_rows = torch.from_numpy(

@@ -90,7 +90,7 @@ def _variants(before: str | None) -> dict[str, dict[tuple[type, str], Any]]:
     from sglang.srt.state_capturer.base import BaseDeviceCache
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
-    from engine_ext import hooks
+    from engine_ext.sglang import hooks
 
     modules = {"timers_on": hooks, "timers_off": hooks}
     if before:
@@ -131,7 +131,7 @@ def one_shape(variants: dict, layers: int, dp: int, kind: str, tokens: int, roun
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
     from sglang_env import publish_args
 
-    from engine_ext import capturer, hooks, timers
+    from engine_ext.sglang import capturer, hooks, timers
 
     _SHAPE.update(dp=dp, tokens=tokens)
     gathered = tokens * dp  # DP attention: every rank's MoE routes the gathered batch
@@ -204,7 +204,7 @@ def _per_layer_hook_ns(variants: dict, cap, topk, rounds: int) -> dict[str, floa
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
     from sglang.srt.state_capturer.base import BaseDeviceCache
 
-    from engine_ext import timers
+    from engine_ext.sglang import timers
 
     def noop(self, layer_id, topk_indices) -> None:
         return None
@@ -251,7 +251,7 @@ def _best_ns(fn, repeats: int, number: int) -> float:
 
 def timer_cost_ns(repeats: int) -> dict[str, float]:
     """What one timed call costs: a `timed` AROUND hook and an inline `book`, against the bare calls."""
-    from engine_ext import timers
+    from engine_ext.sglang import timers
 
     def original() -> None:
         return None

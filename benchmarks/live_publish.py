@@ -22,10 +22,10 @@ import torch
 
 from benchmarks.servers import serve
 from benchmarks.stats import proc_stat
-from engine_ext.collect import Collector, ModelShape
-from engine_ext.live import LiveRows, StepRequest, decode_layout
-from engine_ext.settings import Mode
-from engine_ext.writer import SpoolWriter
+from engine_ext.core.settings import Mode
+from engine_ext.core.writer import SpoolWriter
+from engine_ext.sglang.collect import Collector, ModelShape
+from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout
 from service.spool import Spool
 
 LAYERS, TOPK, EXPERTS, PROMPT = 8, 8, 64, 64  # the real-server benchmark's tiny Qwen3-MoE rows

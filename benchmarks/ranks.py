@@ -26,7 +26,7 @@ import httpx
 from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES, routing
 from benchmarks.stats import summary
-from engine_ext.collect import routed_experts_url
+from engine_ext.core.records import routed_experts_url
 from service.ranks import Place, fetch_rank
 from service.refs import RoutedExpertsRef, SidecarPool
 from service.spool import Spool

@@ -558,9 +558,9 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
             "Upstream: a real `BaseTopkCapturer` host cache and `ReqToTokenPool` (rows at scattered slots), "
             "`get_topk`, then the scheduler's msgpack encoder on the int32 tensor (what `send_output` does on the "
             "scheduler thread before ZMQ; the ZMQ copy itself is not counted). Ours: the plugin's finish-time path "
-            "`engine_ext.collect.Collector.finish` (route, `SpoolWriter.reserve`) + `end_step` (one batched slot "
-            "read, the gather, compaction to the MoE layers in the spool dtype, `SpoolWriter.submit`) on the same "
-            "host cache; the writer thread's file I/O is waited for outside the clock, and the record it wrote is "
+            "`engine_ext.sglang.collect.Collector.finish` (route, `SpoolWriter.reserve`) + `end_step` (one batched "
+            "slot read, the gather, compaction to the MoE layers in the spool dtype, `SpoolWriter.submit`) on the "
+            "same host cache; the writer thread's file I/O is waited for outside the clock, and the record it wrote is "
             "compared with the engine's rows. torch runs with one intra-op thread for both (on 2 shared cores its "
             "OpenMP pool only adds scheduling noise). Wall and thread-CPU medians are both shown.",
             "",

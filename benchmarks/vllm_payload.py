@@ -24,7 +24,7 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.utils.serial_utils import numpy2base64
 
 from benchmarks.vllm_server import BENCHMARKS, PAYLOAD_FRAGMENT, section, splice
-from engine_ext.settings import EngineSettings, Mode
+from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler
 
 SHAPES = {  # name: (layers, experts, topk)

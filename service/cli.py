@@ -1,4 +1,4 @@
-"""`r3-sidecar`: serve the sidecar, run it with the demo engine, fetch a record, or check an engine's budget.
+"""`r3-sidecar`: serve the sidecar, run it with the demo engine, or fetch a record (an engine's budget: `r3-budget`).
 
 Every `Settings` field is a flag (`--spool-dir`, `--auth-token`, …) as well as an `R3_*` variable; a flag
 wins over the environment. The heavy imports (uvicorn, the app) happen inside the commands that need them.
@@ -207,22 +207,6 @@ def _to_stdout(data: bytes) -> int:
     return 0
 
 
-# ---- budget -------------------------------------------------------------------------------------------
-
-
-def cmd_budget(args: argparse.Namespace) -> int:
-    try:
-        from engine_ext.budget_cli import main as budget_main
-    except ImportError as exc:
-        print(
-            f"r3-sidecar budget: the engine extension's budget check is not available ({exc}). "
-            "Install the engine extra: pip install 'r3-sidecar[engine]'",
-            file=sys.stderr,
-        )
-        return 2
-    return int(budget_main(list(args.sglang_args)) or 0)
-
-
 # ---- entry --------------------------------------------------------------------------------------------
 
 
@@ -257,12 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--token", help="bearer token (default: R3_AUTH_TOKEN)")
     fetch.add_argument("--timeout", type=float, default=30.0)
     fetch.set_defaults(func=cmd_fetch)
-
-    budget = sub.add_parser(
-        "budget", help="check an SGLang launch's buffer budget: r3-sidecar budget <sglang server args…>"
-    )
-    budget.add_argument("sglang_args", nargs=argparse.REMAINDER)
-    budget.set_defaults(func=cmd_budget)
     return parser
 
 
@@ -270,9 +248,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["budget"] and argv[1:2] not in (["-h"], ["--help"]):
-        # SGLang's own flags follow verbatim; argparse would try to read them as ours.
-        return cmd_budget(argparse.Namespace(sglang_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from service.spool import BudgetEntry, EngineReport, OccupancyEntry, RecordWriter, Spool, WriterCounters
+from service.engine_report import BudgetEntry, EngineReport, OccupancyEntry, WriterCounters
+from service.record_writer import RecordWriter
+from service.spool import Spool
 
 logger = logging.getLogger("r3_sidecar.demo")
 

@@ -1,6 +1,6 @@
 """When a sidecar with no one to serve exits by itself: beside engines that nothing else will stop.
 
-Why: on a Ray node the per-node sidecar has left the engine's process tree (`engine_ext/node_sidecar.py`), so
+Why: on a Ray node the per-node sidecar has left the engine's process tree (`engine_ext/core/node_sidecar.py`), so
 no kill of the job reaches it. It ends itself when (a) the process it was told to outlive no longer exists
 (`R3_EXIT_WITH_PID`: Ray's raylet, `RAY_RAYLET_PID`: the node left the cluster), or (b) no engine has
 reported for `R3_IDLE_EXIT_S` seconds and every record was acknowledged or expired (nothing is left to fetch).

@@ -25,8 +25,9 @@ from typing import Any
 
 import watchfiles
 
+from service.record_meta import RecordMeta, SpoolFormatError, safe_name
 from service.settings import Settings
-from service.spool import RecordMeta, Spool, SpoolFormatError, safe_name
+from service.spool import Spool
 
 log = logging.getLogger("r3.store")
 

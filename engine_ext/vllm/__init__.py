@@ -28,7 +28,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from engine_ext.settings import EngineSettings, Mode
+    from engine_ext.core.settings import EngineSettings, Mode
     from engine_ext.vllm.versions import refusal
 
     settings = EngineSettings()

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_ext.collect import moe_layer_ids
-from engine_ext.settings import EngineSettings
+from engine_ext.core.records import moe_layer_ids
+from engine_ext.core.settings import EngineSettings
 from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, status_of
 from service.responses import vllm_choice_rid

@@ -6,7 +6,7 @@ knows: rows trimmed past a stop string the detokenizer matched, the rows of an a
 client saw them (the worker emits one row more), and the client's request id (the engine only has a randomised
 one). The record is therefore vLLM's own inline array, by construction, prefix-cache hits included (those
 rows come from vLLM's block store before they reach this process). The event loop only reserves bytes and
-hands the array to `engine_ext.writer.SpoolWriter`'s thread; the files are written there.
+hands the array to `engine_ext.core.writer.SpoolWriter`'s thread; the files are written there.
 
 Modes (`R3_MODE`): `sidecar` drops the inline array once the spool has accepted the record (the response then
 carries `routed_experts_url` when `R3_SIDECAR_URL` is set); `mirror` keeps both; `off` does nothing. A refused
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from engine_ext.collect import routed_experts_url
-from engine_ext.settings import EngineSettings, Mode
-from engine_ext.telemetry import Sources, Telemetry
-from engine_ext.writer import Op, RecordSpec, SpoolWriter, spool_dtype, undelivered_reason
+from engine_ext.core.records import routed_experts_url
+from engine_ext.core.settings import EngineSettings, Mode
+from engine_ext.core.telemetry import Sources, Telemetry
+from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, spool_dtype, undelivered_reason
 
 log = logging.getLogger("r3_sidecar.vllm")
 

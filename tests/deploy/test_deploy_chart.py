@@ -669,8 +669,8 @@ def test_advertised_url_fetches_the_record_from_the_sidecar(scenario: str, spool
     import httpx
     from helpers import random_rows, write_record
 
-    from engine_ext.collect import routed_experts_url
-    from engine_ext.settings import EngineSettings
+    from engine_ext.core.records import routed_experts_url
+    from engine_ext.core.settings import EngineSettings
 
     v = _values(scenario_values(scenario))
     objects = render(scenario_values(scenario))

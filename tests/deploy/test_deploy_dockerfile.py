@@ -18,7 +18,7 @@ import pytest
 import yaml
 from deploy_render import CHART
 
-from engine_ext.versions import NEWEST as SUPPORTED_SGLANG
+from engine_ext.sglang.versions import NEWEST as SUPPORTED_SGLANG
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -118,7 +118,7 @@ def test_engine_stage_adds_only_the_plugin() -> None:
     (run,) = engine.all("RUN")
     assert "--constraint" in run and "pip list --format=freeze" in run, "SGLang's own package versions are frozen"
     assert "[engine]" in run and "--no-cache-dir" in run
-    assert "sglang.srt.plugins" in run and "engine_ext:register" in run
+    assert "sglang.srt.plugins" in run and "engine_ext.sglang:register" in run
     assert not engine.all("CMD") and not engine.all("ENTRYPOINT"), "SGLang's command line stays the image's own"
 
 
@@ -173,10 +173,10 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
         names = zf.namelist()
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert "service/spool.py" in names and "engine_ext/__init__.py" in names
+    assert "service/spool.py" in names and "engine_ext/sglang/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
     assert re.search(r"\[console_scripts\]\s*r3-sidecar = service\.cli:main", entry_points)
-    assert re.search(r"\[sglang\.srt\.plugins\]\s*r3_sidecar = engine_ext:register", entry_points)
+    assert re.search(r"\[sglang\.srt\.plugins\]\s*r3_sidecar = engine_ext.sglang:register", entry_points)
     assert f'Requires-Dist: sglang=={SUPPORTED_SGLANG}; extra == "engine-fresh"' in metadata
     assert re.search(r'Requires-Dist: sglang<=[\d.]+,>=0\.5\.12; extra == "engine"', metadata)
 

@@ -18,7 +18,7 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-from engine_ext.versions import supported
+from engine_ext.sglang.versions import supported
 
 pytestmark = pytest.mark.timeout(600)
 

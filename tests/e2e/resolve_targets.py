@@ -23,8 +23,8 @@ def missing(names: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from engine_ext.hooks import HOOKS
-    from engine_ext.versions import MATRIX
+    from engine_ext.sglang.hooks import HOOKS
+    from engine_ext.sglang.versions import MATRIX
 
     names = sorted({n for row in MATRIX.values() if row.plugin_mechanism for n in row.missing_names})
     targets = [hook.target for hook in HOOKS if "hip" not in hook.groups]

@@ -33,7 +33,8 @@ import httpx
 import numpy as np
 from tiny_weights import supports, write_weights
 
-from service.spool import RecordMeta, Spool
+from service.record_meta import RecordMeta
+from service.spool import Spool
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"

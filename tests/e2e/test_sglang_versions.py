@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
 
-from engine_ext.versions import MATRIX
+from engine_ext.sglang.versions import MATRIX
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 

@@ -36,7 +36,7 @@ def set_version(stack: Stack, version: str) -> None:
 
 
 def expected_positions(spans: list[dict], prompt_len: int) -> list[list]:
-    """SGLang's output-token spans as the positions of the rows each version routed (`engine_ext.weight_versions`)."""
+    """SGLang's output-token spans as the positions of the rows each version routed (`sglang/weight_versions.py`)."""
     return [[0 if s["start"] == 0 else prompt_len + s["start"] - 1, s["version"]] for s in spans]
 
 

@@ -27,7 +27,8 @@ import httpx
 import numpy as np
 from sglang_server import Process, free_port, spawn
 
-from service.spool import RecordMeta, Spool
+from service.record_meta import RecordMeta
+from service.spool import Spool
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

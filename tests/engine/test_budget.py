@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine_ext.budget import (
+from engine_ext.sglang.budget import (
     PLUGIN_CORRECTED,
     BudgetInputs,
     blocking_rows,
@@ -19,7 +19,7 @@ from engine_ext.budget import (
     format_table,
     refusal_message,
 )
-from engine_ext.budget_inputs import inputs_from_server_args
+from engine_ext.sglang.budget_inputs import inputs_from_server_args
 
 
 def rows_by_name(inputs: BudgetInputs) -> dict:

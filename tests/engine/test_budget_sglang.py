@@ -14,8 +14,8 @@ pytestmark = pytest.mark.sglang
 
 _RESOLVE = f"""
 import io, logging
-from engine_ext import hooks
-from engine_ext.settings import EngineSettings
+from engine_ext.sglang import hooks
+from engine_ext.core.settings import EngineSettings
 from sglang.srt.server_args import ServerArgs
 
 hooks.install_budget_hooks(EngineSettings())
@@ -77,7 +77,7 @@ _CLI = (
     _RESOLVE
     + f"""
 import contextlib, io, json
-from engine_ext.budget_cli import main
+from engine_ext.sglang.budget_cli import main
 
 def run(*argv):
     out, err = io.StringIO(), io.StringIO()

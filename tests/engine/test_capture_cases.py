@@ -303,8 +303,8 @@ def apply_capture_hooks() -> None:
     """The plugin's capture hooks through the real `HookRegistry`, over the synthetic model body."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from engine_ext import hooks
-    from engine_ext.settings import EngineSettings
+    from engine_ext.core.settings import EngineSettings
+    from engine_ext.sglang import hooks
 
     HookRegistry.reset()
     HookRegistry.register(
@@ -379,7 +379,7 @@ def _capacity_from_published_config() -> int:
 
 
 def child_main() -> dict:
-    from engine_ext.capturer import occupancy_snapshot
+    from engine_ext.sglang.capturer import occupancy_snapshot
 
     results = {case.name: {"upstream": _run_case(case, patched=False)} for case in CASES}
     cutedsl_upstream = _cutedsl_tokens()

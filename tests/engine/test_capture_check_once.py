@@ -42,8 +42,8 @@ def child_main() -> dict:
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
     from sglang_env import publish_args, tiny_model_config
 
-    from engine_ext import hooks, timers
-    from engine_ext.settings import EngineSettings
+    from engine_ext.core.settings import EngineSettings
+    from engine_ext.sglang import hooks, timers
 
     HookRegistry.reset()
     HookRegistry.register(

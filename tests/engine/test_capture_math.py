@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine_ext import capturer
-from engine_ext.capturer import CaptureLimits, CaptureOverflowError, Occupancy, device_rows
-from engine_ext.slicing import DecodeGraphExtent, LocalSlice, local_slice
+from engine_ext.sglang import capturer
+from engine_ext.sglang.capturer import CaptureLimits, CaptureOverflowError, Occupancy, device_rows
+from engine_ext.sglang.slicing import DecodeGraphExtent, LocalSlice, local_slice
 
 # ---- slicing ---------------------------------------------------------------------------------------------
 

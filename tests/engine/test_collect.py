@@ -6,8 +6,9 @@ import pytest
 import torch
 from sglang_env import run_sglang
 
-from engine_ext.collect import Route, StepGather, choose_route, moe_layer_ids, routed_experts_url, row_range
-from engine_ext.settings import Mode
+from engine_ext.core.records import moe_layer_ids, routed_experts_url
+from engine_ext.core.settings import Mode
+from engine_ext.sglang.collect import Route, StepGather, choose_route, row_range
 
 
 def test_row_range_matches_get_topk_clamp():
@@ -81,9 +82,9 @@ from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext import hooks
-from engine_ext.delivery import PROCESS, Contained
-from engine_ext.settings import EngineSettings
+from engine_ext.sglang import hooks
+from engine_ext.sglang.delivery import PROCESS, Contained
+from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
 
 import os
@@ -308,8 +309,8 @@ def test_a_reused_rid_replaces_the_old_record_at_arrival(tmp_path):
     """verl resumes under the same rid: the old record must not be readable as the new request's once it arrives."""
     import numpy as np
 
-    from engine_ext.collect import Collector, Finished, ModelShape
-    from engine_ext.writer import Op, RecordSpec, SpoolWriter
+    from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+    from engine_ext.sglang.collect import Collector, Finished, ModelShape
     from service.spool import Spool
 
     writer = SpoolWriter(tmp_path, engine="t/dp0").start()

@@ -33,9 +33,9 @@ def child_main(device: str, spool: str) -> dict:
     from sglang_env import publish_args, tiny_model_config
     from syncguard import ForbidHostReads, HostReadError, cuda_sync_errors
 
-    from engine_ext import hooks
-    from engine_ext.delivery import PROCESS
-    from engine_ext.settings import EngineSettings
+    from engine_ext.core.settings import EngineSettings
+    from engine_ext.sglang import hooks
+    from engine_ext.sglang.delivery import PROCESS
 
     aten = torch.ops.aten
 

@@ -7,12 +7,13 @@ import time
 import numpy as np
 import pytest
 
-from engine_ext import capturer
-from engine_ext.budget import BudgetInputs, budget_rows
-from engine_ext.telemetry import Sources, Telemetry
-from engine_ext.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.core.telemetry import Sources, Telemetry
+from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.sglang import capturer
+from engine_ext.sglang.budget import BudgetInputs, budget_rows
+from service.engine_report import EngineReportError, validate_engine_report
 from service.metrics import engine_families
-from service.spool import EngineReportError, Spool, validate_engine_report
+from service.spool import Spool
 
 
 def _telemetry(tmp_path, writer: SpoolWriter, **sources) -> Telemetry:

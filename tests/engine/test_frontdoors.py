@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from engine_ext.frontdoors import (
+from engine_ext.core.settings import Mode
+from engine_ext.sglang.frontdoors import (
     PointerStream,
     delivery_report,
     effective_mode,
@@ -13,7 +14,6 @@ from engine_ext.frontdoors import (
     pointer_unreachable,
     sglext_pointer,
 )
-from engine_ext.settings import Mode
 
 
 def chunk(obj: dict) -> str:

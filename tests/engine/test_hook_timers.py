@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_ext import timers
+from engine_ext.sglang import timers
+from service.engine_report import EngineReport, EngineReportError
 from service.metrics import engine_families
-from service.spool import EngineReport, EngineReportError
 
 
 class StepClock:

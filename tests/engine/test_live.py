@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from sglang_env import run_sglang
 
-from engine_ext.live import decode_layout, extend_layout, verify_layout, wants_live
+from engine_ext.sglang.live import decode_layout, extend_layout, verify_layout, wants_live
 
 
 def test_layouts():
@@ -28,10 +28,10 @@ def test_opt_in():
 def test_a_request_that_stops_appearing_is_forgotten(tmp_path):
     import torch
 
-    from engine_ext.collect import Collector, ModelShape
-    from engine_ext.live import LiveRows
-    from engine_ext.settings import Mode
-    from engine_ext.writer import SpoolWriter
+    from engine_ext.core.settings import Mode
+    from engine_ext.core.writer import SpoolWriter
+    from engine_ext.sglang.collect import Collector, ModelShape
+    from engine_ext.sglang.live import LiveRows
     from service.spool import Spool
 
     writer = SpoolWriter(tmp_path).start()
@@ -65,9 +65,9 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext import hooks
-from engine_ext.delivery import PROCESS
-from engine_ext.settings import EngineSettings
+from engine_ext.sglang import hooks
+from engine_ext.sglang.delivery import PROCESS
+from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
 
 SPOOL = os.environ["R3_TEST_SPOOL"]

@@ -12,10 +12,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from engine_ext.collect import Collector, Finished, ModelShape
-from engine_ext.live import LiveRows, StepRequest, decode_layout, extend_layout
-from engine_ext.settings import Mode
-from engine_ext.writer import SpoolWriter
+from engine_ext.core.settings import Mode
+from engine_ext.core.writer import SpoolWriter
+from engine_ext.sglang.collect import Collector, Finished, ModelShape
+from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout, extend_layout
 from service.spool import Spool
 
 EXPERTS, LAYERS, TOPK, PROMPT = 8, 3, 2, 4

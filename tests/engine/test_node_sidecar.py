@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 from helpers import REPO
 
-from engine_ext.node_sidecar import INFO_NAME, routable_host
+from engine_ext.core.node_sidecar import INFO_NAME, routable_host
 from service.spool import Spool
 
 ENSURE = (
-    "import os, sys, json; from pathlib import Path; from engine_ext.node_sidecar import ensure; "
+    "import os, sys, json; from pathlib import Path; from engine_ext.core.node_sidecar import ensure; "
     "s = ensure(Path(sys.argv[1]), idle_s=float(sys.argv[2])); "
     "os.write(1, (json.dumps([s.pid, s.url]) + '\\n').encode())  # one write: lines of concurrent engines never mix"
 )

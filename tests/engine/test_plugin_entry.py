@@ -22,7 +22,7 @@ CAPTURE_TARGETS = [
 
 def test_editable_install_declares_the_entry_point() -> None:
     (ep,) = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "r3_sidecar"]
-    assert ep.value == "engine_ext:register"
+    assert ep.value == "engine_ext.sglang:register"
     assert ep.dist is not None and ep.dist.name == "r3-sidecar"
     installed = [d.read_text("direct_url.json") for d in distributions(name="r3-sidecar")]  # pip's record
     (direct_url,) = [json.loads(text) for text in installed if text]
@@ -88,7 +88,7 @@ md.version = lambda name: "0.5.22" if name == "sglang" else _real(name)
 @pytest.mark.sglang
 def test_the_hook_table_has_one_row_per_target_each_naming_a_hook_of_this_module() -> None:
     (rows,) = run_sglang(
-        "from engine_ext import hooks\n"
+        "from engine_ext.sglang import hooks\n"
         "emit([[h.target, h.function, list(h.groups), callable(getattr(hooks, h.function, None))]\n"
         "      for h in hooks.HOOKS])"
     )

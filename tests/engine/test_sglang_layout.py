@@ -33,9 +33,9 @@ from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext import hooks
-from engine_ext.delivery import PROCESS
-from engine_ext.settings import EngineSettings
+from engine_ext.sglang import hooks
+from engine_ext.sglang.delivery import PROCESS
+from engine_ext.core.settings import EngineSettings
 
 SPOOL, OUT = os.environ["R3_TEST_SPOOL"], os.environ["R3_TEST_OUT"]
 CHUNK = 4096

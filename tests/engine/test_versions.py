@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.versions import GROUPS, MATRIX, NEWEST, Seed, Upstream, support, supported
+from engine_ext.sglang.versions import GROUPS, MATRIX, NEWEST, Seed, Upstream, support, supported
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "versions.md"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_ext.weight_versions import record_weights
+from engine_ext.sglang.weight_versions import record_weights
 
 sglang_weights = pytest.importorskip("sglang.srt.utils.weight_versions")
 

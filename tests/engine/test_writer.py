@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_ext.writer import (
+from engine_ext.core.writer import (
     NOT_WRITABLE,
     QUEUE_FULL,
     SPOOL_FULL,
@@ -315,9 +315,9 @@ def test_usage_counts_written_bytes_until_rescan(tmp_path):
 def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypatch):
     import shutil
 
-    import engine_ext.writer
+    import engine_ext.core.writer
 
-    monkeypatch.setattr(engine_ext.writer, "USAGE_REFRESH_S", 3600.0)  # probes only when this test says so
+    monkeypatch.setattr(engine_ext.core.writer, "USAGE_REFRESH_S", 3600.0)  # probes only when this test says so
     writer = SpoolWriter(tmp_path / "spool").start()
     spec = _spec("x")
     shutil.rmtree(tmp_path / "spool")  # the spool vanished under the engine
@@ -334,7 +334,7 @@ def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypat
 
 
 def test_metadata_and_pages_count_toward_the_reservation(tmp_path):
-    from engine_ext.writer import META_ESTIMATE_BYTES
+    from engine_ext.core.writer import META_ESTIMATE_BYTES
 
     writer = SpoolWriter(tmp_path, max_bytes=2 * (1000 + META_ESTIMATE_BYTES) - 1)
     assert writer.reserve(1000) is None  # the rows and the new record's metadata file
@@ -346,7 +346,7 @@ def test_metadata_and_pages_count_toward_the_reservation(tmp_path):
 
 
 def test_the_records_are_scanned_only_under_a_cap_and_no_more_often_than_their_cost_allows(tmp_path, monkeypatch):
-    from engine_ext.writer import USAGE_SCAN_CPU_SHARE
+    from engine_ext.core.writer import USAGE_SCAN_CPU_SHARE
 
     scans: list[float] = []
 

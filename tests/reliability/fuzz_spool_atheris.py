@@ -15,9 +15,10 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 with atheris.instrument_imports():
-    from service.spool import Spool, SpoolFormatError, safe_name
-
+    from service.spool import Spool
 from spool_cases import check_read, seed_corpus
+
+from service.record_meta import SpoolFormatError, safe_name
 
 SPOOL = Spool(tempfile.mkdtemp(prefix="r3-atheris-"))
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--engine-writer",
         action="store_true",
-        help="hand rows to engine_ext.writer.SpoolWriter (the scheduler's path) instead of RecordWriter",
+        help="hand rows to engine_ext.core.writer.SpoolWriter (the scheduler's path) instead of RecordWriter",
     )
     args = ap.parse_args(argv)
 
@@ -94,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _engine_writer(spool_dir: str):
-    from engine_ext.writer import SpoolWriter
+    from engine_ext.core.writer import SpoolWriter
 
     return SpoolWriter(spool_dir, engine=f"rel/{os.getpid()}").start()
 
 
 def _via_engine_writer(writer, rid: str, rows, chunk: int, pace: float) -> None:
     """The live-rows path of the engine: an open op, one op per block of rows, a final op; never blocking."""
-    from engine_ext.writer import Op, RecordSpec
+    from engine_ext.core.writer import Op, RecordSpec
 
     spec = RecordSpec(
         rid=rid,

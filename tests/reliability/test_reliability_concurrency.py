@@ -24,7 +24,7 @@ from r3_harness import LAYERS, NUM_HIDDEN_LAYERS, TOPK, expected_rows, read_ledg
 from service.client import RoutedExpertsClient
 
 WRITERS = {"c0": 16, "c1": 40, "c2": 64, "c3": 100}  # prefix -> rows per record
-ENGINE_WRITERS = {"c1", "c3"}  # these go through engine_ext.writer.SpoolWriter's thread, the others RecordWriter
+ENGINE_WRITERS = {"c1", "c3"}  # these go through engine_ext.core.writer.SpoolWriter's thread, the others RecordWriter
 PER_WRITER = 15
 READERS = 6
 

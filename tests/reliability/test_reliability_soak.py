@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 DURATION = float(os.environ.get("R3_SOAK_S", "600"))
 FETCH_WRITERS = {"sf0": 1024, "sf1": 256, "sf2": 16384}  # prefix -> rows per record (16k rows: a long rollout)
 STREAM_WRITERS = {"ss0": 128, "ss1": 128}  # paced: rows arrive in blocks while trainers stream them
-ENGINE_WRITERS = {"sf1", "ss1"}  # through engine_ext.writer.SpoolWriter's thread; the others RecordWriter
+ENGINE_WRITERS = {"sf1", "ss1"}  # through engine_ext.core.writer.SpoolWriter's thread; the others RecordWriter
 MAX_RECORDS = 64
 SAMPLE_S = 5.0
 

@@ -1,6 +1,6 @@
 """Item 2: the spool is full.
 
-The engine writer (`engine_ext.writer.SpoolWriter`, used directly as the scheduler hook uses it) refuses the
+The engine writer (`engine_ext.core.writer.SpoolWriter`, used directly as the scheduler hook uses it) refuses the
 reservation, so the request keeps SGLang's inline payload and `fallback_inline` counts it; no partial record is
 ever served as final while that happens; and once trainers acknowledge (DELETE), reservations succeed again.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
 
-from engine_ext.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
+from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
 from service.spool import Spool
 
 ROWS = 64
@@ -236,12 +236,12 @@ def test_real_enospc_loses_no_accepted_request(make_sidecar, tmp_path):
 
 
 def test_finish_path_keeps_inline_when_the_spool_refuses(make_sidecar, spool_dir):
-    """The engine's own finish-time path (`engine_ext.collect.Collector`: reserve, route, batched slot gather,
+    """The engine's own finish-time path (`engine_ext.sglang.collect.Collector`: reserve, route, batched slot gather,
     hand-off) over a host cache on CPU: refused requests are routed INLINE (SGLang keeps their payload) and
     counted; accepted ones are routed SPOOL and served exact."""
     torch = pytest.importorskip("torch")
-    from engine_ext.collect import Collector, Finished, ModelShape, Route
-    from engine_ext.settings import Mode
+    from engine_ext.core.settings import Mode
+    from engine_ext.sglang.collect import Collector, Finished, ModelShape, Route
 
     n_req, seqlen = 30, ROWS + 1  # a finished request returns seqlen - 1 rows
     side = make_sidecar(spool_dir, env={"R3_SPOOL_MAX_BYTES": str(CAPACITY)})

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_service_modules_import_no_engine_ext() -> None:
-    """`r3-sidecar` runs in a sidecar image without SGLang: only `r3-sidecar budget` reaches `engine_ext`, when run."""
+    """`r3-sidecar` runs in a sidecar image without SGLang: the budget check is the engine side's `r3-budget`."""
     code = (
         "import sys\n"
         "import service.api, service.cli, service.client, service.demo, service.metrics, service.stream\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import live_server, write_record
 
-from engine_ext.settings import EngineSettings
+from engine_ext.core.settings import EngineSettings
 from service.cli import _settings, build_parser, main
 from service.settings import Settings
 from service.spool import Spool
@@ -57,19 +56,6 @@ def test_settings_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch
     s = _settings(args)
     assert (s.port, s.ttl_s, s.spool_dir, s.auth_token) == (9200, 60.0, tmp_path, "t")
     assert main(["serve", "--port", "not-a-port"]) == 2
-
-
-def test_budget_passes_sglang_args_through(capsys: pytest.CaptureFixture[str]) -> None:
-    """SGLang's own flags reach `engine_ext.budget_cli` verbatim (argparse here must not eat them)."""
-    argv = ["budget", "--json", "--model-path", "dummy", "--chunked-prefill-size", "8192"]
-    code = main(argv)
-    captured = capsys.readouterr()
-    if importlib.util.find_spec("engine_ext.budget_cli") is None:
-        assert code == 2 and "not available" in captured.err
-        return
-    assert "not available" not in captured.err
-    assert code in (0, 1), captured.err
-    assert "ok" in json.loads(captured.out)
 
 
 def test_readme_opens_with_two_commands_and_documents_every_setting() -> None:

@@ -1,7 +1,7 @@
 """Contract 4 against real sidecars: every SGLang response shape → refs → the record's rows.
 
-Two sidecars (threaded uvicorn on 127.0.0.1), each over its own real spool, stand for two pods. The response
-shapes are built with the engine's own code (`engine_ext.frontdoors`, `engine_ext.collect.routed_experts_url`),
+Two sidecars (threaded uvicorn on 127.0.0.1), each over its own real spool, stand for two pods. The response shapes
+are built with the engine's own code (`engine_ext.sglang.frontdoors`, `engine_ext.core.records.routed_experts_url`),
 and SGLang's inline string is the sidecar's `format=sglang_b64`, itself tested byte-identical to SGLang 0.5.23's
 encoder (tests/engine/test_sglang_layout.py).
 """
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from helpers import live_server
 
-from engine_ext.collect import routed_experts_url
-from engine_ext.frontdoors import PointerStream, sglext_pointer
+from engine_ext.core.records import routed_experts_url
+from engine_ext.sglang.frontdoors import PointerStream, sglext_pointer
 from service.client import (
     BadRequest,
     R3Error,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import live_server
 
-from engine_ext.collect import routed_experts_url
+from engine_ext.core.records import routed_experts_url
 from service.client import RoutedExpertsRef
 from service.ranks import Place, cp_tokens, fetch_rank, layers_param, stage_layers
 from service.refs import SidecarPool

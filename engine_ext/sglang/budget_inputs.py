@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from engine_ext.budget import ENV_CAPS, BudgetInputs, flashinfer_a2a_capacity
+from engine_ext.sglang.budget import ENV_CAPS, BudgetInputs, flashinfer_a2a_capacity
 
 
 def flashinfer_workspace_bytes(i: BudgetInputs, max_num_tokens: int) -> int | None:

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from engine_ext.core.settings import EngineSettings
+from service.files import atomic_write
 from service.lifetime import register_client
-from service.spool import atomic_write
 
 log = logging.getLogger("r3_sidecar")
 
@@ -160,7 +161,7 @@ def _spawn_detached(fd: int, spool: Path, idle_s: float, env: dict[str, str], lo
     env.update({"R3_SPOOL_DIR": str(spool), "R3_IDLE_EXIT_S": str(idle_s)})
     if raylet := env.get("RAY_RAYLET_PID"):  # under Ray: end with this node's raylet (the cluster went away)
         env.setdefault("R3_EXIT_WITH_PID", raylet)
-    cmd = [sys.executable, "-m", "engine_ext.node_sidecar", str(fd), str(log_path), sys.executable]
+    cmd = [sys.executable, "-m", "engine_ext.core.node_sidecar", str(fd), str(log_path), sys.executable]
     cmd += ["-m", "service.cli", "serve", "--fd", str(fd), "--spool-dir", str(spool)]
     out = subprocess.run(cmd, env=env, pass_fds=(fd,), capture_output=True, start_new_session=True, timeout=30)
     if out.returncode != 0:
@@ -187,3 +188,20 @@ def _detach_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _detach_main(sys.argv[1:])
+
+
+def with_node_sidecar(settings: EngineSettings) -> EngineSettings:
+    """`R3_SIDECAR=auto`: the node's sidecar started or found, and its URL as `R3_SIDECAR_URL` (unless set)."""
+    if settings.sidecar != "auto" or settings.sidecar_url:
+        return settings
+    try:
+        found = ensure(
+            settings.spool_dir,
+            advertise=settings.advertise_host,
+            port=settings.sidecar_port,
+            idle_s=settings.sidecar_idle_s,
+        )
+    except (OSError, RuntimeError) as exc:  # delivery goes on: records reach the spool, responses keep rows inline
+        log.error("r3-sidecar: R3_SIDECAR=auto could not start or find the node's sidecar: %s", exc)
+        return settings
+    return settings.model_copy(update={"sidecar_url": found.url})

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Buffer names as the budget table (`engine_ext.budget`) and the engine file's `occupancy` list spell them.
+# Buffer names as the budget table (`engine_ext.sglang.budget`) and the engine file's `occupancy` list spell them.
 DEVICE_CACHE = "routed_experts.device_cache"
 GATHER_BUFFER = "routed_experts.gather_buffer"  # DeepEP: device rows × attn_tp, so it follows DEVICE_CACHE
 CUTEDSL_MOE_WRAPPER = "cutedsl_moe.wrapper"  # N × cutedsl_moe_max_num_tokens(), which the plugin replaces

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from service.spool import EngineReport, EngineReportError, Spool, WriterCounters
+from service.engine_report import EngineReport, EngineReportError, WriterCounters
+from service.spool import Spool
 
 logger = logging.getLogger("r3_sidecar.telemetry")
 

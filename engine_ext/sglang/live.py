@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from engine_ext.collect import Finished, to_spool_rows
-from engine_ext.writer import Op, RecordSpec
+from engine_ext.core.writer import Op, RecordSpec
+from engine_ext.sglang.collect import Finished, to_spool_rows
 
 if TYPE_CHECKING:
-    from engine_ext.collect import Collector
+    from engine_ext.sglang.collect import Collector
 
 LIVE_PARAM = "r3_live_rows"
 FORGET_AFTER_STEPS = 4096

@@ -19,18 +19,17 @@ to SGLang's `[start_len, seqlen - 1)` rows.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import quote
 
 import numpy as np
 import torch
 
-from engine_ext.settings import Mode
-from engine_ext.weight_versions import Span, record_weights
-from engine_ext.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
-from service.spool import Weights
+from engine_ext.core.settings import Mode
+from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
+from engine_ext.sglang.weight_versions import Span, record_weights
+from service.record_meta import Weights
 
 
 def row_range(start_len: int, seqlen: int) -> tuple[int, int]:
@@ -39,23 +38,6 @@ def row_range(start_len: int, seqlen: int) -> tuple[int, int]:
         raise ValueError(f"start_len={start_len} must be non-negative")
     hi = max(seqlen - 1, 0)
     return min(start_len, hi), hi
-
-
-def moe_layer_ids(
-    num_layers: int,
-    *,
-    first_k_dense: int = 0,
-    sparse_step: int = 1,
-    mlp_only: Iterable[int] = (),
-) -> tuple[int, ...]:
-    """Model layers that route (DESIGN: dense layers are not stored), from the HF config's own fields.
-
-    `first_k_dense` (DeepSeek `first_k_dense_replace`), `sparse_step` and `mlp_only` (Qwen-MoE
-    `decoder_sparse_step`, `mlp_only_layers`): a layer is kept unless one of them makes it dense.
-    """
-    dense = set(mlp_only)
-    step = max(int(sparse_step or 1), 1)
-    return tuple(i for i in range(num_layers) if i >= first_k_dense and i not in dense and (i + 1) % step == 0)
 
 
 # ---- the spool-or-inline decision ------------------------------------------------------------------
@@ -428,8 +410,3 @@ class Collector:
             self._ready.clear()
             if self.gather.inflight():
                 self._ready.set()
-
-
-def routed_experts_url(base: str, rid: str) -> str:
-    """The pointer a response carries: `<R3_SIDECAR_URL>/routed_experts/<percent-encoded rid>`."""
-    return f"{base.rstrip('/')}/routed_experts/{quote(rid, safe='')}"

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from engine_ext.collect import routed_experts_url
-from engine_ext.settings import Mode
+from engine_ext.core.records import routed_experts_url
+from engine_ext.core.settings import Mode
 
 MULTI_TOKENIZER = (
     "--tokenizer-worker-num {n} > 1: SGLang does not load plugins in its tokenizer worker processes, which "

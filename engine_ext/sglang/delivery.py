@@ -5,7 +5,7 @@ and SGLang calls hooks as plain functions. So the process holds one `Process` (`
 set at `install`, and the `Delivery` created from them, once, at the first batch result that has a capturer.
 Everything here takes plain values; `hooks.py` reads them off SGLang's objects.
 
-    from engine_ext.delivery import PROCESS
+    from engine_ext.sglang.delivery import PROCESS
     delivery = PROCESS.current(build)   # None until the settings ask for delivery and a capturer exists
     with Contained("finish"):           # an error is logged once per place; SGLang's own path goes on
         ...
@@ -23,13 +23,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine_ext import frontdoors
-from engine_ext.collect import Collector, ModelShape
-from engine_ext.live import LiveRows, wants_live
-from engine_ext.settings import EngineSettings
-from engine_ext.telemetry import Sources, Telemetry
-from engine_ext.timers import TIMERS
-from engine_ext.writer import SpoolWriter, spool_dtype
+from engine_ext.core.settings import EngineSettings
+from engine_ext.core.telemetry import Sources, Telemetry
+from engine_ext.core.writer import SpoolWriter, spool_dtype
+from engine_ext.sglang import frontdoors
+from engine_ext.sglang.collect import Collector, ModelShape
+from engine_ext.sglang.live import LiveRows, wants_live
+from engine_ext.sglang.timers import TIMERS
 
 log = logging.getLogger("r3_sidecar")
 

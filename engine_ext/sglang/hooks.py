@@ -4,13 +4,13 @@ How it works. SGLang's `HookRegistry` (`srt/plugins/hook_registry.py`) patches a
 process that loads plugins: an AROUND hook is called as `hook(original, *args, **kwargs)` and decides when to
 call `original`; a REPLACE hook takes the target's place. `install(settings)` registers the rows of `HOOKS`
 below that the settings ask for, one hook per target; SGLang applies them right after (`register()` in
-`engine_ext/__init__.py` is the entry point). Hooks read SGLang's objects into plain values; everything they
+`engine_ext/sglang/__init__.py` is the entry point). Hooks read SGLang's objects into plain values; everything they
 compute is plain functions of those (`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`,
 `frontdoors`), testable without SGLang, and the process's delivery state is one object (`delivery.PROCESS`).
 
 Usage, e.g. to see what a launch registers:
 
-    from engine_ext import hooks
+    from engine_ext.sglang import hooks
     for hook in hooks.HOOKS: print(hook.groups, hook.type.name, hook.target)
 
 The budget check is not a `HookRegistry` target: it runs at the last ServerArgs resolution step
@@ -24,12 +24,13 @@ from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from engine_ext import capturer, frontdoors, slicing, timers
-from engine_ext.collect import Finished, ModelShape, Route, moe_layer_ids
-from engine_ext.delivery import PROCESS, Contained, Delivery, HostCache, Placement
-from engine_ext.live import StepRequest, decode_layout, extend_layout, verify_layout
-from engine_ext.settings import EngineSettings, Mode
-from engine_ext.timers import TIMERS, timed
+from engine_ext.core.records import moe_layer_ids
+from engine_ext.core.settings import EngineSettings, Mode
+from engine_ext.sglang import capturer, frontdoors, slicing, timers
+from engine_ext.sglang.collect import Finished, ModelShape, Route
+from engine_ext.sglang.delivery import PROCESS, Contained, Delivery, HostCache, Placement
+from engine_ext.sglang.live import StepRequest, decode_layout, extend_layout, verify_layout
+from engine_ext.sglang.timers import TIMERS, timed
 
 _RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
@@ -412,8 +413,8 @@ def _check_budget_at_resolution(settings: EngineSettings, server_args, previous)
     """Run the built-in step, then log the table; under `R3_BUDGET=enforce` refuse a blocking shortfall."""
     import logging
 
-    from engine_ext.budget import blocking_rows, format_table, refusal_message
-    from engine_ext.settings import BudgetPolicy
+    from engine_ext.core.settings import BudgetPolicy
+    from engine_ext.sglang.budget import blocking_rows, format_table, refusal_message
 
     previous(server_args)
     log = logging.getLogger("r3_sidecar")
@@ -435,8 +436,8 @@ def _check_layout(settings: EngineSettings, server_args) -> None:
 
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from engine_ext.frontdoors import layout_refusal
-    from engine_ext.settings import BudgetPolicy
+    from engine_ext.core.settings import BudgetPolicy
+    from engine_ext.sglang.frontdoors import layout_refusal
 
     workers = int(getattr(resolving_view(server_args), "tokenizer_worker_num", 1) or 1)
     refusal = layout_refusal(
@@ -451,7 +452,7 @@ def _check_layout(settings: EngineSettings, server_args) -> None:
 
 def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | None = None) -> str | None:
     """Why this launch's responses cannot carry `routed_experts_url` (None: they can, or none is configured)."""
-    from engine_ext.frontdoors import pointer_unreachable
+    from engine_ext.sglang.frontdoors import pointer_unreachable
 
     if not settings.sidecar_url:  # no pointer anywhere: trainers fetch by rid from a sidecar they know
         return None
@@ -468,8 +469,8 @@ def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | N
 
 def budget_table(server_args) -> list:
     """Budget rows of a `ServerArgs` under resolution or resolved (model config read when the path has one)."""
-    from engine_ext.budget import budget_rows
-    from engine_ext.budget_inputs import inputs_from_server_args
+    from engine_ext.sglang.budget import budget_rows
+    from engine_ext.sglang.budget_inputs import inputs_from_server_args
 
     return budget_rows(inputs_from_server_args(server_args, _budget_model_config(server_args)))
 
@@ -491,7 +492,7 @@ def _budget_model_config(server_args):
 def install_delivery_hooks(settings: EngineSettings) -> None:
     """Deliver finished (and, when asked, live) rows to the spool without blocking the scheduler.
 
-    Scheduler process: the `Delivery` of `engine_ext/delivery.py`, built at the first batch result (other
+    Scheduler process: the `Delivery` of `engine_ext/sglang/delivery.py`, built at the first batch result (other
     processes never build it). Main process: the `routed_experts_url` pointer in `meta_info` and `sglext`
     when `R3_SIDECAR_URL` is set.
     """
@@ -510,7 +511,7 @@ def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
 
     from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
-    from engine_ext.capturer import occupancy_snapshot
+    from engine_ext.sglang.capturer import occupancy_snapshot
 
     experts = get_global_experts_capturer()
     if experts is None:
@@ -845,7 +846,7 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
 
 def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     """Runs once per output right after `meta_info` is complete: add `routed_experts_url`."""
-    from engine_ext.collect import routed_experts_url
+    from engine_ext.core.records import routed_experts_url
 
     settings = PROCESS.settings
     wanted = _pointer_rids.get()

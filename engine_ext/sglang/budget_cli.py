@@ -1,4 +1,4 @@
-"""`r3-sidecar budget <sglang server args…>`: the buffer budget table of a launch, before launching it.
+"""`r3-budget <sglang server args…>`: the buffer budget table of a launch, before launching it.
 
 Parses the arguments with SGLang's own parser (`ServerArgs.add_cli_args` / `from_cli_args`), resolves them on
 this machine (`--device` defaults to cpu, so no accelerator is needed) and prints the same rows the
@@ -15,14 +15,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from engine_ext.budget import BudgetRow, blocking_rows
+from engine_ext.sglang.budget import BudgetRow, blocking_rows
 
 
 def _parser():
     from sglang.srt.server_args import ServerArgs
 
     parser = argparse.ArgumentParser(
-        prog="r3-sidecar budget",
+        prog="r3-budget",
         description="Check an SGLang 0.5.23 launch's buffer budget offline (same arguments as `sglang serve`).",
         allow_abbrev=False,
     )
@@ -77,10 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_args = server_args_cls.from_cli_args(args)
         server_args.resolve_once()
     except Exception as exc:  # SGLang's own validation: report it, do not crash with a traceback
-        print(f"r3-sidecar budget: SGLang rejects these arguments: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"r3-budget: SGLang rejects these arguments: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
-    from engine_ext.hooks import budget_table
+    from engine_ext.sglang.hooks import budget_table
 
     rows = budget_table(server_args)
     blocking = blocking_rows(rows)

@@ -15,8 +15,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine_ext.capturer import CORRECTED_BUFFERS as PLUGIN_CORRECTED  # buffers the capture hooks size themselves
-from engine_ext.capturer import CaptureLimits, device_rows
+from engine_ext.sglang.capturer import (
+    CORRECTED_BUFFERS as PLUGIN_CORRECTED,  # buffers the capture hooks size themselves
+)
+from engine_ext.sglang.capturer import CaptureLimits, device_rows
 
 MRR_ESTIMATE = 4096  # upper end of SGLang's per-worker estimate when --max-running-requests is unset
 DEEPEP_LL_HARD_CAP = 1024  # deepep.py:409 asserts the low-latency cap <= 1024 (FINISHED_SUM_TAG)
@@ -604,7 +606,7 @@ def refusal_message(rows: Iterable[BudgetRow]) -> str:
         f"{r.buffer}: demand {r.demand} {r.unit} > capacity {r.capacity}. Set {r.fix or 'n/a'}. ({r.formula})"
         for r in blocking_rows(rows)
     ]
-    return "r3-sidecar budget (R3_BUDGET=enforce) refuses to start:\n  " + "\n  ".join(lines)
+    return "r3-sidecar (R3_BUDGET=enforce) refuses to start:\n  " + "\n  ".join(lines)
 
 
 def format_table(rows: Iterable[BudgetRow]) -> str:

@@ -1,0 +1,41 @@
+"""r3-sidecar's SGLang plugin: correct routed-experts capture, budget checks, and spool delivery.
+
+SGLang calls `register()` through the `sglang.srt.plugins` entry point in each of its processes; it only
+registers hooks with `HookRegistry`, which SGLang applies right after.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("r3_sidecar")
+
+
+def register() -> None:
+    """Entry point: register every hook where `versions.support` says the plugin is proven, else none, loudly.
+
+    Under `R3_BUDGET=enforce` an unsupported SGLang stops the start (`SystemExit`: SGLang's plugin loader
+    catches `Exception` only) with the one message naming the version.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    from engine_ext.core.settings import BudgetPolicy, EngineSettings
+    from engine_ext.sglang.versions import support
+
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        found = None
+    plan = support(found)
+    settings = EngineSettings()
+    if not plan.full:
+        message = f"r3-sidecar: {plan.reason}"
+        if settings.budget is BudgetPolicy.ENFORCE:
+            raise SystemExit(f"{message}; refusing to start (R3_BUDGET=enforce)")
+        logger.error(message)
+        return
+
+    from engine_ext.core.node_sidecar import with_node_sidecar
+    from engine_ext.sglang import hooks
+
+    hooks.install(with_node_sidecar(settings))
