@@ -175,7 +175,11 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "service/spool.py" in names and "engine_ext/sglang/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
-    assert re.search(r"\[console_scripts\]\s*r3-sidecar = service\.cli:main", entry_points)
+    assert re.search(
+        r"\[console_scripts\]\s*r3-budget = engine_ext\.sglang\.budget_cli:main\s*r3-sidecar = service\.cli:main",
+        entry_points,
+    )
+    assert re.search(r"\[vllm\.general_plugins\]\s*r3_sidecar = engine_ext\.vllm:register", entry_points)
     assert re.search(r"\[sglang\.srt\.plugins\]\s*r3_sidecar = engine_ext.sglang:register", entry_points)
     assert f'Requires-Dist: sglang=={SUPPORTED_SGLANG}; extra == "engine-fresh"' in metadata
     assert re.search(r'Requires-Dist: sglang<=[\d.]+,>=0\.5\.12; extra == "engine"', metadata)
