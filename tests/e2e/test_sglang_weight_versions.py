@@ -102,7 +102,8 @@ def test_a_request_spanning_an_update_records_where_the_version_changed(stack: S
             assert 0 < want[1][0] < meta.end
             inline = stack.inline_rows(response)
             np.testing.assert_array_equal(rows, inline[:, list(meta.layers)])  # the rows themselves are SGLang's
-            (ref,) = RoutedExpertsRef.from_response(response)
+            shape = {"num_hidden_layers": meta.num_hidden_layers, "topk": rows.shape[2]}  # to shape SGLang's flat rows
+            (ref,) = RoutedExpertsRef.from_response(response, **shape)
             assert ref.weight_version == "v2" and ref.fetch().weight_version == "v2"  # the ref names it too
             served = client.get(rid)
             assert served.weight_version == "v2"
