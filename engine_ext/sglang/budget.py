@@ -110,6 +110,12 @@ class BudgetRow:
         return {k: v for k, v in asdict(self).items() if k in ("buffer", "unit", "capacity", "demand", "ok", "formula")}
 
 
+def _at_least(buffer: str, unit: str, capacity: int, demand: int, formula: str, fix: str | None) -> BudgetRow:
+    """A row whose one rule is capacity ≥ demand; `fix` is offered only when that fails."""
+    ok = capacity >= demand
+    return BudgetRow(buffer, unit, capacity, demand, formula, ok, None if ok else fix)
+
+
 @dataclass(frozen=True)
 class _Shape:
     """Quantities every row shares, derived once."""
@@ -224,39 +230,32 @@ def _device_cache_rows(i: BudgetInputs, s: _Shape) -> list[BudgetRow]:
     demand = s.gathered * local
     width = (i.topk or 0) + i.num_fused_shared_experts
     nbytes = f"; {capacity * i.num_layers * width * 4} B int32" if i.num_layers and i.topk else ""
-    need = _chunk_need(i, s)
-    ok = capacity >= demand
+    fix = _chunk_fix(i, s, _chunk_need(i, s))
     rows = [
-        BudgetRow(
-            buffer="routed_experts.device_cache",
-            unit="tokens",
-            capacity=capacity,
-            demand=demand,
-            formula=(
-                f"capacity num_dp_ranks {s.num_dp_ranks} x max(chunked_prefill {i.chunked_prefill_size}, "
-                f"max_running_requests/rank {s.mrr_worker}) (routed_experts.py:80-83){nbytes}; "
-                f"demand N {s.gathered} x max(P, D): {_terms(s)}"
-                + (f", padded to attn_tp {s.attn_tp}" if scattered else "")
-            ),
-            ok=ok,
-            fix=None if ok else _chunk_fix(i, s, need),
+        _at_least(
+            "routed_experts.device_cache",
+            "tokens",
+            capacity,
+            demand,
+            f"capacity num_dp_ranks {s.num_dp_ranks} x max(chunked_prefill {i.chunked_prefill_size}, "
+            f"max_running_requests/rank {s.mrr_worker}) (routed_experts.py:80-83){nbytes}; "
+            f"demand N {s.gathered} x max(P, D): {_terms(s)}"
+            + (f", padded to attn_tp {s.attn_tp}" if scattered else ""),
+            fix=fix,
         )
     ]
     if scattered:
         g_capacity = capacity * s.attn_tp
         g_demand = _ceil_to(s.t, s.attn_tp)
         rows.append(
-            BudgetRow(
-                buffer="routed_experts.gather_buffer",
-                unit="tokens",
-                capacity=g_capacity,
-                demand=g_demand,
-                formula=(
-                    f"capacity device rows {capacity} x attn_tp {s.attn_tp} (routed_experts.py:96-107); "
-                    f"demand ceil(max(P, D) / attn_tp) x attn_tp: {_terms(s)}"
-                ),
-                ok=g_capacity >= g_demand,
-                fix=None if g_capacity >= g_demand else _chunk_fix(i, s, need),
+            _at_least(
+                "routed_experts.gather_buffer",
+                "tokens",
+                g_capacity,
+                g_demand,
+                f"capacity device rows {capacity} x attn_tp {s.attn_tp} (routed_experts.py:96-107); "
+                f"demand ceil(max(P, D) / attn_tp) x attn_tp: {_terms(s)}",
+                fix=fix,
             )
         )
     return rows
@@ -284,18 +283,16 @@ def _indexer_row(i: BudgetInputs, s: _Shape) -> BudgetRow | None:
     if not (i.enable_return_indexer_topk and i.num_indexer_layers > 0):
         return None
     capacity = max(i.chunked_prefill_size or 0, s.mrr_worker)
-    ok = capacity >= s.t
-    return BudgetRow(
-        buffer="indexer_topk.device_cache",
-        unit="tokens",
-        capacity=capacity,
-        demand=s.t,
-        formula=(
+    return _at_least(
+        "indexer_topk.device_cache",
+        "tokens",
+        capacity,
+        s.t,
+        (
             f"capacity max(chunked_prefill {i.chunked_prefill_size}, max_running_requests/rank {s.mrr_worker}) "
             f"per rank (indexer_topk.py:37); demand max(P, D): {_terms(s)}"
         ),
-        ok=ok,
-        fix=None if ok else _chunk_fix(i, s, _chunk_need(i, s)),
+        fix=_chunk_fix(i, s, _chunk_need(i, s)),
     )
 
 
@@ -328,18 +325,16 @@ def _flashinfer_a2a_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
             fix=f"--chunked-prefill-size {max(capacity, 1) * s.attn_dp}",
         )
     demand = -(-s.t // s.attn_tp)
-    ok = capacity >= demand
-    return BudgetRow(
-        buffer="flashinfer_a2a.workspace",
-        unit="tokens/rank",
-        capacity=capacity,
-        demand=demand,
-        formula=(
+    return _at_least(
+        "flashinfer_a2a.workspace",
+        "tokens/rank",
+        capacity,
+        demand,
+        (
             f"capacity {source} (overrides.py:1886-1894){byte_note}; demand ceil(max(P, D) / attn_tp {s.attn_tp}) "
             f"(flashinfer.py:512): {_terms(s)}"
         ),
-        ok=ok,
-        fix=None if ok else f"{env}={demand}",
+        fix=f"{env}={demand}",
     )
 
 
@@ -355,19 +350,17 @@ def _cutedsl_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
     bound = _cutedsl_bound(i, s)
     capacity = s.num_dp_ranks * bound
     demand = s.gathered * s.t
-    ok = capacity >= demand
-    return BudgetRow(
-        buffer="cutedsl_moe.wrapper",
-        unit="tokens",
-        capacity=capacity,
-        demand=demand,
-        formula=(
+    return _at_least(
+        "cutedsl_moe.wrapper",
+        "tokens",
+        capacity,
+        demand,
+        (
             f"capacity num_dp_ranks {s.num_dp_ranks} x max(max_prefill_tokens {i.max_prefill_tokens}, "
             f"decode graph bs {i.decode_graph_max_bs} x w {s.w}) (flashinfer_cutedsl.py:335-345; breakable/full "
             f"prefill graphs not counted, runtime_context.py:2066); demand N {s.gathered} x max(P, D): {_terms(s)}"
         ),
-        ok=ok,
-        fix=None if ok else f"--max-prefill-tokens {s.t}",
+        fix=f"--max-prefill-tokens {s.t}",
     )
 
 
@@ -377,15 +370,13 @@ def _flashinfer_megamoe_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
     bound = _cutedsl_bound(i, s)
     capacity = configured if configured > 0 else (bound if bound > 0 else 1024)
     source = f"{env}={configured}" if configured > 0 else f"cutedsl_moe_max_num_tokens() = {bound}"
-    ok = capacity >= s.t
-    return BudgetRow(
-        buffer="flashinfer_megamoe.symm_buffer",
-        unit="tokens/rank",
-        capacity=capacity,
-        demand=s.t,
-        formula=f"capacity {source} (flashinfer_megamoe.py:146-160); demand max(P, D): {_terms(s)}",
-        ok=ok,
-        fix=None if ok else f"{env}={s.t}",
+    return _at_least(
+        "flashinfer_megamoe.symm_buffer",
+        "tokens/rank",
+        capacity,
+        s.t,
+        f"capacity {source} (flashinfer_megamoe.py:146-160); demand max(P, D): {_terms(s)}",
+        fix=f"{env}={s.t}",
     )
 
 
@@ -393,18 +384,16 @@ def _deepgemm_megamoe_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
     env = ENV_CAPS["deepgemm_megamoe_max_tokens_per_rank"]
     capacity = i.deepgemm_megamoe_max_tokens_per_rank
     demand = max(_ceil_to(s.p, s.attn_tp), s.d)
-    ok = capacity >= demand
-    return BudgetRow(
-        buffer="deepgemm_megamoe.buffer",
-        unit="tokens/rank",
-        capacity=capacity,
-        demand=demand,
-        formula=(
+    return _at_least(
+        "deepgemm_megamoe.buffer",
+        "tokens/rank",
+        capacity,
+        demand,
+        (
             f"capacity {env}={capacity} (mega_moe_hook.py:161-257); demand max(P aligned to attn_tp {s.attn_tp}, D): "
             f"{_terms(s)}"
         ),
-        ok=ok,
-        fix=None if ok else f"{env}={demand}",
+        fix=f"{env}={demand}",
     )
 
 
@@ -439,52 +428,46 @@ def _deepep_v2_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
     capacity = i.deepep_v2_max_dispatch_tokens_per_rank
     prefill = -(-(s.cps or i.max_prefill_tokens) // s.attn_tp)
     demand = max(prefill, s.d)
-    ok = capacity >= demand
-    return BudgetRow(
-        buffer="deepep_v2.dispatch",
-        unit="tokens/rank",
-        capacity=capacity,
-        demand=demand,
-        formula=(
+    return _at_least(
+        "deepep_v2.dispatch",
+        "tokens/rank",
+        capacity,
+        demand,
+        (
             f"capacity {env}={capacity} (moe_hook.py:679-706, deepep_v2.py:280-286); demand max(ceil(prefill "
             f"ceiling / attn_tp {s.attn_tp}) = {prefill}, D = {s.d})"
         ),
-        ok=ok,
-        fix=None if ok else f"{env}={demand}",
+        fix=f"{env}={demand}",
     )
 
 
 def _mori_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
     env = ENV_CAPS["mori_max_dispatch_tokens_per_rank"]
     capacity = i.mori_max_dispatch_tokens_per_rank
-    ok = capacity >= s.t
-    return BudgetRow(
-        buffer="mori.dispatch",
-        unit="tokens/rank",
-        capacity=capacity,
-        demand=s.t,
-        formula=(
+    return _at_least(
+        "mori.dispatch",
+        "tokens/rank",
+        capacity,
+        s.t,
+        (
             f"capacity {env}={capacity}; demand max(P, D) (upstream checks prefill only, moe_hook.py:566-572): "
             f"{_terms(s)}"
         ),
-        ok=ok,
-        fix=None if ok else f"{env}={s.t}",
+        fix=f"{env}={s.t}",
     )
 
 
 def _decode_graph_row(i: BudgetInputs, s: _Shape) -> BudgetRow:
     capacity = i.decode_graph_max_bs * s.w
     demand = s.graph_bs * s.w
-    return BudgetRow(
-        buffer="decode_graph.inputs",
-        unit="tokens",
-        capacity=capacity,
-        demand=demand,
-        formula=(
-            f"capacity max_bs {i.decode_graph_max_bs} x w {s.w} (runner_utils/buffers.py:160-174); demand padded "
-            f"bs {s.graph_bs} x w; larger batches run eager (can_run_graph)"
-        ),
-        ok=capacity >= demand,
+    return _at_least(
+        "decode_graph.inputs",
+        "tokens",
+        capacity,
+        demand,
+        f"capacity max_bs {i.decode_graph_max_bs} x w {s.w} (runner_utils/buffers.py:160-174); demand padded "
+        f"bs {s.graph_bs} x w; larger batches run eager (can_run_graph)",
+        fix=None,
     )
 
 
