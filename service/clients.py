@@ -122,12 +122,9 @@ class RoutedExpertsClient(_Base):
             try:
                 with self._io.chunks(state.call()) as chunks:
                     for chunk in chunks:
-                        for frame in decoder.feed(chunk):
-                            block = state.on_frame(frame)
-                            if block is not None:
-                                yield block
-                            if state.done:
-                                return
+                        yield from state.blocks(decoder, chunk)
+                        if state.done:
+                            return
                 raise httpx.RemoteProtocolError("stream ended before the record was final")
             except req.STREAM_RETRYABLE:
                 delay = state.failed()
@@ -221,12 +218,10 @@ class AsyncRoutedExpertsClient(_Base):
             try:
                 async with self._io.chunks(state.call()) as chunks:
                     async for chunk in chunks:
-                        for frame in decoder.feed(chunk):
-                            block = state.on_frame(frame)
-                            if block is not None:
-                                yield block
-                            if state.done:
-                                return
+                        for block in state.blocks(decoder, chunk):
+                            yield block
+                        if state.done:
+                            return
                 raise httpx.RemoteProtocolError("stream ended before the record was final")
             except req.STREAM_RETRYABLE:
                 delay = state.failed()

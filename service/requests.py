@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote
@@ -18,7 +18,7 @@ import httpx
 import orjson
 
 from service.client_errors import RESTARTED_DETAIL, RecordRestarted
-from service.results import Frame, RoutedExperts
+from service.results import Frame, FrameDecoder, RoutedExperts
 
 __all__ = ["BatchItem", "BatchRid", "Call", "ClientConfig", "Layers", "Retry", "StreamState", "sends"]
 
@@ -283,6 +283,16 @@ class StreamState:
             return None
         self.start = block.end
         return block
+
+    def blocks(self, decoder: FrameDecoder, chunk: bytes) -> Iterator[RoutedExperts]:
+        """The rows of each frame a chunk completes, each yielded before the next frame is read (an error frame
+        raises after the rows before it), until the record's final frame (then `done`)."""
+        for frame in decoder.feed(chunk):
+            block = self.on_frame(frame)
+            if block is not None:
+                yield block
+            if self.done:
+                return
 
     def failed(self) -> float | None:
         """After a dropped stream: seconds to wait before resuming, or None when the retries are spent."""
