@@ -5,7 +5,10 @@
 2. The longest event-loop stall while 64 such records are fetched concurrently: a probe task sleeps 1 ms in a
    loop and records how late it wakes. Measured for `AsyncRoutedExpertsClient.get` ×64 (gather),
    `afetch_many` (one batch), and, as the baseline a trainer has without it, the blocking client called
-   from the loop.
+   from the loop; `--stall-reps` times each, interleaved with a control (the probe alone). The fetched arrays
+   are freed after the probe stops (unmapping 800 MB is the trainer's cost whenever it drops them, not the
+   fetch's). For the longest stall, the loop thread's own CPU time and run-queue wait in it
+   (`/proc/thread-self/schedstat`): what is neither is time blocked (on the GIL, or a lock in the kernel).
 3. `pickle.dumps` of a pointer ref at 8k and 32k tokens, against the rows it stands for.
 
 `python -m benchmarks.trainer_api [--reps N]`: the sidecar runs in its own process (benchmarks.servers).
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import pickle
 import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,25 +47,48 @@ def write(spool: Spool, rid: str, tokens: int, seed: int) -> int:
     return rows.nbytes
 
 
-async def lag_probe(stop: asyncio.Event, out: list[float], period: float = 0.001) -> None:
+def schedstat_ms() -> tuple[float, float]:
+    """This thread's CPU time and time runnable but waiting for a CPU, in ms (zeros where Linux does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            cpu, runq, _ = f.read().split()
+    except OSError:
+        return 0.0, 0.0
+    return int(cpu) / 1e6, int(runq) / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """The longest wake-up delay of the probe (ms), the loop thread's CPU and run-queue ms inside it, wall s."""
+
+    ms: float
+    cpu_ms: float
+    runq_ms: float
+    took_s: float
+
+
+async def lag_probe(stop: asyncio.Event, out: list[tuple[float, float, float]], period: float = 0.001) -> None:
     """How late the loop wakes a 1 ms sleeper: the longest value is the longest stall."""
     while not stop.is_set():
-        t = time.perf_counter()
+        t, (cpu, runq) = time.perf_counter(), schedstat_ms()
         await asyncio.sleep(period)
-        out.append(time.perf_counter() - t - period)
+        cpu2, runq2 = schedstat_ms()
+        out.append(((time.perf_counter() - t - period) * 1e3, cpu2 - cpu, runq2 - runq))
 
 
-async def stall_during(work: Callable[[], Awaitable[object]]) -> tuple[float, float]:
-    lags: list[float] = []
+async def stall_during(work: Callable[[], Awaitable[object]]) -> Stall:
+    lags: list[tuple[float, float, float]] = []
     stop = asyncio.Event()
     probe = asyncio.create_task(lag_probe(stop, lags))
     await asyncio.sleep(0.05)
     t = time.perf_counter()
-    await work()
+    result = await work()
     took = time.perf_counter() - t
     stop.set()
     await probe
-    return max(lags) * 1e3, took
+    del result  # freed after the probe stopped
+    worst = max(lags)
+    return Stall(worst[0], worst[1], worst[2], took)
 
 
 def throughput(url: str, nbytes: int, reps: int) -> tuple[float, float]:
@@ -87,31 +115,34 @@ def throughput(url: str, nbytes: int, reps: int) -> tuple[float, float]:
     return nbytes / statistics.median(sync_s) / 1e9, nbytes / statistics.median(async_s) / 1e9
 
 
-def stalls(url: str, n: int, threads: int) -> dict[str, tuple[float, float]]:
+CONTROL = "control: the probe alone, no fetch (this machine's own scheduling noise)"
+
+
+def stalls(url: str, n: int, threads: int | None, reps: int) -> dict[str, list[Stall]]:
     rids = [f"big-{i}" for i in range(n)]
-    out: dict[str, tuple[float, float]] = {}
+    refs = [RoutedExpertsRef(rid=r, url=f"{url}/routed_experts/{r}") for r in rids]
+    out: dict[str, list[Stall]] = {}
 
     async def main() -> None:
-        out["control: the probe alone, no fetch (this machine's own scheduling noise)"] = await stall_during(
-            lambda: asyncio.sleep(1.0)
-        )
-        async with AsyncRoutedExpertsClient(url, **({"threads": threads} if threads else {})) as ac:
+        kwargs = {"threads": threads} if threads else {}
+        async with AsyncRoutedExpertsClient(url, **kwargs) as ac, AsyncSidecarPool(**kwargs) as pool:
             await asyncio.gather(*(ac.get(r) for r in rids[:8]))  # warm connections
-            out["AsyncRoutedExpertsClient.get x64 (gather)"] = await stall_during(
-                lambda: asyncio.gather(*(ac.get(r) for r in rids))
-            )
-        refs = [RoutedExpertsRef(rid=r, url=f"{url}/routed_experts/{r}") for r in rids]
-        async with AsyncSidecarPool() as pool:
             await afetch_many(refs[:2], pool=pool)
-            out["afetch_many(64 refs): one batch"] = await stall_during(lambda: afetch_many(refs, pool=pool))
+            for _ in range(reps):
+                out.setdefault(CONTROL, []).append(await stall_during(lambda: asyncio.sleep(1.0)))
+                out.setdefault("AsyncRoutedExpertsClient.get x64 (gather)", []).append(
+                    await stall_during(lambda: asyncio.gather(*(ac.get(r) for r in rids)))
+                )
+                out.setdefault("afetch_many(64 refs): one batch", []).append(
+                    await stall_during(lambda: afetch_many(refs, pool=pool))
+                )
         with RoutedExpertsClient(url) as sc:
             sc.get(rids[0])
 
-            async def blocking() -> None:
-                for r in rids:
-                    sc.get(r)
+            async def blocking() -> list[object]:
+                return [sc.get(r) for r in rids]
 
-            out["baseline: blocking client.get x64 on the loop"] = await stall_during(blocking)
+            out["baseline: blocking client.get x64 on the loop"] = [await stall_during(blocking)]
 
     asyncio.run(main())
     return out
@@ -138,6 +169,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=None, help="AsyncRoutedExpertsClient(threads=) (default: its own)")
+    ap.add_argument("--stall-reps", type=int, default=5, help="stall measurements of each kind, interleaved")
     ap.add_argument("--only-stalls", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
@@ -150,9 +182,18 @@ def main() -> None:
                 sync_gbs, async_gbs = throughput(server.url, nbytes, args.reps)
                 print(f"one record of {args.tokens} tokens ({nbytes / 1e6:.1f} MB), median of {args.reps}:")
                 print(f"  fetch {sync_gbs:.2f} GB/s, afetch {async_gbs:.2f} GB/s, ratio {async_gbs / sync_gbs:.2f}")
-            print(f"{args.records} records of {args.tokens} tokens concurrently: longest event-loop stall, wall time")
-            for name, (stall_ms, took) in stalls(server.url, args.records, args.threads).items():
-                print(f"  {name}: {stall_ms:.1f} ms stall, {took:.2f} s")
+            load = os.getloadavg()[0]
+            print(f"{args.records} records of {args.tokens} tokens concurrently, {args.stall_reps} reps each:")
+            print("  longest event-loop stall (median, max, each), wall time; the longest's loop CPU / run-queue ms")
+            for name, runs in stalls(server.url, args.records, args.threads, args.stall_reps).items():
+                each = sorted(r.ms for r in runs)
+                worst = max(runs, key=lambda r: r.ms)
+                print(
+                    f"  {name}: median {statistics.median(each):.1f} ms, max {each[-1]:.1f} ms "
+                    f"({', '.join(f'{x:.0f}' for x in each)}); {statistics.median(r.took_s for r in runs):.2f} s; "
+                    f"longest: {worst.cpu_ms:.1f} ms on CPU, {worst.runq_ms:.1f} ms waiting for one"
+                )
+            print(f"load average (1 min) before the stalls {load:.2f}, after {os.getloadavg()[0]:.2f}")
     for tokens, size, rows in pickle_sizes():
         print(f"pointer ref at {tokens} tokens: pickle {size} B; its rows {rows / 1e6:.1f} MB uint8")
 

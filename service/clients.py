@@ -15,10 +15,10 @@ import httpx
 
 from service import requests as req
 from service.client_errors import R3Error, RecordNotFound
-from service.requests import BatchRid, Call, Layers, Retry
+from service.requests import BatchRid, Call, ClientConfig, Layers, Retry
 from service.responses import sidecar_base
 from service.results import FrameDecoder, RoutedExperts, record_of
-from service.transport import AsyncTransport, ClientConfig, SyncTransport
+from service.transport import AsyncTransport, SyncTransport
 
 __all__ = ["AsyncRoutedExpertsClient", "RoutedExpertsClient"]
 
@@ -86,35 +86,19 @@ class RoutedExpertsClient(_Base):
     def _body(self, call: Call) -> bytearray:
         return self._run(self._io.send, call).checked(call.rid).body
 
-    def get(
-        self,
-        rid: str,
-        start: int | None = None,
-        end: int | None = None,
-        layers: Layers | None = None,
-        wait: float = 0,
-        clamp: bool = False,
-    ) -> RoutedExperts:
+    @req.sends(req.get_call, fmt="npy")
+    def get(self, call: Call) -> RoutedExperts:
         """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final.
 
         `layers`: model layer indices, or a range such as `"0-15"` (a pipeline stage: the MoE layers inside).
         `clamp=True`: a range past the record's rows returns the rows that exist (`.clamped` says so), not a 416.
         """
-        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
-        return record_of(rid, self._run(self._io.send, call).checked(rid))
+        return record_of(call.rid, self._run(self._io.send, call).checked(call.rid))
 
-    def fetch_bytes(
-        self,
-        rid: str,
-        fmt: str = "npy",
-        start: int | None = None,
-        end: int | None = None,
-        layers: Layers | None = None,
-        wait: float = 0,
-        clamp: bool = False,
-    ) -> bytes:
+    @req.sends(req.get_call)
+    def fetch_bytes(self, call: Call) -> bytes:
         """The body in any of the server's formats (`npy`, `raw`, `json`, `sglang_b64`) as bytes."""
-        return bytes(self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
+        return bytes(self._body(call))
 
     def get_many(
         self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
@@ -138,12 +122,9 @@ class RoutedExpertsClient(_Base):
             try:
                 with self._io.chunks(state.call()) as chunks:
                     for chunk in chunks:
-                        for frame in decoder.feed(chunk):
-                            block = state.on_frame(frame)
-                            if block is not None:
-                                yield block
-                            if state.done:
-                                return
+                        yield from state.blocks(decoder, chunk)
+                        if state.done:
+                            return
                 raise httpx.RemoteProtocolError("stream ended before the record was final")
             except req.STREAM_RETRYABLE:
                 delay = state.failed()
@@ -211,31 +192,15 @@ class AsyncRoutedExpertsClient(_Base):
     async def _body(self, call: Call) -> bytearray:
         return (await self._run(self._io.send, call)).checked(call.rid).body
 
-    async def get(
-        self,
-        rid: str,
-        start: int | None = None,
-        end: int | None = None,
-        layers: Layers | None = None,
-        wait: float = 0,
-        clamp: bool = False,
-    ) -> RoutedExperts:
+    @req.sends(req.get_call, fmt="npy")
+    async def get(self, call: Call) -> RoutedExperts:
         """`RoutedExpertsClient.get`."""
-        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
-        return record_of(rid, (await self._run(self._io.send, call)).checked(rid))
+        return record_of(call.rid, (await self._run(self._io.send, call)).checked(call.rid))
 
-    async def fetch_bytes(
-        self,
-        rid: str,
-        fmt: str = "npy",
-        start: int | None = None,
-        end: int | None = None,
-        layers: Layers | None = None,
-        wait: float = 0,
-        clamp: bool = False,
-    ) -> bytes:
+    @req.sends(req.get_call)
+    async def fetch_bytes(self, call: Call) -> bytes:
         """`RoutedExpertsClient.fetch_bytes`."""
-        return bytes(await self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
+        return bytes(await self._body(call))
 
     async def get_many(
         self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
@@ -253,12 +218,10 @@ class AsyncRoutedExpertsClient(_Base):
             try:
                 async with self._io.chunks(state.call()) as chunks:
                     async for chunk in chunks:
-                        for frame in decoder.feed(chunk):
-                            block = state.on_frame(frame)
-                            if block is not None:
-                                yield block
-                            if state.done:
-                                return
+                        for block in state.blocks(decoder, chunk):
+                            yield block
+                        if state.done:
+                            return
                 raise httpx.RemoteProtocolError("stream ended before the record was final")
             except req.STREAM_RETRYABLE:
                 delay = state.failed()

@@ -6,19 +6,24 @@ each public method is a `Call` built here, sent with the shared `Retry` policy, 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote
 
 import httpx
 import orjson
 
 from service.client_errors import RESTARTED_DETAIL, RecordRestarted
-from service.results import Frame, RoutedExperts
+from service.results import Frame, FrameDecoder, RoutedExperts
 
-__all__ = ["BatchItem", "BatchRid", "Call", "Layers", "Retry", "StreamState"]
+__all__ = ["BatchItem", "BatchRid", "Call", "ClientConfig", "Layers", "Retry", "StreamState", "sends"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # Transport failures worth another try: the request never reached a server, or the connection dropped.
 # Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
@@ -58,6 +63,79 @@ class Call:
     @property
     def headers(self) -> dict[str, str]:
         return {"Content-Type": "application/json"} if self.body is not None else {}
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """What both transports need to know of the client: where, who, and how long to wait."""
+
+    base_url: str
+    headers: dict[str, str]
+    timeout: float = 30.0
+    connect_timeout: float = 5.0
+    stream_idle_s: float = 120.0
+
+    def read_timeout(self, call: Call) -> float:
+        """Seconds a whole answer may take: the server may hold it for the call's `wait` first."""
+        return self.timeout + call.wait
+
+    def timeout_for(self, call: Call) -> httpx.Timeout:
+        """Reads may block for `wait` seconds while the server waits; a stream may sit idle past that, up to
+        `stream_idle_s`, while the engine prefills or pauses (then it reconnects)."""
+        if call.stream:
+            return httpx.Timeout(self.timeout, read=self.stream_idle_s + call.wait, connect=self.connect_timeout)
+        return httpx.Timeout(self.read_timeout(call), connect=self.connect_timeout)
+
+    def stream_args(self, call: Call) -> dict[str, Any]:
+        """`httpx.Client.stream`'s and `httpx.AsyncClient.stream`'s arguments for a call (the two take the same)."""
+        return {
+            "method": call.method,
+            "url": call.path,
+            "params": call.params,
+            "content": call.body,
+            "headers": call.headers,
+            "timeout": self.timeout_for(call),
+        }
+
+    @property
+    def plain(self) -> bool:
+        return self.base_url.startswith("http://")
+
+
+def sends(
+    build: Callable[P, Call], **fixed: Any
+) -> Callable[[Callable[[Any, Call], T]], Callable[Concatenate[Any, P], T]]:
+    """Declare a client method by the request it sends: its parameters are `build`'s (less those `fixed`), its
+    body turns the built `Call` into the answer. Both clients' methods so take one declared parameter list, and
+    a blocking method stays a plain function, an asyncio one a coroutine function."""
+    params = [p for name, p in inspect.signature(build).parameters.items() if name not in fixed]
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+    def declare(method: Callable[[Any, Call], T]) -> Callable[Concatenate[Any, P], T]:
+        returns = inspect.signature(method).return_annotation
+        signature = inspect.Signature([self_param, *params], return_annotation=returns)
+
+        def call_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Call]:
+            bound = signature.bind(*args, **kwargs)
+            self = bound.arguments.pop("self")
+            return self, build(**bound.arguments, **fixed)
+
+        if inspect.iscoroutinefunction(method):
+
+            @functools.wraps(method)
+            async def public(*args: Any, **kwargs: Any) -> Any:
+                return await method(*call_of(args, kwargs))
+
+        else:
+
+            @functools.wraps(method)
+            def public(*args: Any, **kwargs: Any) -> Any:
+                return method(*call_of(args, kwargs))
+
+        public.__signature__ = signature  # type: ignore[attr-defined]
+        return public  # type: ignore[return-value]
+
+    return declare
 
 
 def layers_param(layers: Layers) -> str:
@@ -205,6 +283,16 @@ class StreamState:
             return None
         self.start = block.end
         return block
+
+    def blocks(self, decoder: FrameDecoder, chunk: bytes) -> Iterator[RoutedExperts]:
+        """The rows of each frame a chunk completes, each yielded before the next frame is read (an error frame
+        raises after the rows before it), until the record's final frame (then `done`)."""
+        for frame in decoder.feed(chunk):
+            block = self.on_frame(frame)
+            if block is not None:
+                yield block
+            if self.done:
+                return
 
     def failed(self) -> float | None:
         """After a dropped stream: seconds to wait before resuming, or None when the retries are spent."""

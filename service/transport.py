@@ -12,41 +12,18 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
 
 from service.client_errors import error_for, json_or_text
 from service.connections import Connections
-from service.requests import Call
+from service.requests import Call, ClientConfig
 from service.results import Frame, FrameDecoder, Reply, read_frames
 
-__all__ = ["AsyncTransport", "ClientConfig", "SyncTransport"]
+__all__ = ["AsyncTransport", "SyncTransport"]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class ClientConfig:
-    """What both transports need to know of the client: where, who, and how long to wait."""
-
-    base_url: str
-    headers: dict[str, str]
-    timeout: float = 30.0
-    connect_timeout: float = 5.0
-    stream_idle_s: float = 120.0
-
-    def timeout_for(self, call: Call) -> httpx.Timeout:
-        """Reads may block for `wait` seconds while the server waits; a stream may sit idle past that, up to
-        `stream_idle_s`, while the engine prefills or pauses (then it reconnects)."""
-        if call.stream:
-            return httpx.Timeout(self.timeout, read=self.stream_idle_s + call.wait, connect=self.connect_timeout)
-        return httpx.Timeout(self.timeout + call.wait, connect=self.connect_timeout)
-
-    @property
-    def plain(self) -> bool:
-        return self.base_url.startswith("http://")
 
 
 class BodyBuffer:
@@ -75,14 +52,14 @@ class BodyBuffer:
 
 def _direct_send(conns: Connections, cfg: ClientConfig, call: Call) -> Reply:
     status, headers, body = conns.send(
-        call.method, call.path, call.params, body=call.body, headers=call.headers, timeout=cfg.timeout + call.wait
+        call.method, call.path, call.params, body=call.body, headers=call.headers, timeout=cfg.read_timeout(call)
     )
     return Reply(status, headers, body)
 
 
 def _direct_frames(conns: Connections, cfg: ClientConfig, call: Call) -> list[Frame]:
     with conns.request(
-        call.method, call.path, call.params, body=call.body, headers=call.headers, timeout=cfg.timeout + call.wait
+        call.method, call.path, call.params, body=call.body, headers=call.headers, timeout=cfg.read_timeout(call)
     ) as resp:
         if resp.status != 200:
             raise error_for(resp.status, json_or_text(resp.read()), call.rid)
@@ -132,14 +109,7 @@ class SyncTransport:
             yield resp.iter_bytes()
 
     def _open(self, call: Call) -> httpx.Response:
-        return self._http.stream(
-            call.method,
-            call.path,
-            params=call.params,
-            content=call.body,
-            headers=call.headers,
-            timeout=self.cfg.timeout_for(call),
-        )
+        return self._http.stream(**self.cfg.stream_args(call))
 
     def close(self) -> None:
         self._http.close()
@@ -187,14 +157,7 @@ class AsyncTransport:
             yield resp.aiter_bytes()
 
     def _open(self, call: Call) -> httpx.Response:
-        return self._http.stream(
-            call.method,
-            call.path,
-            params=call.params,
-            content=call.body,
-            headers=call.headers,
-            timeout=self.cfg.timeout_for(call),
-        )
+        return self._http.stream(**self.cfg.stream_args(call))
 
     async def _off_loop(self, fn: Callable[[Connections, ClientConfig, Call], T], call: Call) -> T:
         loop = asyncio.get_running_loop()

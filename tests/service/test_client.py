@@ -7,7 +7,7 @@ import io
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -82,8 +82,9 @@ def put(spool: Spool, rid: str, rows: int = 12, *, start: int = 0, final: bool =
 
 
 @pytest.fixture(scope="module")
-def spool(tmp_path_factory: pytest.TempPathFactory) -> Spool:
-    return Spool(tmp_path_factory.mktemp("spool"))
+def shared_spool(tmp_path_factory: pytest.TempPathFactory) -> Spool:
+    """The spool the module's one sidecar (`url`) serves; each test writes its own rids into it."""
+    return Spool(tmp_path_factory.mktemp("shared-spool"))
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +94,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture(scope="module")
-def url(spool: Spool, clock: FakeClock) -> Iterator[str]:
-    with live_server(Settings(spool_dir=spool.root, rescan_s=0.5), deadline_clock=clock) as base:
+def url(shared_spool: Spool, clock: FakeClock) -> Iterator[str]:
+    with live_server(Settings(spool_dir=shared_spool.root, rescan_s=0.5), deadline_clock=clock) as base:
         yield base
 
 
@@ -107,8 +108,8 @@ def client(url: str) -> Iterator[RoutedExpertsClient]:
 # ---- GET ------------------------------------------------------------------------------------------
 
 
-def test_get_returns_rows_and_metadata_without_copy(spool: Spool, client: RoutedExpertsClient) -> None:
-    array, _ = put(spool, "get-whole", rows=33, start=7)
+def test_get_returns_rows_and_metadata_without_copy(shared_spool: Spool, client: RoutedExpertsClient) -> None:
+    array, _ = put(shared_spool, "get-whole", rows=33, start=7)
     r = client.get("get-whole")
     assert isinstance(r, RoutedExperts)
     np.testing.assert_array_equal(r.array, array)
@@ -125,8 +126,8 @@ def test_get_returns_rows_and_metadata_without_copy(spool: Spool, client: Routed
     assert r.array.base is not None and r.array.flags.writeable
 
 
-def test_get_ranges_and_layers(spool: Spool, client: RoutedExpertsClient) -> None:
-    array, _ = put(spool, "get-range", rows=20, start=100)
+def test_get_ranges_and_layers(shared_spool: Spool, client: RoutedExpertsClient) -> None:
+    array, _ = put(shared_spool, "get-range", rows=20, start=100)
     np.testing.assert_array_equal(client.get("get-range", start=105, end=112).array, array[5:12])
     r = client.get("get-range", start=110, layers=[7, 1])
     assert r.start == 110 and r.layers == (7, 1)
@@ -141,8 +142,8 @@ def test_get_ranges_and_layers(spool: Spool, client: RoutedExpertsClient) -> Non
     assert bad.value.status == 422 and "2" in bad.value.detail
 
 
-def test_wait_until_final(spool: Spool, client: RoutedExpertsClient, clock: FakeClock) -> None:
-    array, writer = put(spool, "get-wait", rows=5, final=False)
+def test_wait_until_final(shared_spool: Spool, client: RoutedExpertsClient, clock: FakeClock) -> None:
+    array, writer = put(shared_spool, "get-wait", rows=5, final=False)
     with pytest.raises(NotReady) as exc:
         client.get("get-wait")
     assert exc.value.status == 202 and exc.value.rows == 5
@@ -164,7 +165,7 @@ def test_wait_until_final(spool: Spool, client: RoutedExpertsClient, clock: Fake
     np.testing.assert_array_equal(r.array, np.concatenate([array, more]))
 
 
-def test_errors_carry_the_server_detail(spool: Spool, client: RoutedExpertsClient, clock: FakeClock) -> None:
+def test_errors_carry_the_server_detail(shared_spool: Spool, client: RoutedExpertsClient, clock: FakeClock) -> None:
     with pytest.raises(RecordNotFound) as missing:
         client.get("no-such-rid")
     assert missing.value.status == 404 and missing.value.detail and missing.value.rid == "no-such-rid"
@@ -176,25 +177,24 @@ def test_errors_carry_the_server_detail(spool: Spool, client: RoutedExpertsClien
 
     # The client sends its wait; the server answers 404 only once that wait has run out on its clock.
     assert clock.run_out(get_missing_after_wait, 0.4).status == 404
-    put(spool, "get-failed", rows=4, status="error")
+    put(shared_spool, "get-failed", rows=4, status="error")
     with pytest.raises(RecordGone) as gone:
         client.get("get-failed")
     assert gone.value.status == 410 and "error" in gone.value.detail
-    aborted, _ = put(spool, "get-aborted", rows=4, status="aborted")
+    aborted, _ = put(shared_spool, "get-aborted", rows=4, status="aborted")
     r = client.get("get-aborted")
     assert r.status == "aborted" and r.final
     np.testing.assert_array_equal(r.array, aborted)
-    put(spool, "get-open", rows=5, final=False)
+    put(shared_spool, "get-open", rows=5, final=False)
     with pytest.raises(NotReady) as pending:
         client.get("get-open")
     assert pending.value.rows == 5 and "5 rows so far" in str(pending.value)
     assert all(issubclass(e, R3Error) for e in (RecordNotFound, RecordGone, RangeNotSatisfiable, NotReady))
 
 
-def test_unauthorized(tmp_path: Path) -> None:
-    spool = Spool(tmp_path)
+def test_unauthorized(spool: Spool) -> None:
     array, _ = put(spool, "secret", rows=3)
-    with live_server(Settings(spool_dir=tmp_path, auth_token="s3cret")) as base:
+    with live_server(Settings(spool_dir=spool.root, auth_token="s3cret")) as base:
         with RoutedExpertsClient(base) as anonymous, pytest.raises(Unauthorized) as exc:
             anonymous.get("secret")
         assert exc.value.status == 401
@@ -205,8 +205,8 @@ def test_unauthorized(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rid", ["a/b", "req 1 ü?#&=%", "../etc", "x" * 300, ".", ".."])
-def test_rids_that_need_escaping(spool: Spool, client: RoutedExpertsClient, rid: str) -> None:
-    array, _ = put(spool, rid, rows=3)
+def test_rids_that_need_escaping(shared_spool: Spool, client: RoutedExpertsClient, rid: str) -> None:
+    array, _ = put(shared_spool, rid, rows=3)
     r = client.get(rid)
     assert r.rid == rid
     np.testing.assert_array_equal(r.array, array)
@@ -218,10 +218,10 @@ def test_rids_that_need_escaping(spool: Spool, client: RoutedExpertsClient, rid:
 # ---- batch, ack, engines ---------------------------------------------------------------------------------
 
 
-def test_get_many_keeps_order_and_per_rid_status(spool: Spool, client: RoutedExpertsClient) -> None:
-    a, _ = put(spool, "many-a", rows=6, seed=1)
-    b, _ = put(spool, "many-b", rows=9, seed=2)
-    put(spool, "many-gone", rows=2, status="error")
+def test_get_many_keeps_order_and_per_rid_status(shared_spool: Spool, client: RoutedExpertsClient) -> None:
+    a, _ = put(shared_spool, "many-a", rows=6, seed=1)
+    b, _ = put(shared_spool, "many-b", rows=9, seed=2)
+    put(shared_spool, "many-gone", rows=2, status="error")
     results = client.get_many(["many-b", "many-missing", "many-a", "many-gone", "many-b"])
     assert [type(x).__name__ for x in results] == [
         "RoutedExperts",
@@ -238,10 +238,10 @@ def test_get_many_keeps_order_and_per_rid_status(spool: Spool, client: RoutedExp
     np.testing.assert_array_equal(narrowed[0].array, a[:, [2], :])
 
 
-def test_ack_frees_the_record(spool: Spool, client: RoutedExpertsClient) -> None:
-    put(spool, "acked", rows=3)
+def test_ack_frees_the_record(shared_spool: Spool, client: RoutedExpertsClient) -> None:
+    put(shared_spool, "acked", rows=3)
     assert client.ack("acked") is True
-    assert not spool.meta_path("acked").exists() and not spool.bin_path("acked").exists()
+    assert not shared_spool.meta_path("acked").exists() and not shared_spool.bin_path("acked").exists()
     with pytest.raises(RecordNotFound):
         client.get("acked")
     with pytest.raises(RecordNotFound):
@@ -249,33 +249,36 @@ def test_ack_frees_the_record(spool: Spool, client: RoutedExpertsClient) -> None
     assert client.ack("acked", missing_ok=True) is False
 
 
-def test_engines(spool: Spool, client: RoutedExpertsClient) -> None:
-    spool.write_engine({"engine": "pod-a/dp0", "dp_rank": 0, "budget": [], "occupancy": []})
+def test_engines(shared_spool: Spool, client: RoutedExpertsClient) -> None:
+    shared_spool.write_engine({"engine": "pod-a/dp0", "dp_rank": 0, "budget": [], "occupancy": []})
     assert "pod-a/dp0" in [e["engine"] for e in client.engines()]
 
 
 # ---- streaming ------------------------------------------------------------------------------------------
 
 
-def _append_later(writer, blocks: list[np.ndarray], pause: float = 0.15) -> threading.Thread:
-    def run() -> None:
-        for block in blocks:
-            time.sleep(pause)
-            writer.append(block)
-        writer.finalize()
+def append_each_read(writer, blocks: list[np.ndarray]) -> Callable[[], None]:
+    """`step()` after each block a stream yields appends the next block (the last one also finalizes the record):
+    rows arrive while the record is open, one block per read, with no timed pause to race the reader."""
+    pending = list(blocks)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+    def step() -> None:
+        if pending:
+            writer.append(pending.pop(0))
+            if not pending:
+                writer.finalize()
+
+    return step
 
 
-def test_stream_yields_rows_as_they_are_appended(spool: Spool, client: RoutedExpertsClient) -> None:
-    prompt, writer = put(spool, "streamed", rows=10, final=False)
+def test_stream_yields_rows_as_they_are_appended(shared_spool: Spool, client: RoutedExpertsClient) -> None:
+    prompt, writer = put(shared_spool, "streamed", rows=10, final=False)
     blocks = [np.full((1, len(LAYERS), TOPK), i, dtype=np.uint8) for i in range(4)]
-    thread = _append_later(writer, blocks)
-    seen = list(client.stream("streamed"))
-    thread.join()
-    assert len(seen) >= 3, "rows should arrive in several blocks while the record is open"
+    step, seen = append_each_read(writer, blocks), []
+    for block in client.stream("streamed"):
+        seen.append(block)
+        step()
+    assert len(seen) == 1 + len(blocks), "each block appended to the open record arrives as its own block"
     assert seen[-1].final and [b.start for b in seen] == sorted(b.start for b in seen)
     np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), np.concatenate([prompt, *blocks]))
 
@@ -291,7 +294,13 @@ class Proxy:
         self.connections = 0
         self.requests: list[str] = []
         self._open: list[socket.socket] = []
+        self._accepted = threading.Condition()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def wait_connections(self, n: int, timeout: float) -> bool:
+        """Block until `n` connections have been accepted; False if `timeout` ran out first."""
+        with self._accepted:
+            return self._accepted.wait_for(lambda: self.connections >= n, timeout)
 
     def _accept(self) -> None:
         while True:
@@ -299,9 +308,11 @@ class Proxy:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            self.connections += 1
             up = socket.create_connection(("127.0.0.1", self.upstream_port))
             self._open += [conn, up]
+            with self._accepted:
+                self.connections += 1
+                self._accepted.notify_all()
             threading.Thread(target=self._pipe, args=(conn, up, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(up, conn, False), daemon=True).start()
 
@@ -331,8 +342,8 @@ class Proxy:
         self.sock.close()
 
 
-def test_stream_resumes_after_a_dropped_connection(spool: Spool, url: str) -> None:
-    prompt, writer = put(spool, "resumed", rows=40, final=False)
+def test_stream_resumes_after_a_dropped_connection(shared_spool: Spool, url: str) -> None:
+    prompt, writer = put(shared_spool, "resumed", rows=40, final=False)
     proxy = Proxy(int(url.rsplit(":", 1)[1]))
     blocks = [np.full((2, len(LAYERS), TOPK), 50 + i, dtype=np.uint8) for i in range(4)]
     try:
@@ -341,9 +352,10 @@ def test_stream_resumes_after_a_dropped_connection(spool: Spool, url: str) -> No
             seen = [next(stream)]
             assert seen[0].rows == 40
             proxy.cut_all()
-            thread = _append_later(writer, blocks)
+            for block in blocks:  # the record grows and ends while the client reconnects
+                writer.append(block)
+            writer.finalize()
             seen += list(stream)
-            thread.join()
     finally:
         proxy.close()
     assert proxy.connections >= 2, "the first connection was cut, so the client must have reconnected"
@@ -352,13 +364,13 @@ def test_stream_resumes_after_a_dropped_connection(spool: Spool, url: str) -> No
     np.testing.assert_array_equal(got, np.concatenate([prompt, *blocks]))
 
 
-def test_stream_never_splices_a_restarted_record(spool: Spool, client: RoutedExpertsClient) -> None:
+def test_stream_never_splices_a_restarted_record(shared_spool: Spool, client: RoutedExpertsClient) -> None:
     """A retracted request's live record starts over under the same rid: the open stream must say so (409)
     instead of appending the recomputed rows to the ones it already yielded."""
-    put(spool, "restarted", rows=6, final=False)
+    put(shared_spool, "restarted", rows=6, final=False)
     stream = client.stream("restarted")
     assert next(stream).rows == 6
-    _, again = put(spool, "restarted", rows=0, final=False, seed=1)
+    _, again = put(shared_spool, "restarted", rows=0, final=False, seed=1)
     again.append(np.zeros((8, len(LAYERS), TOPK), dtype=np.uint8))
     with pytest.raises(RecordRestarted) as exc:
         next(stream)
@@ -367,15 +379,15 @@ def test_stream_never_splices_a_restarted_record(spool: Spool, client: RoutedExp
     assert client.get("restarted").rows == 8, "read again from its start, the new record is whole"
 
 
-def test_resumed_stream_notices_a_restart_across_reconnects(spool: Spool, url: str) -> None:
-    put(spool, "restarted-offline", rows=4, final=False)
+def test_resumed_stream_notices_a_restart_across_reconnects(shared_spool: Spool, url: str) -> None:
+    put(shared_spool, "restarted-offline", rows=4, final=False)
     proxy = Proxy(int(url.rsplit(":", 1)[1]))
     try:
         with RoutedExpertsClient(f"http://127.0.0.1:{proxy.port}", retries=3, backoff_s=0.05) as client:
             stream = client.stream("restarted-offline")
             assert next(stream).rows == 4
             proxy.cut_all()
-            _, again = put(spool, "restarted-offline", rows=0, final=False, seed=2)
+            _, again = put(shared_spool, "restarted-offline", rows=0, final=False, seed=2)
             again.append(np.zeros((9, len(LAYERS), TOPK), dtype=np.uint8))
             again.finalize()
             with pytest.raises(RecordRestarted):
@@ -384,11 +396,18 @@ def test_resumed_stream_notices_a_restart_across_reconnects(spool: Spool, url: s
         proxy.close()
 
 
-def test_stream_reconnects_after_sitting_idle(spool: Spool, url: str) -> None:
-    prompt, writer = put(spool, "idle", rows=5, final=False)
+def test_stream_reconnects_after_sitting_idle(shared_spool: Spool, url: str) -> None:
+    prompt, writer = put(shared_spool, "idle", rows=5, final=False)
     proxy = Proxy(int(url.rsplit(":", 1)[1]))
     late = np.full((2, len(LAYERS), TOPK), 3, dtype=np.uint8)
-    thread = _append_later(writer, [late], pause=0.9)
+
+    def append_once_reconnected() -> None:
+        if proxy.wait_connections(2, timeout=30):  # the first stream sat idle past stream_idle_s and was dropped
+            writer.append(late)
+        writer.finalize()
+
+    thread = threading.Thread(target=append_once_reconnected)
+    thread.start()
     try:
         with RoutedExpertsClient(f"http://127.0.0.1:{proxy.port}", stream_idle_s=0.3, backoff_s=0.01) as client:
             seen = list(client.stream("idle"))
@@ -402,8 +421,7 @@ def test_stream_reconnects_after_sitting_idle(spool: Spool, url: str) -> None:
 # ---- retries, torch, async ---------------------------------------------------------------------------------
 
 
-def test_retries_connection_refused_until_the_server_comes_up(tmp_path: Path) -> None:
-    spool = Spool(tmp_path)
+def test_retries_connection_refused_until_the_server_comes_up(spool: Spool) -> None:
     array, _ = put(spool, "late", rows=4)
     port = free_port()
     result: dict[str, object] = {}
@@ -429,7 +447,7 @@ def test_retries_connection_refused_until_the_server_comes_up(tmp_path: Path) ->
         thread.start()
         assert retried.wait(15), "the client never retried"
         assert thread.is_alive(), "the client should still be retrying while nothing listens"
-        with sidecar_on_port(tmp_path, port):
+        with sidecar_on_port(spool.root, port):
             thread.join(15)
     assert isinstance(result["r"], RoutedExperts), result["r"]
     np.testing.assert_array_equal(result["r"].array, array)
@@ -445,7 +463,7 @@ def test_connection_refused_is_raised_after_the_last_retry() -> None:
         c.get("anything")
 
 
-def test_http_errors_are_not_retried(spool: Spool, url: str) -> None:
+def test_http_errors_are_not_retried(shared_spool: Spool, url: str) -> None:
     proxy = Proxy(int(url.rsplit(":", 1)[1]))
     try:
         with RoutedExpertsClient(f"http://127.0.0.1:{proxy.port}", retries=5) as c, pytest.raises(RecordNotFound):
@@ -455,9 +473,9 @@ def test_http_errors_are_not_retried(spool: Spool, url: str) -> None:
     assert proxy.connections == 1
 
 
-def test_to_torch_shares_memory(spool: Spool, client: RoutedExpertsClient) -> None:
+def test_to_torch_shares_memory(shared_spool: Spool, client: RoutedExpertsClient) -> None:
     torch = pytest.importorskip("torch")
-    array, _ = put(spool, "torch", rows=6)
+    array, _ = put(shared_spool, "torch", rows=6)
     r = client.get("torch")
     t = r.to_torch()
     assert t.dtype == torch.uint8 and tuple(t.shape) == array.shape
@@ -465,9 +483,9 @@ def test_to_torch_shares_memory(spool: Spool, client: RoutedExpertsClient) -> No
     assert torch.equal(t, torch.from_numpy(array))
 
 
-def test_async_client(spool: Spool, url: str) -> None:
-    a, _ = put(spool, "async-a", rows=7, seed=3)
-    prompt, writer = put(spool, "async-stream", rows=3, final=False)
+def test_async_client(shared_spool: Spool, url: str) -> None:
+    a, _ = put(shared_spool, "async-a", rows=7, seed=3)
+    prompt, writer = put(shared_spool, "async-stream", rows=3, final=False)
     blocks = [np.full((1, len(LAYERS), TOPK), 7, dtype=np.uint8)] * 3
 
     async def main() -> None:
@@ -476,11 +494,12 @@ def test_async_client(spool: Spool, url: str) -> None:
             np.testing.assert_array_equal(r.array, a[2:5, [1], :])
             many = await client.get_many(["async-a", "async-nope"])
             assert isinstance(many[0], RoutedExperts) and isinstance(many[1], RecordNotFound)
-            thread = _append_later(writer, blocks, pause=0.1)
-            seen = [b async for b in client.stream("async-stream")]
-            thread.join()
+            step, seen = append_each_read(writer, blocks), []
+            async for block in client.stream("async-stream"):
+                seen.append(block)
+                step()
             np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), np.concatenate([prompt, *blocks]))
-            put(spool, "async-gone", rows=1, status="error")
+            put(shared_spool, "async-gone", rows=1, status="error")
             with pytest.raises(RecordGone):
                 await client.get("async-gone")
             assert await client.ack("async-a") is True
