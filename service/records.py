@@ -30,7 +30,13 @@ def header_rid(rid: str) -> str:
 
 
 def gone(meta: RecordMeta) -> ApiError:
-    return ApiError(410, f"record_{meta.status}", f"record {meta.rid!r} ended with status {meta.status!r}")
+    detail = f"record {meta.rid!r} ended with status {meta.status!r}"
+    if meta.status == "error":  # why is counted in the engine file's `writer.undelivered`
+        detail += (
+            ": its rows did not reach the spool (r3_engine_undelivered_total says why); a request that asked"
+            " for routed experts has them inline in its response"
+        )
+    return ApiError(410, f"record_{meta.status}", detail)
 
 
 def missing(store: Store, rid: str) -> ApiError:

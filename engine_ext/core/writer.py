@@ -452,7 +452,7 @@ class SpoolWriter:
                 self._forget(op.rid)
                 writer.finalize(op.status, weights=op.weights)
                 with self._lock:
-                    self.stats.records_written += 1
+                    self.stats.records_written += op.status != "error"  # a refused request's tombstone is no record
                     self._recent[op.rid] = None
                     self._recent.move_to_end(op.rid)
                     if len(self._recent) > RECENT_RIDS:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine_ext.core.settings import Mode
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
+from engine_ext.core.writer import NOT_WRITABLE, Op, RecordSpec, SpoolWriter, undelivered_reason
 from engine_ext.sglang.weight_versions import Span, record_weights
 from service.record_meta import Weights
 
@@ -340,8 +340,8 @@ class Collector:
             inline = route == Route.INLINE
             self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
             self.dropped += 0 if inline else 1
-            if reopened:  # the record `reopen` started ends at once: the sidecar answers 410, not a wait
-                self.writer.submit(Op(fin.rid, status="error"))
+            if refusal != NOT_WRITABLE:  # no record could be written there either
+                self._end_refused(fin.rid, None if reopened else spec)
             return route
         status = "aborted" if fin.aborted else "ok"
         if route == Route.BOTH:  # SGLang's inline rows start at start_len: skip those this server did not route
@@ -360,9 +360,20 @@ class Collector:
             inline = self.mode is Mode.MIRROR and fin.wants_inline
             self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
             self.dropped += 0 if inline else 1
+            if refusal != NOT_WRITABLE:
+                self._end_refused(fin.rid, spec)
             return False
         self.gather.add(_WholeRecord(self, spec, nbytes, "aborted" if fin.aborted else "ok"), fin.pool_idx, lo, hi)
         return True
+
+    def _end_refused(self, rid: str, spec: RecordSpec | None) -> None:
+        """A request whose rows the spool refused gets a record that ends at once, `error`, with no rows.
+
+        Why: a pointer to it (mirror mode attaches one beside the inline rows; a trainer may also hold the
+        rid) must get 410 from the sidecar at once, not 404 after its whole `wait`. Metadata only, a few
+        hundred bytes, outside the byte reservation; `spec` None: the record is already open (`reopen`).
+        """
+        self.writer.submit(Op(rid, spec=spec, status="error"), reserved=True)
 
     def read_rows(self, ticket: Ticket, pool_idx: int, lo: int, hi: int) -> None:
         """Queue rows `[lo, hi)` of a running request for this step's batched slot read (live prefixes)."""
@@ -378,6 +389,7 @@ class Collector:
             self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None)
             if rows is None:
                 self.dropped += 1
+            self._end_refused(rid, spec)
             return
         data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
         self.writer.submit(Op(rid, spec=spec, rows=data, status=status), reserved=True)

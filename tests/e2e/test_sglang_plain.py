@@ -295,6 +295,11 @@ def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full)
             assert np.array_equal(stored.astype(np.int32), rows[:, list(meta.layers), :]), name
             pointed.append(name)
     assert inline and pointed, (inline, pointed)  # the budget took some records and refused others
+    for name in inline:  # a held rid (or mirror mode's pointer) to refused rows: 410 at once, not a 30 s wait
+        began = time.monotonic()
+        answer = httpx.get(f"{stack.sidecar_url}/routed_experts/{stack.config.name}-{name}?wait=30", timeout=40)
+        assert answer.status_code == 410 and answer.json()["error"] == "record_error", (name, answer.text)
+        assert "did not reach the spool" in answer.json()["detail"] and time.monotonic() - began < 10, name
     deadline, counted = time.monotonic() + 15, 0  # the engine file is rewritten about once a second
     while counted < len(inline) and time.monotonic() < deadline:
         time.sleep(0.5)

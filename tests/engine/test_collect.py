@@ -187,14 +187,14 @@ results["e"] = dict(inline=e.routed_experts is not None,
 configure(spool_max_bytes=64)
 f = run_request("f", 6, 30, 10, return_routed_experts=True)
 finish([f])
-results["f"] = dict(inline=f.routed_experts is not None, record=Spool(SPOOL).read_meta("f") is not None,
+results["f"] = dict(inline=f.routed_experts is not None, record=getattr(Spool(SPOOL).read_meta("f"), "status", None),
                     stats=PROCESS.delivery.writer.snapshot())
 
 # capture-all, spool full, and the request did not ask: nothing inline to keep, so the loss is counted by reason
 configure(capture_all=True, spool_max_bytes=64)
 g = run_request("g", 7, 30, 10)
 finish([g])
-results["g"] = dict(inline=g.routed_experts is not None, record=Spool(SPOOL).read_meta("g") is not None,
+results["g"] = dict(inline=g.routed_experts is not None, record=getattr(Spool(SPOOL).read_meta("g"), "status", None),
                     stats=PROCESS.delivery.writer.snapshot(), dropped=PROCESS.delivery.collector.dropped)
 
 # containment: a request the delivery cannot read (no pool row) takes SGLang's own path, the scheduler goes on
@@ -296,12 +296,12 @@ def test_finish_path_against_sglang(tmp_path):
     assert res["attn_tp1"] == {**res["attn_tp1"], "record": None, "inline": False, "publisher": False}
     assert res["attn_dp1"]["publisher"] is True and res["attn_dp1"]["engine"].endswith("/dp1")
     assert res["attn_dp1"]["record"] == res["attn_dp1"]["engine"] and res["attn_dp1"]["inline"] is False
-    f = res["f"]
-    assert f["inline"] is True and f["record"] is False
+    f = res["f"]  # refused: the rows stay inline, and the record ends at once, `error` (410, never a long wait)
+    assert f["inline"] is True and f["record"] == "error"
     assert f["stats"]["fallback_inline"] == 1 and f["stats"]["spool_full"] == 1
     assert f["stats"]["undelivered"]["spool_full"] == 1, "a fallback is an undelivered request too"
     g = res["g"]
-    assert g["inline"] is False and g["record"] is False and g["dropped"] == 1
+    assert g["inline"] is False and g["record"] == "error" and g["dropped"] == 1
     assert g["stats"]["undelivered"]["spool_full"] == 1 and g["stats"]["fallback_inline"] == 0
 
 
