@@ -119,13 +119,13 @@ $(SGLANG_0520)/.sglang-stamp: $(VENV)/.sglang-stamp
 	touch $@
 
 # 0.5.16 and 0.5.12 pin torch 2.11.0 (a CUDA build; PyPI has no CPU one) and run on .venv's torch 2.13.0 CPU
-# build, so their venvs are overlays too, built afresh: sglang --no-deps and the pinned extras of
-# requirements/sglang-<version>-overlay.txt (installed before the base .pth exists, so pip never sees .venv),
-# then their own copy of the two CPU shims (whose per-version patches these versions need: their
-# routed-experts host cache pins memory itself; 0.5.12 imports sgl_kernel.kvcacheio on CPU), loaded ahead of
-# .venv's copy, then .venv's site-packages behind them. ~1 min each.
-#   0.5.16: nothing beyond sglang (.venv's transformers 5.19.0 imports it; it asks for 5.12.1).
-#   0.5.12: transformers 5.6.0 (its pin): ... (requirements/sglang-0.5.12-overlay.txt says why).
+# build, so their venvs are overlays too, built afresh (~40 s each): sglang --no-deps and the pinned extras of
+# requirements/sglang-<version>-overlay.txt (installed before the base .pth exists, so pip never sees .venv):
+# each its own transformers pin, since .venv's 5.19.0 already registers a model type (`qwen3_asr`) their
+# configs register again at import, and the tokenizers that transformers accepts. Then their own copy of the
+# two CPU shims, loaded ahead of .venv's copy: the per-version patches these versions need are there (their
+# routed-experts host cache pins memory itself; 0.5.12 imports sgl_kernel.kvcacheio on CPU). Then .venv's
+# site-packages behind them. The launch flag 0.5.12 needs on CPU is tests/e2e/sglang_server.py's VERSION_ARGS.
 SHIMS := tests/sglang_cpu/_sglang_cpu_tv_shim.py tests/sglang_cpu/_sglang_cpu_server_shim.py
 SGLANG_0516 := .venv-sglang-0.5.16
 SGLANG_0512 := .venv-sglang-0.5.12
