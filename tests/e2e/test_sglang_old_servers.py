@@ -4,11 +4,15 @@ the seeded weights route differently per layer.
 
 What the per-version smoke tests (`test_sglang_0_5_*.py`) build on: if this fails, the venv or its CPU
 workarounds (tests/sglang_cpu, `sglang_server.VERSION_ARGS`) are what broke, not the plugin. Upstream only.
+The CPU shim's per-version patches are checked by their effects in each installed SGLang's own processes,
+the newer two included (their patches must stay what they were).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -25,16 +29,54 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
 
 def python_of(version: str) -> Path:
-    return REPO / f".venv-sglang-{version}" / "bin" / "python"
+    return REPO / (".venv" if version == "0.5.23" else f".venv-sglang-{version}") / "bin" / "python"
 
 
-@pytest.mark.parametrize(
-    "version",
-    [
-        pytest.param(v, marks=pytest.mark.skipif(not python_of(v).exists(), reason=f"needs `make env-sglang-{v}`"))
-        for v in VERSIONS
-    ],
-)
+def installed(*versions: str) -> list:
+    """`versions` as parameters, each skipped where its venv is not built."""
+    make = {v: "make env" if v == "0.5.23" else f"make env-sglang-{v}" for v in versions}
+    return [
+        pytest.param(v, marks=pytest.mark.skipif(not python_of(v).exists(), reason=f"needs `{make[v]}`"))
+        for v in versions
+    ]
+
+
+# What the shim does in a server process, read back: the patched names, and the two allocations it makes work.
+SHIM_EFFECTS = """
+import inspect, json, sys
+import sglang.srt.layers.rotary_embedding.base as rotary
+import sglang.srt.layers.dp_attention as dp
+import sglang.srt.state_capturer.base as capturer
+import sglang.srt.mem_cache.memory_pool_host
+device = {"device": "cpu"} if "device" in inspect.signature(capturer.BaseHostCache).parameters else {}
+cache = capturer.BaseHostCache(4, 2, 2, "probe", **device)  # 0.5.20 on: allocated for a device's host
+print(json.dumps({
+    "rotary_is_cpu": rotary._is_cpu,
+    "dp_memcpy_cpu": getattr(dp, "memcpy_func", None) is getattr(dp, "memcpy_cpu", False),
+    "host_cache_pinned": cache.buffer.is_pinned(),
+    "sgl_kernel_left": "sgl_kernel" in sys.modules,
+}))
+"""
+
+
+@pytest.mark.parametrize("version", installed("0.5.23", "0.5.20", *VERSIONS))
+def test_the_cpu_shim_patches_what_each_version_needs(version):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "SGLANG_"))} | {"R3_TEST_SGLANG_CPU": "1"}
+    done = subprocess.run(
+        [str(python_of(version)), "-c", SHIM_EFFECTS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    effects = json.loads(done.stdout.strip().splitlines()[-1])
+    newer = version in ("0.5.23", "0.5.20")
+    assert effects == {
+        "rotary_is_cpu": True,
+        "dp_memcpy_cpu": newer,  # the older ones have no CPU row copy, and run no DP attention here
+        "host_cache_pinned": False,  # 0.5.23 / 0.5.20 allocate unpinned through ALLOC_MEMORY_FUNCS, older via `torch`
+        "sgl_kernel_left": False,  # 0.5.12's kvcacheio stub is gone once its module has imported
+    }
+
+
+@pytest.mark.parametrize("version", installed(*VERSIONS))
 def test_the_real_server_is_that_version_and_routes_per_layer(version, sglang_stack):
     python = str(python_of(version))
     assert sglang_version(python) == tuple(int(p) for p in version.split("."))
