@@ -257,7 +257,7 @@ class Config:
     model: dict[str, Any] = field(default_factory=dict)  # config.json overrides
     sidecar: bool = True  # start `r3-sidecar serve` on the same spool
     tokenizer: bool = False  # write `write_tokenizer` into the model dir and drop --skip-tokenizer-init
-    python: str = sys.executable  # another SGLang's venv (`make env-sglang-0.5.20`) runs another version
+    python: str = sys.executable  # another SGLang's venv (`make env-sglang-<version>`) runs another version
 
 
 @dataclass
