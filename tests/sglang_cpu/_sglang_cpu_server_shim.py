@@ -24,9 +24,9 @@ imported SGLang's own `sglang.version`, not from whichever dist-info is first on
    allocates with `torch.zeros(..., pin_memory=True)` itself, not through `ALLOC_MEMORY_FUNCS`; that module's
    `torch` becomes one whose `zeros` leaves host memory unpinned.
 5. 0.5.12 only: `mem_cache.memory_pool_host` imports `sgl_kernel.kvcacheio` on every device but NPU, XPU and
-   MPS (0.5.16 only on CUDA and HIP), and sgl_kernel is a CUDA wheel; while that module executes, a
-   `sgl_kernel.kvcacheio` whose functions raise stands in (nothing calls them without a hierarchical cache),
-   and is gone afterwards, so everything else still sees no sgl_kernel.
+   MPS (0.5.16 only on CUDA and HIP); PyPI's sgl_kernel is a CUDA build, not installed here. While that module
+   executes, a `sgl_kernel.kvcacheio` whose functions raise stands in (nothing calls them without a
+   hierarchical cache); it is gone afterwards, so everything else still sees no sgl_kernel.
 
 The plugin's production code carries none of them: they are facts of this machine, not of SGLang on a GPU.
 """
