@@ -1,4 +1,4 @@
-"""The one module that names SGLang 0.5.23 internals: hook targets, private attributes, argument names.
+"""The one module that names SGLang internals (in 0.5.23's spelling): hook targets, attributes, argument names.
 
 How it works. SGLang's `HookRegistry` (`srt/plugins/hook_registry.py`) patches a dotted target in every
 process that loads plugins: an AROUND hook is called as `hook(original, *args, **kwargs)` and decides when to
@@ -7,6 +7,8 @@ below that the settings ask for, one hook per target; SGLang applies them right 
 `engine_ext/sglang/__init__.py` is the entry point). Hooks read SGLang's objects into plain values; everything they
 compute is plain functions of those (`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`,
 `frontdoors`), testable without SGLang, and the process's delivery state is one object (`delivery.PROCESS`).
+Older SGLangs keep some of these elsewhere: targets, settings and helpers go through `compat` (a `Layout`
+per proven version, as data), so no hook body checks a version.
 
 Usage, e.g. to see what a launch registers:
 
@@ -26,7 +28,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.sglang import capturer, frontdoors, slicing, timers
+from engine_ext.sglang import capturer, compat, frontdoors, slicing, timers
 from engine_ext.sglang.collect import Finished, ModelShape, Route
 from engine_ext.sglang.delivery import PROCESS, Contained, Delivery, HostCache, Placement
 from engine_ext.sglang.live import StepRequest, decode_layout, extend_layout, verify_layout
@@ -133,7 +135,9 @@ _registered: set[Hook] = set()  # a row wanted by two groups (on_forward_end) is
 def _register(*groups: str) -> None:
     for hook in HOOKS:
         if hook not in _registered and set(hook.groups) & set(groups):
-            HookRegistry.register(hook.target, timers.untimed(globals()[hook.function]), hook.type)
+            target = compat.target(hook.target)
+            if target is not None:
+                HookRegistry.register(target, timers.untimed(globals()[hook.function]), hook.type)
             _registered.add(hook)
 
 
@@ -156,10 +160,9 @@ _OCCUPANCY_ATTR = "_r3_occupancy"  # … and their device-cache Occupancy
 def capture_limits(model_config, max_running_requests: int):
     """The published settings that bound one forward's rows on one DP rank (`capturer.CaptureLimits`)."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.runtime_context import get_exec, get_parallel, get_schedule, get_spec
 
-    schedule, spec = get_schedule(), get_spec()
-    graphs = get_exec().graph.cuda_graph_config
+    read = compat.read
+    graphs = read("cuda_graph_config")
     decode_max_bs = prefill_max_tokens = 0
     if graphs is not None:
         if graphs.decode.backend != Backend.DISABLED:
@@ -168,14 +171,21 @@ def capture_limits(model_config, max_running_requests: int):
             prefill_max_tokens = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
     return capturer.CaptureLimits(
         max_running_requests=max_running_requests,
-        chunked_prefill_size=schedule.chunked_prefill_size,
+        chunked_prefill_size=read("chunked_prefill_size"),
         context_len=int(getattr(model_config, "context_len", 0) or 0),
-        max_prefill_tokens=schedule.max_prefill_tokens or 0,
+        max_prefill_tokens=read("max_prefill_tokens") or 0,
         prefill_graph_max_tokens=prefill_max_tokens,
         decode_graph_max_bs=decode_max_bs,
-        tokens_per_req=(spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1,
-        attn_tp_size=get_parallel().attn_tp_size,
+        tokens_per_req=_tokens_per_req(),
+        attn_tp_size=read("attn_tp_size"),
     )
+
+
+def _tokens_per_req() -> int:
+    """Tokens one request adds to a decode/verify forward: the draft tokens under speculative decoding."""
+    if compat.read("speculative_algorithm"):
+        return compat.read("speculative_num_draft_tokens") or 1
+    return 1
 
 
 def _moe_sees_gathered_batch() -> bool:
@@ -199,11 +209,9 @@ def _create_sized_capturer(original, *args, **kwargs):
     """
     import logging
 
-    from sglang.srt.runtime_context import get_parallel
-
     model_config, max_running_requests = kwargs["model_config"], kwargs["max_running_requests"]
     limits = capture_limits(model_config, max_running_requests)
-    num_dp_ranks = get_parallel().num_dp_ranks
+    num_dp_ranks = compat.read("num_dp_ranks")
     gathered = num_dp_ranks if _moe_sees_gathered_batch() else 1
     rows = capturer.device_rows(limits, gathered)
     kwargs["max_running_requests"] = max(max_running_requests, -(-rows // num_dp_ranks))
@@ -259,10 +267,11 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     TIMERS.kind = _forward_kind(forward_batch.forward_mode)
     _proved[0] = None  # a new forward: its first capture is checked again
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
-    padded_before = forward_batch.global_num_tokens_padded_cpu
+    padded = compat.layout().padded_counts
+    padded_before = getattr(forward_batch, padded)
     output = original(runner, forward_batch, *args, **kwargs)
     graph = getattr(runner, "decode_cuda_graph_runner", None)
-    padded_now = forward_batch.global_num_tokens_padded_cpu
+    padded_now = getattr(forward_batch, padded)
     if output.can_run_graph and graph is not None and padded_now is padded_before:
         ragged = getattr(graph, "_ragged_graph_size", None) if getattr(graph, "ragged_verify_mode", False) else None
         setattr(
@@ -277,11 +286,9 @@ _dp_slot_cache: list = []
 
 
 def _dp_slot_functions():
-    """`dp_slot_in`, `dp_gather_slot`, imported once (this runs once per forward)."""
+    """`dp_slot_in`, `dp_gather_slot` as this version names them, looked up once (this runs once per forward)."""
     if not _dp_slot_cache:
-        from sglang.srt.layers.dp_attention import dp_gather_slot, dp_slot_in
-
-        _dp_slot_cache.extend((dp_slot_in, dp_gather_slot))
+        _dp_slot_cache.extend((compat.function("dp_slot_in"), compat.function("dp_gather_slot")))
     return _dp_slot_cache
 
 
@@ -293,7 +300,8 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
         gathered = _moe_sees_gathered_batch()
     if gathered:
         dp_slot_in, dp_gather_slot = _dp_slot_functions()
-        padded, counts = forward_batch.global_num_tokens_padded_cpu, forward_batch.global_num_tokens_cpu
+        padded = getattr(forward_batch, compat.layout().padded_counts)
+        counts = forward_batch.global_num_tokens_cpu
         per_rank = padded if padded is not None else counts
         extent = getattr(forward_batch, _DECODE_EXTENT_ATTR, None) if can_run_graph else None
         if can_run_graph and extent is None and padded is None:
@@ -357,20 +365,18 @@ def _check_device_capture(cache, layer_id, topk_indices) -> None:
 def _cutedsl_moe_max_num_tokens() -> int:
     """`runtime_context.cutedsl_moe_max_num_tokens` counting BREAKABLE and FULL prefill graphs too."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.runtime_context import get_exec, get_schedule, get_spec
 
-    spec = get_spec()
-    graphs = get_exec().graph.cuda_graph_config
+    graphs = compat.read("cuda_graph_config")
     prefill_graph = decode_max_bs = 0
     if graphs is not None:
         if graphs.prefill.backend != Backend.DISABLED:
             prefill_graph = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
         decode_max_bs = graphs.decode.max_bs or 0
     return capturer.cutedsl_moe_tokens(
-        max_prefill_tokens=get_schedule().max_prefill_tokens,
+        max_prefill_tokens=compat.read("max_prefill_tokens"),
         prefill_graph_max_tokens=prefill_graph,
         decode_graph_max_bs=decode_max_bs,
-        tokens_per_req=(spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1,
+        tokens_per_req=_tokens_per_req(),
     )
 
 
@@ -457,9 +463,7 @@ def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | N
     if not settings.sidecar_url:  # no pointer anywhere: trainers fetch by rid from a sidecar they know
         return None
     if tokenizer_worker_num is None:
-        from sglang.srt.runtime_context import get_serving
-
-        tokenizer_worker_num = int(get_serving().tokenizer_worker_num or 1)
+        tokenizer_worker_num = int(compat.read("tokenizer_worker_num") or 1)
     from sglang.srt.environ import envs
 
     return pointer_unreachable(
@@ -531,9 +535,7 @@ def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
         return int(host_cache.num_tokens), max(used, 0)
 
     def budget() -> list[dict]:
-        from sglang.srt.runtime_context import get_server_args
-
-        return [row.as_contract() for row in budget_table(get_server_args())]
+        return [row.as_contract() for row in budget_table(compat.read("server_args"))]
 
     return Delivery(
         settings,
@@ -567,23 +569,18 @@ def _model_shape(hf, experts) -> ModelShape:
 
 
 def _eagle_topk() -> int:
-    from sglang.srt.runtime_context import get_spec
-
     try:
-        return int(get_spec().speculative_eagle_topk or 1)
+        return int(compat.read("speculative_eagle_topk") or 1)
     except (RuntimeError, ValueError, AttributeError, TypeError):
         return 1
 
 
 def _attention_ranks() -> tuple[bool, int | None]:
     """(publishes: attn-tp rank 0 of its DP group, the DP rank naming this engine: replica × groups + group)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
 
     def read(name: str) -> int | None:
         try:
-            value = getattr(parallel, name)
+            value = compat.read(name)
         except (RuntimeError, ValueError, AttributeError):
             return None
         return None if value is None else int(value)
@@ -614,13 +611,12 @@ def _finished_of(req) -> Finished:
 
 def _weight_versions(req) -> dict:
     """The serving weight version and the request's spans, by SGLang's own span function (plain tuples)."""
-    from sglang.srt.runtime_context import get_serving
-    from sglang.srt.utils.weight_versions import compute_weight_version_spans
-
-    current = get_serving().weight_version
+    current = compat.read("weight_version")
     events = getattr(req, "weight_version_events", None)
     if not events:
         return {"weight_version": current}
+    from sglang.srt.utils.weight_versions import compute_weight_version_spans
+
     spans = compute_weight_version_spans(
         events, current_version=current, num_output_tokens=len(req.output_ids_through_stop)
     )
@@ -638,9 +634,8 @@ def _pd_decode_server() -> bool:
     collected at `disaggregation/prefill.py:1223-1224`.
     """
     if not _pd_mode:
-        from sglang.srt.runtime_context import get_disagg
-
-        _pd_mode.append(str(get_disagg().disaggregation_mode) in ("decode", "DisaggregationMode.DECODE"))
+        mode = compat.read("disaggregation_mode")
+        _pd_mode.append(str(mode) in ("decode", "DisaggregationMode.DECODE"))
     return _pd_mode[0]
 
 

@@ -64,7 +64,7 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.20",
             plugin_mechanism=True,
-            proven=False,
+            proven=True,
             missing_targets=(),
             missing_names=(
                 "sglang.srt.runtime_context.ParallelContext.num_dp_ranks",

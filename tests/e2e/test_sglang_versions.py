@@ -66,12 +66,13 @@ def test_enforce_refuses_to_start_on_an_unproven_sglang_naming_it(shadow_dist_in
     assert "Load weight begin" not in output  # stopped before any model work
 
 
-@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20"])
+@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20", ".venv-sglang-0.5.16", ".venv-sglang-0.5.12"])
 def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
-    """Each version's real modules, imported by its own python: the targets and names it lacks are its row."""
+    """Each version's real modules, imported by its own python: the targets and names it lacks are its row, and
+    everything its `compat` layout names (retargeted hooks, settings' getters, helpers) imports there."""
     python = REPO / venv / "bin" / "python"
     if not python.exists():
-        pytest.skip(f"needs {venv} (make env-sglang-0.5.20)")
+        pytest.skip(f"needs {venv} (make env-{venv.removeprefix('.venv-')})")
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
         [str(python), str(REPO / "tests" / "e2e" / "resolve_targets.py")],
@@ -85,3 +86,5 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     row = MATRIX[found["sglang"]]
     assert sorted(found["targets"]) == sorted(row.missing_targets)
     assert sorted(found["names"]) == sorted(row.missing_names)
+    if row.proven:  # a proven version has a layout, and all of it resolves here
+        assert found["after_layout"] == []

@@ -17,7 +17,16 @@ def test_the_newest_is_proven_and_registers_every_group():
     assert plan.full and plan.groups == GROUPS
 
 
-@pytest.mark.parametrize("version", ["0.5.20", "0.5.16", "0.5.12"])
+def test_the_proven_versions_register_every_group():
+    for version in [v for v, row in MATRIX.items() if row.proven]:
+        plan = support(version)
+        assert plan.full and plan.groups == GROUPS and plan.version == version
+
+
+UNPROVEN = [v for v, row in MATRIX.items() if row.plugin_mechanism and not row.proven]
+
+
+@pytest.mark.parametrize("version", UNPROVEN)
 def test_an_unproven_version_registers_nothing_and_names_what_is_missing(version):
     plan = support(version)
     assert plan.groups == () and not plan.full
