@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm env-sglang-0.5.20 trainers clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -16,7 +16,7 @@ demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sid
 serve: env-service
 	$(BIN)/r3-sidecar serve
 
-test: env env-ray trainers env-vllm env-sglang-0.5.20 ## the whole suite, as CI runs it
+test: env env-ray trainers env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -117,6 +117,40 @@ $(SGLANG_0520)/.sglang-stamp: $(VENV)/.sglang-stamp
 	echo "import site; site.addsitedir('$(abspath $(SITE))')" > \
 	  $$($(SGLANG_0520)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_r3_base_venv.pth
 	touch $@
+
+# 0.5.16 and 0.5.12 pin torch 2.11.0 (a CUDA build; PyPI has no CPU one) and run on .venv's torch 2.13.0 CPU
+# build, so their venvs are overlays too, built afresh (~40 s each): sglang --no-deps and the pinned extras of
+# requirements/sglang-<version>-overlay.txt (installed before the base .pth exists, so pip never sees .venv):
+# each its own transformers pin, since .venv's 5.19.0 already registers a model type (`qwen3_asr`) their
+# configs register again at import, and the tokenizers that transformers accepts. Then their own copy of the
+# two CPU shims, loaded ahead of .venv's copy: the per-version patches these versions need are there (their
+# routed-experts host cache pins memory itself; 0.5.12 imports sgl_kernel.kvcacheio on CPU). Then .venv's
+# site-packages behind them. The launch flag 0.5.12 needs on CPU is tests/e2e/sglang_server.py's VERSION_ARGS.
+SHIMS := tests/sglang_cpu/_sglang_cpu_tv_shim.py tests/sglang_cpu/_sglang_cpu_server_shim.py
+SGLANG_0516 := .venv-sglang-0.5.16
+SGLANG_0512 := .venv-sglang-0.5.12
+
+# $(call sglang_overlay,VENV DIR,SGLANG VERSION): the recipe both share
+define sglang_overlay
+rm -rf $(1)
+$(BIN)/python -m venv --without-pip $(1)
+$(BIN)/python -m pip --python $(1)/bin/python install -q --no-deps sglang==$(2) \
+  $(if $(wildcard requirements/sglang-$(2)-overlay.txt),-r requirements/sglang-$(2)-overlay.txt)
+site=$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+  cp $(SHIMS) $$site/ && \
+  echo "import _sglang_cpu_tv_shim" > $$site/_sglang_cpu_tv_shim.pth && \
+  echo "import _sglang_cpu_server_shim" > $$site/_sglang_cpu_server_shim.pth && \
+  echo "import site; site.addsitedir('$(abspath $(SITE))')" > $$site/zz_r3_base_venv.pth
+touch $(1)/.sglang-stamp
+endef
+
+env-sglang-0.5.16: $(SGLANG_0516)/.sglang-stamp
+$(SGLANG_0516)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirements/sglang-0.5.16-overlay.txt)
+	$(call sglang_overlay,$(SGLANG_0516),0.5.16)
+
+env-sglang-0.5.12: $(SGLANG_0512)/.sglang-stamp
+$(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirements/sglang-0.5.12-overlay.txt)
+	$(call sglang_overlay,$(SGLANG_0512),0.5.12)
 
 clean:
 	rm -rf $(VENV) $(TRAINERS) $(VVENV) .venv-sglang-* .pytest_cache .ruff_cache .hypothesis

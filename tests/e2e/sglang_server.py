@@ -9,14 +9,16 @@ loopback ports, and teardown by pid (the whole group: tokenizer manager, schedul
 it), also when a test fails.
 
 The plugin is loaded through its entry point; `plugin=False` sets `SGLANG_PLUGINS=__none__`, the upstream
-baseline on the same install. The two CPU workarounds are `tests/sglang_cpu/_sglang_cpu_server_shim.py`,
-armed by `R3_TEST_SGLANG_CPU=1` in the server's environment only.
+baseline on the same install. The CPU workarounds are `tests/sglang_cpu/_sglang_cpu_server_shim.py`,
+armed by `R3_TEST_SGLANG_CPU=1` in the server's environment only; `Config.python` picks another SGLang's
+venv, and the launch flags that version needs on the CPU (`VERSION_ARGS`) follow from its code's version.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -52,6 +54,12 @@ BASE_ARGS: dict[str, Any] = {
     "disable-cuda-graph": True,
     "log-level": "info",
 }
+
+# What older SGLangs need on top of BASE_ARGS on the CPU: (versions before this, flags). 0.5.12 turns
+# piecewise CUDA graphs on unless its `is_cpu()` (SGLang's own CPU engine, sgl_kernel's CPU build) says CPU.
+VERSION_ARGS: list[tuple[tuple[int, ...], dict[str, Any]]] = [
+    ((0, 5, 16), {"disable-piecewise-cuda-graph": True}),
+]
 
 
 # GLM-4.5's layout (first_k_dense_replace): layer 0 dense, layers 1-2 MoE, one shared expert
@@ -142,6 +150,28 @@ def write_tokenizer(directory: Path, vocab_size: int = 256) -> Path:
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return directory
+
+
+@functools.cache
+def sglang_version(python: str) -> tuple[int, ...]:
+    """The version of the SGLang code `python` imports (its `sglang/_version.py`, read without importing sglang:
+    the dist-info first on the path can say otherwise, as `test_sglang_versions.py` arranges on purpose)."""
+    code = (
+        "import importlib.util, runpy; (d,) = importlib.util.find_spec('sglang').submodule_search_locations; "
+        "print(runpy.run_path(d + '/_version.py')['__version__'])"
+    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    return tuple(int(part) for part in out.strip().split(".")[:3] if part.isdigit())
+
+
+def version_args(python: str) -> dict[str, Any]:
+    """The launch flags `VERSION_ARGS` adds for the SGLang that `python` runs."""
+    version = sglang_version(python)
+    args: dict[str, Any] = {}
+    for before, flags in VERSION_ARGS:
+        if version < before:
+            args |= flags
+    return args
 
 
 def cli_args(args: dict[str, Any]) -> list[str]:
@@ -328,8 +358,9 @@ def start(config: Config, workdir: Path) -> Stack:
             f"http://127.0.0.1:{sidecar_port}",
         )
         env.setdefault("R3_SIDECAR_URL", sidecar.url)
-    args = BASE_ARGS | {"model-path": str(model_dir), "load-format": load_format(model_dir)}
-    args |= {"host": "127.0.0.1", "port": port} | config.args
+    args = BASE_ARGS | version_args(config.python)
+    args |= {"model-path": str(model_dir), "load-format": load_format(model_dir), "host": "127.0.0.1", "port": port}
+    args |= config.args
     if config.tokenizer:
         args["skip-tokenizer-init"] = None
     server = spawn(

@@ -1,8 +1,10 @@
-"""Let a real SGLang 0.5.23 server run on a CPU-only torch, in every process it spawns: test support only.
+"""Let a real SGLang server (0.5.12 to 0.5.23) run on a CPU-only torch, in every process it spawns: test support only.
 
-Loaded from a `.pth` file (installed by `make env`) so that the main, tokenizer, scheduler and detokenizer
-processes all get it; inert unless `R3_TEST_SGLANG_CPU=1`. Three kinds of patch, each applied right after its module
-is imported (an import hook, so nothing of SGLang is imported early):
+Loaded from a `.pth` file (installed by `make env`, and into each older SGLang's venv by `make env-sglang-<v>`)
+so that the main, tokenizer, scheduler and detokenizer processes all get it; inert unless
+`R3_TEST_SGLANG_CPU=1`. Each patch is applied right after its module is imported (an import hook, so nothing
+of SGLang is imported early), and only on the versions whose code needs it (read from the
+imported SGLang's own `sglang.version`, not from whichever dist-info is first on the path: `_PATCHES`):
 
 1. `sglang.srt.layers.rotary_embedding.base._is_cpu = True`: otherwise `RotaryEmbedding.__init__` imports
    `vllm._custom_ops` (SGLang's own CPU engine needs sgl_kernel's CPU build, which PyPI does not carry).
@@ -16,7 +18,15 @@ is imported (an import hook, so nothing of SGLang is imported early):
    own CPU path (`dp_attention.memcpy_cpu`) instead of a Triton kernel, which has no CPU driver, and the
    group collectives (`all_gather_into_tensor`, `reduce_scatter_tensor`) take SGLang's own CPU branches
    (`parallel_state._is_cpu`: plain torch.distributed on gloo) instead of custom ops registered for
-   accelerators only.
+   accelerators only. From 0.5.20 on: 0.5.16 and 0.5.12 have neither `memcpy_cpu` nor
+   `forward_batch_info._is_cpu`, and their venvs run no DP attention.
+4. Before 0.5.20 (0.5.16, 0.5.12): the routed-experts host cache (`state_capturer.base.BaseHostCache`)
+   allocates with `torch.zeros(..., pin_memory=True)` itself, not through `ALLOC_MEMORY_FUNCS`; that module's
+   `torch` becomes one whose `zeros` leaves host memory unpinned.
+5. 0.5.12 only: `mem_cache.memory_pool_host` imports `sgl_kernel.kvcacheio` on every device but NPU, XPU and
+   MPS (0.5.16 only on CUDA and HIP), and sgl_kernel is a CUDA wheel; while that module executes, a
+   `sgl_kernel.kvcacheio` whose functions raise stands in (nothing calls them without a hierarchical cache),
+   and is gone afterwards, so everything else still sees no sgl_kernel.
 
 The plugin's production code carries none of them: they are facts of this machine, not of SGLang on a GPU.
 """
@@ -25,6 +35,8 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import types
+from collections.abc import Callable
 
 ENV_FLAG = "R3_TEST_SGLANG_CPU"
 
@@ -56,13 +68,98 @@ def _parallel_state(module) -> None:
     module._is_cpu = True
 
 
+class _UnpinnedTorch(types.ModuleType):
+    """`torch` as one module sees it, except that `zeros` never pins (a CPU torch cannot)."""
+
+    def __init__(self, torch: types.ModuleType) -> None:
+        super().__init__("torch")
+        self._torch = torch
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def zeros(self, *args, pin_memory: bool = False, **kwargs):
+        return self._torch.zeros(*args, **kwargs)
+
+
+def _state_capturer_base(module) -> None:
+    module.torch = _UnpinnedTorch(module.torch)
+
+
+_KVCACHEIO = "sgl_kernel.kvcacheio"
+
+
+def _kvcacheio_stub() -> dict[str, types.ModuleType]:
+    """`sgl_kernel` and `sgl_kernel.kvcacheio` modules whose every function raises if called."""
+
+    def missing(name: str) -> Callable[..., None]:
+        def call(*args, **kwargs) -> None:
+            raise RuntimeError(f"{_KVCACHEIO}.{name}: sgl_kernel is not installed (CPU test shim)")
+
+        return call
+
+    def attribute(name: str) -> Callable[..., None]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return missing(name)
+
+    stub = types.ModuleType(_KVCACHEIO)
+    stub.__getattr__ = attribute
+    return {"sgl_kernel": types.ModuleType("sgl_kernel"), _KVCACHEIO: stub}
+
+
+def _with_kvcacheio_stub(exec_module: Callable[[], None]) -> None:
+    added = {name: m for name, m in _kvcacheio_stub().items() if name not in sys.modules}
+    sys.modules.update(added)
+    try:
+        exec_module()
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+def _sglang_version() -> tuple[int, ...]:
+    """The version of the SGLang code being imported (its own `sglang/_version.py`)."""
+    from sglang.version import __version__
+
+    return tuple(int(part) for part in __version__.split(".")[:3] if part.isdigit())
+
+
+def _plain_exec(exec_module: Callable[[], None]) -> None:
+    exec_module()
+
+
+class _Patch:
+    """What one module gets: a wrapper around its execution, a patch after it, on versions in [since, before)."""
+
+    def __init__(
+        self,
+        after: Callable[[types.ModuleType], None] | None = None,
+        around: Callable[[Callable[[], None]], None] = _plain_exec,
+        since: tuple[int, ...] = (),
+        before: tuple[int, ...] | None = None,
+    ) -> None:
+        self.after, self.around, self.since, self.before = after, around, since, before
+
+    def applies(self) -> bool:
+        if not self.since and self.before is None:
+            return True
+        version = _sglang_version()
+        return self.since <= version and (self.before is None or version < self.before)
+
+
+_DP = (0, 5, 20)  # the DP-attention patches: the older versions lack what they set (memcpy_cpu, _is_cpu)
+
+
 _PATCHES = {
-    "sglang.srt.distributed.parallel_state": _parallel_state,
-    "sglang.srt.layers.dp_attention": _dp_attention,
-    "sglang.srt.model_executor.forward_batch_info": _forward_batch_info,
-    "sglang.srt.layers.attention.torch_native_backend": _torch_native,
-    "sglang.srt.layers.rotary_embedding.base": _rotary,
-    "sglang.srt.mem_cache.pool_host.common": _pool_host,
+    "sglang.srt.distributed.parallel_state": _Patch(_parallel_state, since=_DP),
+    "sglang.srt.layers.dp_attention": _Patch(_dp_attention, since=_DP),
+    "sglang.srt.model_executor.forward_batch_info": _Patch(_forward_batch_info, since=_DP),
+    "sglang.srt.layers.attention.torch_native_backend": _Patch(_torch_native, since=_DP),
+    "sglang.srt.layers.rotary_embedding.base": _Patch(_rotary),
+    "sglang.srt.mem_cache.pool_host.common": _Patch(_pool_host),
+    "sglang.srt.state_capturer.base": _Patch(_state_capturer_base, before=(0, 5, 20)),
+    "sglang.srt.mem_cache.memory_pool_host": _Patch(around=_with_kvcacheio_stub, before=(0, 5, 16)),
 }
 
 
@@ -71,7 +168,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         patch = _PATCHES.get(fullname)
-        if patch is None:
+        if patch is None or not patch.applies():
             return None
         sys.meta_path.remove(self)
         try:
@@ -87,8 +184,9 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 return real.create_module(spec)
 
             def exec_module(self, module):
-                real.exec_module(module)
-                patch(module)
+                patch.around(lambda: real.exec_module(module))
+                if patch.after is not None:
+                    patch.after(module)
 
         spec.loader = _Loader()
         return spec
