@@ -135,9 +135,9 @@ _registered: set[Hook] = set()  # a row wanted by two groups (on_forward_end) is
 def _register(*groups: str) -> None:
     for hook in HOOKS:
         if hook not in _registered and set(hook.groups) & set(groups):
-            target = compat.target(hook.target)
-            if target is not None:
-                HookRegistry.register(target, timers.untimed(globals()[hook.function]), hook.type)
+            where = compat.hook(hook.target, hook.function)  # this version's target and function for the row
+            if where is not None:
+                HookRegistry.register(where[0], timers.untimed(globals()[where[1]]), hook.type)
             _registered.add(hook)
 
 
@@ -159,15 +159,13 @@ _OCCUPANCY_ATTR = "_r3_occupancy"  # … and their device-cache Occupancy
 
 def capture_limits(model_config, max_running_requests: int):
     """The published settings that bound one forward's rows on one DP rank (`capturer.CaptureLimits`)."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
     read = compat.read
     graphs = read("cuda_graph_config")
     decode_max_bs = prefill_max_tokens = 0
     if graphs is not None:
-        if graphs.decode.backend != Backend.DISABLED:
+        if graphs.decode.backend != _GRAPH_OFF:
             decode_max_bs = max([graphs.decode.max_bs or 0, *(graphs.decode.bs or ())])
-        if graphs.prefill.backend != Backend.DISABLED:  # BREAKABLE, FULL (and the legacy TC_PIECEWISE)
+        if graphs.prefill.backend != _GRAPH_OFF:  # BREAKABLE, FULL (and the legacy TC_PIECEWISE)
             prefill_max_tokens = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
     return capturer.CaptureLimits(
         max_running_requests=max_running_requests,
@@ -179,6 +177,9 @@ def capture_limits(model_config, max_running_requests: int):
         tokens_per_req=_tokens_per_req(),
         attn_tp_size=read("attn_tp_size"),
     )
+
+
+_GRAPH_OFF = "disabled"  # `cuda_graph_config.Backend.DISABLED` (a str constant; ≤ 0.5.12 has no such module)
 
 
 def _tokens_per_req() -> int:
@@ -195,9 +196,8 @@ def _moe_sees_gathered_batch() -> bool:
     MegaMoE, …) TopK also routes the DP-local shard, so their rows sit at offset 0, not at the rank's offset.
     """
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-    from sglang.srt.layers.moe.utils import is_moe_input_scattered_across_dp_ranks
 
-    return is_dp_attention_enabled() and not is_moe_input_scattered_across_dp_ranks()
+    return is_dp_attention_enabled() and not compat.function("moe_input_scattered")()
 
 
 def _create_sized_capturer(original, *args, **kwargs):
@@ -267,17 +267,18 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     TIMERS.kind = _forward_kind(forward_batch.forward_mode)
     _proved[0] = None  # a new forward: its first capture is checked again
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
-    padded = compat.layout().padded_counts
+    layout = compat.layout()
+    padded = layout.padded_counts
     padded_before = getattr(forward_batch, padded)
     output = original(runner, forward_batch, *args, **kwargs)
-    graph = getattr(runner, "decode_cuda_graph_runner", None)
+    graph = getattr(runner, layout.decode_graph_runner, None)
     padded_now = getattr(forward_batch, padded)
     if output.can_run_graph and graph is not None and padded_now is padded_before:
         ragged = getattr(graph, "_ragged_graph_size", None) if getattr(graph, "ragged_verify_mode", False) else None
         setattr(
             forward_batch,
             _DECODE_EXTENT_ATTR,
-            slicing.DecodeGraphExtent(graph.bs, graph.captured_req_width, ragged),
+            slicing.DecodeGraphExtent(graph.bs, getattr(graph, layout.graph_req_width), ragged),
         )
     return output
 
@@ -364,19 +365,26 @@ def _check_device_capture(cache, layer_id, topk_indices) -> None:
 
 def _cutedsl_moe_max_num_tokens() -> int:
     """`runtime_context.cutedsl_moe_max_num_tokens` counting BREAKABLE and FULL prefill graphs too."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
+    return _cutedsl_tokens(compat.read("cuda_graph_config"), compat.read("max_prefill_tokens"), _tokens_per_req())
 
-    graphs = compat.read("cuda_graph_config")
+
+def _cutedsl_method(server_args) -> int:
+    """The same bound where it is a `ServerArgs` method (≤ 0.5.16), read off that (maybe unpublished) ServerArgs."""
+    spec = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else 1
+    return _cutedsl_tokens(server_args.cuda_graph_config, server_args.max_prefill_tokens, spec or 1)
+
+
+def _cutedsl_tokens(graphs, max_prefill_tokens: int, tokens_per_req: int) -> int:
     prefill_graph = decode_max_bs = 0
     if graphs is not None:
-        if graphs.prefill.backend != Backend.DISABLED:
+        if graphs.prefill.backend != _GRAPH_OFF:
             prefill_graph = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
         decode_max_bs = graphs.decode.max_bs or 0
     return capturer.cutedsl_moe_tokens(
-        max_prefill_tokens=compat.read("max_prefill_tokens"),
+        max_prefill_tokens=max_prefill_tokens,
         prefill_graph_max_tokens=prefill_graph,
         decode_graph_max_bs=decode_max_bs,
-        tokens_per_req=_tokens_per_req(),
+        tokens_per_req=tokens_per_req,
     )
 
 
@@ -407,10 +415,19 @@ def install_budget_hooks(settings: EngineSettings) -> None:
     """Check every buffer's budget once the server arguments are final (main process, at resolution)."""
     from functools import partial
 
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-
     if _budget_hook_registered:
         return
+    if not compat.layout().budget_at_resolution:
+        import logging
+
+        logging.getLogger("r3_sidecar").info(
+            "r3-sidecar: sglang==%s has no resolution hooks: no buffer budget check at start (r3-budget prints it)",
+            compat.layout().version,
+        )
+        _budget_hook_registered.append(True)
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
     register_resolution_hook(BUDGET_RESOLUTION_STEP)(partial(_check_budget_at_resolution, settings))
     _budget_hook_registered.append(True)
 
@@ -440,12 +457,10 @@ def _check_layout(settings: EngineSettings, server_args) -> None:
     """Refuse (under enforce) or warn about a process layout where no rows and no pointer can reach a trainer."""
     import logging
 
-    from sglang.srt.arg_groups.overrides import resolving_view
-
     from engine_ext.core.settings import BudgetPolicy
     from engine_ext.sglang.frontdoors import layout_refusal
 
-    workers = int(getattr(resolving_view(server_args), "tokenizer_worker_num", 1) or 1)
+    workers = int(getattr(compat.function("resolving_view")(server_args), "tokenizer_worker_num", 1) or 1)
     refusal = layout_refusal(
         mode=settings.mode, capture_all=settings.capture_all, unreachable=_pointer_unreachable(settings, workers)
     )
@@ -464,11 +479,7 @@ def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | N
         return None
     if tokenizer_worker_num is None:
         tokenizer_worker_num = int(compat.read("tokenizer_worker_num") or 1)
-    from sglang.srt.environ import envs
-
-    return pointer_unreachable(
-        tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(envs.SGLANG_RUST_SERVER.get())
-    )
+    return pointer_unreachable(tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(compat.read("rust_server")))
 
 
 def budget_table(server_args) -> list:
@@ -480,12 +491,10 @@ def budget_table(server_args) -> list:
 
 
 def _budget_model_config(server_args):
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
-
-    if str(resolving_view(server_args).model_path).lower() in ("dummy", "none"):
+    if str(compat.function("resolving_view")(server_args).model_path).lower() in ("dummy", "none"):
         return None
     try:
-        return model_config_of(server_args)
+        return compat.function("model_config_of")(server_args)
     except Exception:  # the table does without layers/topk/context; resolution reports a bad model itself
         return None
 
@@ -602,7 +611,7 @@ def _finished_of(req) -> Finished:
         start_len=int(req.routed_experts_start_len or 0),
         prompt_len=prompt_len,
         seqlen=prompt_len + len(req.output_ids_through_stop),
-        pool_idx=int(req.kv.req_pool_idx),
+        pool_idx=int(compat.req_pool_idx(req)),
         aborted=isinstance(req.finished_reason, FINISH_ABORT),
         first_pos=prompt_len if _pd_decode_server() else 0,
         **_weight_versions(req),
@@ -739,7 +748,7 @@ def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:
         start=int(req.routed_experts_start_len or 0),
         prompt_len=prompt_len,
         limit=prompt_len + len(req.output_ids_through_stop) - 1,
-        pool_idx=req.kv.req_pool_idx,
+        pool_idx=compat.req_pool_idx(req),
     )
 
 
@@ -762,7 +771,8 @@ def _around_disagg_prefill_done(original, self, *args, **kwargs):
     out = original(self, *args, **kwargs)
     if PROCESS.delivery is not None:
         with Contained("PD prefill"):
-            end_delivery_step(self.batch_result_processor)
+            attr = compat.layout().result_processor
+            end_delivery_step(getattr(self, attr) if attr else self)
     return out
 
 
@@ -807,7 +817,7 @@ def _forward_end_rows(original, self, params: dict):
     out = original(self, **(params | {"no_copy_to_cpu": True}))
     if out is None:
         return None
-    out.map_device_tensors(lambda t: t.cpu())  # the two host copies upstream's inline path makes
+    compat.function("capture_output_to_host")(out)  # the two host copies upstream's inline path makes
     out.finalize()
     delivery.inline_rows = (params["forward_batch"].out_cache_loc, out)
     return None
@@ -850,6 +860,25 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
         with Contained("pointer"):
             meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
+
+
+async def _around_wait_one_response(original, self, obj, *args, **kwargs):
+    """Where meta_info is built inline (≤ 0.5.16): add `routed_experts_url` to each response of a request that
+    asked, less those whose rows the spool refused in sidecar mode (they still carry the inline payload)."""
+    from engine_ext.core.records import routed_experts_url
+
+    settings = PROCESS.settings
+    asked = settings is not None and bool(settings.sidecar_url)
+    asked = asked and (settings.capture_all or bool(getattr(obj, "return_routed_experts", False)))
+    async for out in original(self, obj, *args, **kwargs):
+        if asked:
+            with Contained("pointer"):
+                meta = out.get("meta_info") if isinstance(out, dict) else None
+                rid = meta.get("id") if isinstance(meta, dict) else None
+                refused = settings.mode is Mode.SIDECAR and meta is not None and "routed_experts" in meta
+                if rid is not None and not refused:
+                    meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+        yield out
 
 
 # ---- delivery, main process: the pointer in the OpenAI-compatible responses' `sglext` -------------------

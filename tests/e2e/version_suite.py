@@ -125,17 +125,24 @@ def mirror(version, upstream, sglang_stack) -> dict:
     stack = sglang_stack(configs(version)["mirror"])
     out = {"stack": stack, "responses": run_requests(stack)}
     out["aborted"] = abort_mid_decode(stack, f"{stack.config.name}-abort", prompt(30, 7), 1500, after_s=1.5)
-    ids, total = prompt(40, 8), 200
-    params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
-    out["whole"] = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params)
-    first = abort_mid_decode(stack, "resume-part-0", ids, total, after_s=0.8)
-    start = len(ids) + len(first["output_ids"]) - 1  # the first row the aborted part does not hold
+    # The aborted part first (however far it got), then the uninterrupted run and the resume to the same length.
+    ids, more = prompt(40, 8), 40
+    params = {"temperature": 0.0, "ignore_eos": True}
+    first = abort_mid_decode(stack, "resume-part-0", ids, 1500, after_s=0.8)
+    done = first["output_ids"]
+    out["whole"] = stack.generate(
+        ids,
+        rid="resume-whole",
+        return_routed_experts=True,
+        sampling_params=params | {"max_new_tokens": len(done) + more},
+    )
+    start = len(ids) + len(done) - 1  # the first row the aborted part does not hold
     rest = stack.generate(
-        ids + first["output_ids"],
+        ids + done,
         rid="resume-part-1",
         return_routed_experts=True,
         routed_experts_start_len=start,
-        sampling_params=params | {"max_new_tokens": total - len(first["output_ids"])},
+        sampling_params=params | {"max_new_tokens": more},
     )
     return out | {"parts": (first, rest), "start": start}
 
@@ -205,11 +212,20 @@ def test_abort_mid_decode_keeps_the_rows_so_far(mirror):
     assert np.array_equal(stored.astype(np.int32), inline)
 
 
-def test_a_resumed_partial_rollout_splices_into_the_uninterrupted_rows(mirror):
+def test_a_resumed_partial_rollout_splices_from_sglang_own_parts(mirror):
+    """Abort, resume with `routed_experts_start_len`, fetch each part with `start=`/`end=`: SGLang's own rows.
+
+    The splice is compared with the parts' inline payloads, and the aborted part with the uninterrupted run.
+    The resumed part's first row is that token's prefill over the cached prefix, not a decode step: on 0.5.16
+    SGLang's own payload routes it differently in one layer from the uninterrupted run (bf16), so comparing the
+    resumed part with the uninterrupted run would test SGLang's numerics, not the plugin.
+    """
     stack, start = mirror["stack"], mirror["start"]
-    first, rest = mirror["parts"]
-    assert first["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < 200
-    assert first["output_ids"] + rest["output_ids"] == mirror["whole"]["output_ids"]  # greedy: the same tokens
+    (first, rest), whole = mirror["parts"], mirror["whole"]
+    assert first["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < 1500
+    assert first["output_ids"] + rest["output_ids"] == whole["output_ids"]  # greedy: the same tokens
+    head_rows, tail_rows = stack.inline_rows(first), stack.inline_rows(rest)
+    assert np.array_equal(head_rows, stack.inline_rows(whole)[: len(head_rows)])
     with httpx.Client(base_url=stack.sidecar_url, timeout=30) as client:
         head = client.get("/routed_experts/resume-part-0", params={"format": "raw", "end": start, "wait": 10})
         tail = client.get("/routed_experts/resume-part-1", params={"format": "raw", "start": start, "wait": 10})
@@ -217,7 +233,7 @@ def test_a_resumed_partial_rollout_splices_into_the_uninterrupted_rows(mirror):
     assert head.headers["X-R3-Status"] == "aborted"
     dtype = head.headers["X-R3-Dtype"]
     spliced = np.concatenate([np.frombuffer(head.content, dtype), np.frombuffer(tail.content, dtype)])
-    assert np.array_equal(spliced, stack.inline_rows(mirror["whole"]).astype(dtype).reshape(-1))
+    assert np.array_equal(spliced, np.concatenate([head_rows[:start], tail_rows]).astype(dtype).reshape(-1))
 
 
 def test_sidecar_records_are_upstream_payload_byte_for_byte(upstream, sidecar):

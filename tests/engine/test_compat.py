@@ -25,6 +25,21 @@ def test_a_layout_names_only_what_0_5_23_reads_and_calls():
         assert set(layout.functions) <= set(compat.FUNCTIONS), layout.version
 
 
+def test_every_retarget_names_a_hook_row_and_a_function_of_hooks():
+    from engine_ext.sglang import hooks
+
+    rows = {hook.target for hook in hooks.HOOKS}
+    try:
+        for version, layout in compat.LAYOUTS.items():
+            assert set(layout.targets) <= rows, version
+            compat.use(version)
+            for hook in hooks.HOOKS:
+                where = compat.hook(hook.target, hook.function)
+                assert where is None or callable(getattr(hooks, where[1], None)), (version, where)
+    finally:
+        compat.use("0.5.23")
+
+
 def test_a_version_without_a_layout_is_never_guessed():
     with pytest.raises(KeyError):
         compat.use("0.5.10.post1")
