@@ -103,7 +103,7 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.12",
             plugin_mechanism=True,
-            proven=False,
+            proven=True,
             missing_targets=(
                 f"{_BRP}._maybe_collect_routed_experts",
                 f"{_BRP}.process_batch_result_prefill",
