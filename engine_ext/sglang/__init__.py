@@ -36,6 +36,7 @@ def register() -> None:
         return
 
     from engine_ext.core.node_sidecar import with_node_sidecar
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang import compat, hooks
 
+    compat.use(plan.version)
     hooks.install(with_node_sidecar(settings))

@@ -1,4 +1,4 @@
-"""The one module that names SGLang 0.5.23 internals: hook targets, private attributes, argument names.
+"""The one module that names SGLang internals (in 0.5.23's spelling): hook targets, attributes, argument names.
 
 How it works. SGLang's `HookRegistry` (`srt/plugins/hook_registry.py`) patches a dotted target in every
 process that loads plugins: an AROUND hook is called as `hook(original, *args, **kwargs)` and decides when to
@@ -7,6 +7,8 @@ below that the settings ask for, one hook per target; SGLang applies them right 
 `engine_ext/sglang/__init__.py` is the entry point). Hooks read SGLang's objects into plain values; everything they
 compute is plain functions of those (`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`,
 `frontdoors`), testable without SGLang, and the process's delivery state is one object (`delivery.PROCESS`).
+Older SGLangs keep some of these elsewhere: targets, settings and helpers go through `compat` (a `Layout`
+per proven version, as data), so no hook body checks a version.
 
 Usage, e.g. to see what a launch registers:
 
@@ -26,7 +28,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.sglang import capturer, frontdoors, slicing, timers
+from engine_ext.sglang import capturer, compat, frontdoors, slicing, timers
 from engine_ext.sglang.collect import Finished, ModelShape, Route
 from engine_ext.sglang.delivery import PROCESS, Contained, Delivery, HostCache, Placement
 from engine_ext.sglang.live import StepRequest, decode_layout, extend_layout, verify_layout
@@ -133,7 +135,9 @@ _registered: set[Hook] = set()  # a row wanted by two groups (on_forward_end) is
 def _register(*groups: str) -> None:
     for hook in HOOKS:
         if hook not in _registered and set(hook.groups) & set(groups):
-            HookRegistry.register(hook.target, timers.untimed(globals()[hook.function]), hook.type)
+            where = compat.hook(hook.target, hook.function)  # this version's target and function for the row
+            if where is not None:
+                HookRegistry.register(where[0], timers.untimed(globals()[where[1]]), hook.type)
             _registered.add(hook)
 
 
@@ -155,27 +159,34 @@ _OCCUPANCY_ATTR = "_r3_occupancy"  # … and their device-cache Occupancy
 
 def capture_limits(model_config, max_running_requests: int):
     """The published settings that bound one forward's rows on one DP rank (`capturer.CaptureLimits`)."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.runtime_context import get_exec, get_parallel, get_schedule, get_spec
-
-    schedule, spec = get_schedule(), get_spec()
-    graphs = get_exec().graph.cuda_graph_config
+    read = compat.read
+    graphs = read("cuda_graph_config")
     decode_max_bs = prefill_max_tokens = 0
     if graphs is not None:
-        if graphs.decode.backend != Backend.DISABLED:
+        if graphs.decode.backend != _GRAPH_OFF:
             decode_max_bs = max([graphs.decode.max_bs or 0, *(graphs.decode.bs or ())])
-        if graphs.prefill.backend != Backend.DISABLED:  # BREAKABLE, FULL (and the legacy TC_PIECEWISE)
+        if graphs.prefill.backend != _GRAPH_OFF:  # BREAKABLE, FULL (and the legacy TC_PIECEWISE)
             prefill_max_tokens = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
     return capturer.CaptureLimits(
         max_running_requests=max_running_requests,
-        chunked_prefill_size=schedule.chunked_prefill_size,
+        chunked_prefill_size=read("chunked_prefill_size"),
         context_len=int(getattr(model_config, "context_len", 0) or 0),
-        max_prefill_tokens=schedule.max_prefill_tokens or 0,
+        max_prefill_tokens=read("max_prefill_tokens") or 0,
         prefill_graph_max_tokens=prefill_max_tokens,
         decode_graph_max_bs=decode_max_bs,
-        tokens_per_req=(spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1,
-        attn_tp_size=get_parallel().attn_tp_size,
+        tokens_per_req=_tokens_per_req(),
+        attn_tp_size=read("attn_tp_size"),
     )
+
+
+_GRAPH_OFF = "disabled"  # `cuda_graph_config.Backend.DISABLED` (a str constant; ≤ 0.5.12 has no such module)
+
+
+def _tokens_per_req() -> int:
+    """Tokens one request adds to a decode/verify forward: the draft tokens under speculative decoding."""
+    if compat.read("speculative_algorithm"):
+        return compat.read("speculative_num_draft_tokens") or 1
+    return 1
 
 
 def _moe_sees_gathered_batch() -> bool:
@@ -185,9 +196,8 @@ def _moe_sees_gathered_batch() -> bool:
     MegaMoE, …) TopK also routes the DP-local shard, so their rows sit at offset 0, not at the rank's offset.
     """
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-    from sglang.srt.layers.moe.utils import is_moe_input_scattered_across_dp_ranks
 
-    return is_dp_attention_enabled() and not is_moe_input_scattered_across_dp_ranks()
+    return is_dp_attention_enabled() and not compat.function("moe_input_scattered")()
 
 
 def _create_sized_capturer(original, *args, **kwargs):
@@ -199,11 +209,9 @@ def _create_sized_capturer(original, *args, **kwargs):
     """
     import logging
 
-    from sglang.srt.runtime_context import get_parallel
-
     model_config, max_running_requests = kwargs["model_config"], kwargs["max_running_requests"]
     limits = capture_limits(model_config, max_running_requests)
-    num_dp_ranks = get_parallel().num_dp_ranks
+    num_dp_ranks = compat.read("num_dp_ranks")
     gathered = num_dp_ranks if _moe_sees_gathered_batch() else 1
     rows = capturer.device_rows(limits, gathered)
     kwargs["max_running_requests"] = max(max_running_requests, -(-rows // num_dp_ranks))
@@ -259,16 +267,18 @@ def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     TIMERS.kind = _forward_kind(forward_batch.forward_mode)
     _proved[0] = None  # a new forward: its first capture is checked again
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
-    padded_before = forward_batch.global_num_tokens_padded_cpu
+    layout = compat.layout()
+    padded = layout.padded_counts
+    padded_before = getattr(forward_batch, padded)
     output = original(runner, forward_batch, *args, **kwargs)
-    graph = getattr(runner, "decode_cuda_graph_runner", None)
-    padded_now = forward_batch.global_num_tokens_padded_cpu
+    graph = getattr(runner, layout.decode_graph_runner, None)
+    padded_now = getattr(forward_batch, padded)
     if output.can_run_graph and graph is not None and padded_now is padded_before:
         ragged = getattr(graph, "_ragged_graph_size", None) if getattr(graph, "ragged_verify_mode", False) else None
         setattr(
             forward_batch,
             _DECODE_EXTENT_ATTR,
-            slicing.DecodeGraphExtent(graph.bs, graph.captured_req_width, ragged),
+            slicing.DecodeGraphExtent(graph.bs, getattr(graph, layout.graph_req_width), ragged),
         )
     return output
 
@@ -277,11 +287,9 @@ _dp_slot_cache: list = []
 
 
 def _dp_slot_functions():
-    """`dp_slot_in`, `dp_gather_slot`, imported once (this runs once per forward)."""
+    """`dp_slot_in`, `dp_gather_slot` as this version names them, looked up once (this runs once per forward)."""
     if not _dp_slot_cache:
-        from sglang.srt.layers.dp_attention import dp_gather_slot, dp_slot_in
-
-        _dp_slot_cache.extend((dp_slot_in, dp_gather_slot))
+        _dp_slot_cache.extend((compat.function("dp_slot_in"), compat.function("dp_gather_slot")))
     return _dp_slot_cache
 
 
@@ -293,7 +301,8 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
         gathered = _moe_sees_gathered_batch()
     if gathered:
         dp_slot_in, dp_gather_slot = _dp_slot_functions()
-        padded, counts = forward_batch.global_num_tokens_padded_cpu, forward_batch.global_num_tokens_cpu
+        padded = getattr(forward_batch, compat.layout().padded_counts)
+        counts = forward_batch.global_num_tokens_cpu
         per_rank = padded if padded is not None else counts
         extent = getattr(forward_batch, _DECODE_EXTENT_ATTR, None) if can_run_graph else None
         if can_run_graph and extent is None and padded is None:
@@ -356,21 +365,26 @@ def _check_device_capture(cache, layer_id, topk_indices) -> None:
 
 def _cutedsl_moe_max_num_tokens() -> int:
     """`runtime_context.cutedsl_moe_max_num_tokens` counting BREAKABLE and FULL prefill graphs too."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-    from sglang.srt.runtime_context import get_exec, get_schedule, get_spec
+    return _cutedsl_tokens(compat.read("cuda_graph_config"), compat.read("max_prefill_tokens"), _tokens_per_req())
 
-    spec = get_spec()
-    graphs = get_exec().graph.cuda_graph_config
+
+def _cutedsl_method(server_args) -> int:
+    """The same bound where it is a `ServerArgs` method (≤ 0.5.16), read off that (maybe unpublished) ServerArgs."""
+    spec = server_args.speculative_num_draft_tokens if server_args.speculative_algorithm else 1
+    return _cutedsl_tokens(server_args.cuda_graph_config, server_args.max_prefill_tokens, spec or 1)
+
+
+def _cutedsl_tokens(graphs, max_prefill_tokens: int, tokens_per_req: int) -> int:
     prefill_graph = decode_max_bs = 0
     if graphs is not None:
-        if graphs.prefill.backend != Backend.DISABLED:
+        if graphs.prefill.backend != _GRAPH_OFF:
             prefill_graph = max([graphs.prefill.max_bs or 0, *(graphs.prefill.bs or ())])
         decode_max_bs = graphs.decode.max_bs or 0
     return capturer.cutedsl_moe_tokens(
-        max_prefill_tokens=get_schedule().max_prefill_tokens,
+        max_prefill_tokens=max_prefill_tokens,
         prefill_graph_max_tokens=prefill_graph,
         decode_graph_max_bs=decode_max_bs,
-        tokens_per_req=(spec.speculative_num_draft_tokens or 1) if spec.speculative_algorithm else 1,
+        tokens_per_req=tokens_per_req,
     )
 
 
@@ -401,10 +415,19 @@ def install_budget_hooks(settings: EngineSettings) -> None:
     """Check every buffer's budget once the server arguments are final (main process, at resolution)."""
     from functools import partial
 
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-
     if _budget_hook_registered:
         return
+    if not compat.layout().budget_at_resolution:
+        import logging
+
+        logging.getLogger("r3_sidecar").info(
+            "r3-sidecar: sglang==%s has no resolution hooks: no buffer budget check at start (r3-budget prints it)",
+            compat.layout().version,
+        )
+        _budget_hook_registered.append(True)
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
     register_resolution_hook(BUDGET_RESOLUTION_STEP)(partial(_check_budget_at_resolution, settings))
     _budget_hook_registered.append(True)
 
@@ -434,12 +457,10 @@ def _check_layout(settings: EngineSettings, server_args) -> None:
     """Refuse (under enforce) or warn about a process layout where no rows and no pointer can reach a trainer."""
     import logging
 
-    from sglang.srt.arg_groups.overrides import resolving_view
-
     from engine_ext.core.settings import BudgetPolicy
     from engine_ext.sglang.frontdoors import layout_refusal
 
-    workers = int(getattr(resolving_view(server_args), "tokenizer_worker_num", 1) or 1)
+    workers = int(getattr(compat.function("resolving_view")(server_args), "tokenizer_worker_num", 1) or 1)
     refusal = layout_refusal(
         mode=settings.mode, capture_all=settings.capture_all, unreachable=_pointer_unreachable(settings, workers)
     )
@@ -457,14 +478,8 @@ def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | N
     if not settings.sidecar_url:  # no pointer anywhere: trainers fetch by rid from a sidecar they know
         return None
     if tokenizer_worker_num is None:
-        from sglang.srt.runtime_context import get_serving
-
-        tokenizer_worker_num = int(get_serving().tokenizer_worker_num or 1)
-    from sglang.srt.environ import envs
-
-    return pointer_unreachable(
-        tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(envs.SGLANG_RUST_SERVER.get())
-    )
+        tokenizer_worker_num = int(compat.read("tokenizer_worker_num") or 1)
+    return pointer_unreachable(tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(compat.read("rust_server")))
 
 
 def budget_table(server_args) -> list:
@@ -476,12 +491,10 @@ def budget_table(server_args) -> list:
 
 
 def _budget_model_config(server_args):
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
-
-    if str(resolving_view(server_args).model_path).lower() in ("dummy", "none"):
+    if str(compat.function("resolving_view")(server_args).model_path).lower() in ("dummy", "none"):
         return None
     try:
-        return model_config_of(server_args)
+        return compat.function("model_config_of")(server_args)
     except Exception:  # the table does without layers/topk/context; resolution reports a bad model itself
         return None
 
@@ -531,9 +544,7 @@ def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
         return int(host_cache.num_tokens), max(used, 0)
 
     def budget() -> list[dict]:
-        from sglang.srt.runtime_context import get_server_args
-
-        return [row.as_contract() for row in budget_table(get_server_args())]
+        return [row.as_contract() for row in budget_table(compat.read("server_args"))]
 
     return Delivery(
         settings,
@@ -567,23 +578,18 @@ def _model_shape(hf, experts) -> ModelShape:
 
 
 def _eagle_topk() -> int:
-    from sglang.srt.runtime_context import get_spec
-
     try:
-        return int(get_spec().speculative_eagle_topk or 1)
+        return int(compat.read("speculative_eagle_topk") or 1)
     except (RuntimeError, ValueError, AttributeError, TypeError):
         return 1
 
 
 def _attention_ranks() -> tuple[bool, int | None]:
     """(publishes: attn-tp rank 0 of its DP group, the DP rank naming this engine: replica × groups + group)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
 
     def read(name: str) -> int | None:
         try:
-            value = getattr(parallel, name)
+            value = compat.read(name)
         except (RuntimeError, ValueError, AttributeError):
             return None
         return None if value is None else int(value)
@@ -605,7 +611,7 @@ def _finished_of(req) -> Finished:
         start_len=int(req.routed_experts_start_len or 0),
         prompt_len=prompt_len,
         seqlen=prompt_len + len(req.output_ids_through_stop),
-        pool_idx=int(req.kv.req_pool_idx),
+        pool_idx=int(compat.req_pool_idx(req)),
         aborted=isinstance(req.finished_reason, FINISH_ABORT),
         first_pos=prompt_len if _pd_decode_server() else 0,
         **_weight_versions(req),
@@ -614,13 +620,12 @@ def _finished_of(req) -> Finished:
 
 def _weight_versions(req) -> dict:
     """The serving weight version and the request's spans, by SGLang's own span function (plain tuples)."""
-    from sglang.srt.runtime_context import get_serving
-    from sglang.srt.utils.weight_versions import compute_weight_version_spans
-
-    current = get_serving().weight_version
+    current = compat.read("weight_version")
     events = getattr(req, "weight_version_events", None)
     if not events:
         return {"weight_version": current}
+    from sglang.srt.utils.weight_versions import compute_weight_version_spans
+
     spans = compute_weight_version_spans(
         events, current_version=current, num_output_tokens=len(req.output_ids_through_stop)
     )
@@ -638,9 +643,8 @@ def _pd_decode_server() -> bool:
     collected at `disaggregation/prefill.py:1223-1224`.
     """
     if not _pd_mode:
-        from sglang.srt.runtime_context import get_disagg
-
-        _pd_mode.append(str(get_disagg().disaggregation_mode) in ("decode", "DisaggregationMode.DECODE"))
+        mode = compat.read("disaggregation_mode")
+        _pd_mode.append(str(mode) in ("decode", "DisaggregationMode.DECODE"))
     return _pd_mode[0]
 
 
@@ -744,7 +748,7 @@ def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:
         start=int(req.routed_experts_start_len or 0),
         prompt_len=prompt_len,
         limit=prompt_len + len(req.output_ids_through_stop) - 1,
-        pool_idx=req.kv.req_pool_idx,
+        pool_idx=compat.req_pool_idx(req),
     )
 
 
@@ -767,7 +771,8 @@ def _around_disagg_prefill_done(original, self, *args, **kwargs):
     out = original(self, *args, **kwargs)
     if PROCESS.delivery is not None:
         with Contained("PD prefill"):
-            end_delivery_step(self.batch_result_processor)
+            attr = compat.layout().result_processor
+            end_delivery_step(getattr(self, attr) if attr else self)
     return out
 
 
@@ -812,7 +817,7 @@ def _forward_end_rows(original, self, params: dict):
     out = original(self, **(params | {"no_copy_to_cpu": True}))
     if out is None:
         return None
-    out.map_device_tensors(lambda t: t.cpu())  # the two host copies upstream's inline path makes
+    compat.function("capture_output_to_host")(out)  # the two host copies upstream's inline path makes
     out.finalize()
     delivery.inline_rows = (params["forward_batch"].out_cache_loc, out)
     return None
@@ -855,6 +860,25 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
         with Contained("pointer"):
             meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
+
+
+async def _around_wait_one_response(original, self, obj, *args, **kwargs):
+    """Where meta_info is built inline (≤ 0.5.16): add `routed_experts_url` to each response of a request that
+    asked, less those whose rows the spool refused in sidecar mode (they still carry the inline payload)."""
+    from engine_ext.core.records import routed_experts_url
+
+    settings = PROCESS.settings
+    asked = settings is not None and bool(settings.sidecar_url)
+    asked = asked and (settings.capture_all or bool(getattr(obj, "return_routed_experts", False)))
+    async for out in original(self, obj, *args, **kwargs):
+        if asked:
+            with Contained("pointer"):
+                meta = out.get("meta_info") if isinstance(out, dict) else None
+                rid = meta.get("id") if isinstance(meta, dict) else None
+                refused = settings.mode is Mode.SIDECAR and meta is not None and "routed_experts" in meta
+                if rid is not None and not refused:
+                    meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+        yield out
 
 
 # ---- delivery, main process: the pointer in the OpenAI-compatible responses' `sglext` -------------------

@@ -64,7 +64,7 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.20",
             plugin_mechanism=True,
-            proven=False,
+            proven=True,
             missing_targets=(),
             missing_names=(
                 "sglang.srt.runtime_context.ParallelContext.num_dp_ranks",
@@ -79,16 +79,23 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.16",
             plugin_mechanism=True,
-            proven=False,
+            proven=True,
             missing_targets=(
                 "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
                 "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
             ),
             missing_names=(
+                "sglang.srt.arg_groups.resolution_hooks",
                 "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
                 "sglang.srt.runtime_context.get_exec",
+                "sglang.srt.runtime_context.get_schedule",
+                "sglang.srt.runtime_context.get_spec",
+                "sglang.srt.runtime_context.get_serving",
+                "sglang.srt.runtime_context.get_disagg",
+                "sglang.srt.runtime_context.ParallelContext.num_dp_ranks",
                 "sglang.srt.layers.dp_attention.dp_gather_slot",
                 "sglang.srt.layers.dp_attention.dp_slot_in",
+                "sglang.srt.layers.moe.utils.is_moe_input_scattered_across_dp_ranks",
             ),
             seeds=dict.fromkeys(Seed, Upstream.PRESENT),
             evidence="as 0.5.20, cutedsl_moe_max_num_tokens in server_args.py",
@@ -96,7 +103,7 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.12",
             plugin_mechanism=True,
-            proven=False,
+            proven=True,
             missing_targets=(
                 f"{_BRP}._maybe_collect_routed_experts",
                 f"{_BRP}.process_batch_result_prefill",
@@ -106,9 +113,19 @@ MATRIX: dict[str, Version] = {
             ),
             missing_names=(
                 "sglang.srt.runtime_context",
+                "sglang.srt.runtime_context.get_exec",
+                "sglang.srt.runtime_context.get_schedule",
+                "sglang.srt.runtime_context.get_spec",
+                "sglang.srt.runtime_context.get_serving",
+                "sglang.srt.runtime_context.get_disagg",
+                "sglang.srt.runtime_context.ParallelContext.num_dp_ranks",
                 "sglang.srt.arg_groups.overrides",
                 "sglang.srt.arg_groups.resolution_hooks",
+                "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook",
                 "sglang.srt.model_executor.cuda_graph_config",
+                "sglang.srt.layers.dp_attention.dp_gather_slot",
+                "sglang.srt.layers.dp_attention.dp_slot_in",
+                "sglang.srt.layers.moe.utils.is_moe_input_scattered_across_dp_ranks",
             ),
             seeds=dict.fromkeys(Seed, Upstream.PRESENT)
             | {Seed.CUTEDSL_WORST_CASE: Upstream.PARTIAL, Seed.EAGLE_KV_INDICES: Upstream.ABSENT},

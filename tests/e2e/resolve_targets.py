@@ -1,4 +1,5 @@
-"""Print, as JSON, which of the plugin's hook targets and `MATRIX` names the running SGLang lacks.
+"""Print, as JSON, which of the plugin's hook targets and `MATRIX` names the running SGLang lacks, and, where
+`compat` has a layout for it, what of that layout does not import (`after_layout`: must be empty).
 
 Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
 Targets of the `hip` group import only on ROCm and are left out.
@@ -23,13 +24,17 @@ def missing(names: list[str]) -> list[str]:
 
 
 def main() -> None:
+    from engine_ext.sglang import compat
     from engine_ext.sglang.hooks import HOOKS
     from engine_ext.sglang.versions import MATRIX
 
     names = sorted({n for row in MATRIX.values() if row.plugin_mechanism for n in row.missing_names})
     targets = [hook.target for hook in HOOKS if "hip" not in hook.groups]
     found = version("sglang")
-    result = {"sglang": found, "targets": missing(targets), "names": missing(names)}
+    result = {"sglang": found, "targets": missing(targets), "names": missing(names), "after_layout": None}
+    if found in compat.LAYOUTS:
+        compat.use(found)
+        result["after_layout"] = compat.unresolved(targets)
     json.dump(result, sys.stdout)
 
 

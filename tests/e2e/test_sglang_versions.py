@@ -1,8 +1,8 @@
-"""A real SGLang server start that finds an SGLang the plugin is not proven on: one clear message, never half.
+"""A real SGLang server start that finds an SGLang the plugin does not support: one clear message, never half.
 
-`importlib.metadata` reads the first `sglang-*.dist-info` on `sys.path`; the test puts the real 0.5.12 wheel's
-dist-info (PyPI's own METADATA, verl 0.9.1's pin) ahead of the installed 0.5.23, so the plugin's entry point
-sees `sglang==0.5.12` through the real `load_plugins()` of a real `sglang.launch_server`.
+`importlib.metadata` reads the first `sglang-*.dist-info` on `sys.path`; the test puts the real 0.5.10.post1
+wheel's dist-info (PyPI's own METADATA, AReaL 1.0.4's pin) ahead of the installed 0.5.23, so the plugin's
+entry point sees `sglang==0.5.10.post1` through the real `load_plugins()` of a real `sglang.launch_server`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from engine_ext.sglang.versions import MATRIX
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
-SHADOWED = "0.5.12"
+SHADOWED = "0.5.10.post1"  # AReaL 1.0.4's pin: no plugin mechanism, outside what the plugin supports
 
 
 @pytest.fixture(scope="module")
 def shadow_dist_info(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding only `sglang-0.5.12.dist-info`, taken from the wheel on PyPI."""
+    """A directory holding only `sglang-<SHADOWED>.dist-info`, taken from the wheel on PyPI."""
     wheels = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={SHADOWED}", "-d", str(wheels)],
@@ -56,7 +56,7 @@ def launch(shadow: Path, workdir: Path, **env: str) -> subprocess.CompletedProce
     )
 
 
-def test_enforce_refuses_to_start_on_an_unproven_sglang_naming_it(shadow_dist_info, tmp_path):
+def test_enforce_refuses_to_start_on_an_unsupported_sglang_naming_it(shadow_dist_info, tmp_path):
     done = launch(shadow_dist_info, tmp_path, R3_BUDGET="enforce", R3_MODE="sidecar")
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-3000:]
@@ -66,13 +66,17 @@ def test_enforce_refuses_to_start_on_an_unproven_sglang_naming_it(shadow_dist_in
     assert "Load weight begin" not in output  # stopped before any model work
 
 
-@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20"])
+@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20", ".venv-sglang-0.5.16", ".venv-sglang-0.5.12"])
 def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
-    """Each version's real modules, imported by its own python: the targets and names it lacks are its row."""
+    """Each version's real modules, imported by its own python: the targets and names it lacks are its row, and
+    everything its `compat` layout names (retargeted hooks, settings' getters, helpers) imports there."""
     python = REPO / venv / "bin" / "python"
     if not python.exists():
-        pytest.skip(f"needs {venv} (make env-sglang-0.5.20)")
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        pytest.skip(f"needs {venv} (make env-{venv.removeprefix('.venv-')})")
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "R3_TEST_SGLANG_CPU": "1",  # the CPU shims, as its servers run (0.5.12's scheduler imports sgl_kernel)
+    }
     done = subprocess.run(
         [str(python), str(REPO / "tests" / "e2e" / "resolve_targets.py")],
         capture_output=True,
@@ -85,3 +89,5 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     row = MATRIX[found["sglang"]]
     assert sorted(found["targets"]) == sorted(row.missing_targets)
     assert sorted(found["names"]) == sorted(row.missing_names)
+    if row.proven:  # a proven version has a layout, and all of it resolves here
+        assert found["after_layout"] == []

@@ -1,0 +1,324 @@
+"""Where each proven SGLang keeps what the hooks patch and read, as data: targets, settings, helpers.
+
+Why: `hooks.py` is written in 0.5.23's spelling, and the trainers pin older SGLangs (docs/versions.md) whose
+settings sit on other objects and whose helpers have other names. A version's `Layout` lists only what
+differs from 0.5.23; `use(version)` makes it this process's layout before any hook is registered, and the
+hook bodies read through `target`, `read` and `function`, so they hold no version check of their own.
+A setting is spelled `module.getter().attribute.attribute`: the getter is imported at its first read.
+"""
+
+from __future__ import annotations
+
+import operator
+import pkgutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_RC = "sglang.srt.runtime_context"
+_DP = "sglang.srt.layers.dp_attention"
+_SA = "sglang.srt.server_args.get_global_server_args()"  # ≤ 0.5.16: the settings are the global ServerArgs
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+_MIX = "sglang.srt.managers.scheduler_output_processor_mixin.SchedulerOutputProcessorMixin"  # ≤ 0.5.12
+
+# 0.5.23: the settings the hooks read, by the name the hooks use.
+READS: Mapping[str, str] = {
+    "chunked_prefill_size": f"{_RC}.get_schedule().chunked_prefill_size",
+    "max_prefill_tokens": f"{_RC}.get_schedule().max_prefill_tokens",
+    "speculative_algorithm": f"{_RC}.get_spec().speculative_algorithm",
+    "speculative_num_draft_tokens": f"{_RC}.get_spec().speculative_num_draft_tokens",
+    "speculative_eagle_topk": f"{_RC}.get_spec().speculative_eagle_topk",
+    "cuda_graph_config": f"{_RC}.get_exec().graph.cuda_graph_config",
+    "weight_version": f"{_RC}.get_serving().weight_version",
+    "tokenizer_worker_num": f"{_RC}.get_serving().tokenizer_worker_num",
+    "disaggregation_mode": f"{_RC}.get_disagg().disaggregation_mode",
+    "server_args": f"{_RC}.get_server_args()",
+    "num_dp_ranks": f"{_RC}.get_parallel().num_dp_ranks",  # replicas × attention-DP groups
+    "attn_tp_size": f"{_RC}.get_parallel().attn_tp_size",
+    "attn_tp_rank": f"{_RC}.get_parallel().attn_tp_rank",
+    "dp_rank": f"{_RC}.get_parallel().dp_rank",
+    "attn_dp_rank": f"{_RC}.get_parallel().attn_dp_rank",
+    "attn_dp_size": f"{_RC}.get_parallel().attn_dp_size",
+    "rust_server": "sglang.srt.environ.envs.SGLANG_RUST_SERVER.get()",  # the Rust HTTP front end serves
+}
+
+# 0.5.23: the SGLang functions the hooks call, by the name the hooks use.
+FUNCTIONS: Mapping[str, str] = {
+    "dp_slot_in": f"{_DP}.dp_slot_in",  # this rank's entry in a per-DP-replica list
+    "dp_gather_slot": f"{_DP}.dp_gather_slot",  # this rank's index in the DP gather
+    "moe_input_scattered": "sglang.srt.layers.moe.utils.is_moe_input_scattered_across_dp_ranks",
+    "resolving_view": "sglang.srt.arg_groups.overrides.resolving_view",  # ServerArgs fields as resolved so far
+    "model_config_of": "sglang.srt.arg_groups.overrides.model_config_of",  # a ServerArgs' ModelConfig
+    "capture_output_to_host": f"{__name__}.host_copies_by_map",  # a TopkCaptureOutput's tensors to the host
+}
+
+# 0.5.23 hook targets that older versions keep elsewhere (the names the layouts below retarget).
+CUTEDSL = f"{_RC}.cutedsl_moe_max_num_tokens"
+OUT_DICT = "sglang.srt.beam_search.output.try_build_beam_search_out_dict"
+BATCH_OUTPUT = f"{_TM}._handle_batch_output"
+
+# A retarget: the same hook function on another target (a str), another function of `hooks` on another
+# target (target, function), or None: not hooked on that version (docs/versions.md says what that leaves).
+Retarget = str | tuple[str, str] | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One SGLang version's differences from 0.5.23 in what the hooks touch (empty: 0.5.23 itself)."""
+
+    version: str
+    targets: Mapping[str, Retarget] = field(default_factory=dict)  # 0.5.23 hook target → here (`Retarget`)
+    reads: Mapping[str, str] = field(default_factory=dict)  # `READS` entries spelled differently here
+    functions: Mapping[str, str] = field(default_factory=dict)  # `FUNCTIONS` entries named differently here
+    # The ForwardBatch list `prepare_mlp_sync_batch` replaces with the per-rank padded token counts.
+    padded_counts: str = "global_num_tokens_padded_cpu"
+    req_pool_idx: str = "kv.req_pool_idx"  # a Req's slot in req_to_token
+    budget_at_resolution: bool = True  # `arg_groups.resolution_hooks` exists: the budget check runs at start
+    decode_graph_runner: str = "decode_cuda_graph_runner"  # the ModelRunner's decode/verify CUDA graph runner
+    graph_req_width: str = "captured_req_width"  # … and its tokens per request
+    result_processor: str | None = "batch_result_processor"  # the Scheduler's batch-result processor (None: itself)
+
+    def read_spec(self, name: str) -> str:
+        return self.reads.get(name, READS[name])
+
+    def function_path(self, name: str) -> str:
+        return self.functions.get(name, FUNCTIONS[name])
+
+
+def slot_in_by_attention_dp_rank(per_rank: Sequence[int]) -> int:
+    """`dp_slot_in` where SGLang has none (≤ 0.5.20): a per-replica list's entry is the attention-DP rank's."""
+    if len(per_rank) == 1:
+        return 0
+    from sglang.srt.layers.dp_attention import get_attention_dp_rank
+
+    return get_attention_dp_rank()
+
+
+def server_args_as_resolved(server_args: Any) -> Any:
+    """`resolving_view` where there is no resolution pipeline (≤ 0.5.16): a ServerArgs is resolved when built."""
+    return server_args
+
+
+def model_config_from_server_args(server_args: Any) -> Any:
+    """`model_config_of` where SGLang has none (≤ 0.5.16)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig.from_server_args(server_args)
+
+
+def host_copies_by_map(out: Any) -> None:
+    """A `TopkCaptureOutput`'s device tensors to the host, synchronously (`map_device_tensors`, ≥ 0.5.16)."""
+    out.map_device_tensors(lambda t: t.cpu())
+
+
+def host_copies_by_fields(out: Any) -> None:
+    """The same where `TopkCaptureOutput` has only its two tensor fields (≤ 0.5.12)."""
+    out.out_cache_loc = out.out_cache_loc.cpu()
+    out.topk = out.topk.cpu()
+
+
+def graph_config_from_flags() -> Any:
+    """0.5.23's `cuda_graph_config` shape (per phase: backend, max_bs, bs) from ≤ 0.5.12's flat flags: decode
+    graphs unless `disable_cuda_graph`, piecewise prefill graphs up to `piecewise_cuda_graph_max_tokens`."""
+    from types import SimpleNamespace
+
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    decode_on, prefill_on = not args.disable_cuda_graph, not args.disable_piecewise_cuda_graph
+    return SimpleNamespace(
+        decode=SimpleNamespace(
+            backend="full" if decode_on else "disabled", max_bs=args.cuda_graph_max_bs, bs=args.cuda_graph_bs
+        ),
+        prefill=SimpleNamespace(
+            backend="tc_piecewise" if prefill_on else "disabled",
+            max_bs=args.piecewise_cuda_graph_max_tokens,
+            bs=args.piecewise_cuda_graph_tokens,
+        ),
+    )
+
+
+def no_replica_rank() -> None:
+    """The DP replica rank where SGLang publishes none to the model process (≤ 0.5.16): unknown."""
+    return None
+
+
+def no_rust_server() -> bool:
+    """Where SGLang has no Rust HTTP front end (≤ 0.5.16): the Python tokenizer manager always serves."""
+    return False
+
+
+def moe_input_scattered_without_dwdp() -> bool:
+    """`is_moe_input_scattered_across_dp_ranks` where SGLang has none (≤ 0.5.16, which has no DWDP either)."""
+    from sglang.srt.layers.moe.utils import get_moe_a2a_backend, should_use_flashinfer_cutlass_moe_fp4_allgather
+
+    return not get_moe_a2a_backend().is_none() or bool(should_use_flashinfer_cutlass_moe_fp4_allgather())
+
+
+# ≤ 0.5.16: every setting is a field of the global ServerArgs.
+_SERVER_ARGS_READS: Mapping[str, str] = {
+    name: f"{_SA}.{name}"
+    for name in (
+        "chunked_prefill_size",
+        "max_prefill_tokens",
+        "speculative_algorithm",
+        "speculative_num_draft_tokens",
+        "speculative_eagle_topk",
+        "weight_version",
+        "tokenizer_worker_num",
+        "disaggregation_mode",
+    )
+} | {
+    "server_args": _SA,
+    "num_dp_ranks": f"{_SA}.dp_size",  # their capturers size × server_args.dp_size
+    "dp_rank": f"{__name__}.no_replica_rank()",
+    "rust_server": f"{__name__}.no_rust_server()",
+}
+_OLD_FUNCTIONS: Mapping[str, str] = {
+    "dp_slot_in": f"{__name__}.slot_in_by_attention_dp_rank",
+    "dp_gather_slot": f"{_DP}.get_attention_dp_rank",
+    "moe_input_scattered": f"{__name__}.moe_input_scattered_without_dwdp",
+    "resolving_view": f"{__name__}.server_args_as_resolved",
+    "model_config_of": f"{__name__}.model_config_from_server_args",
+}
+
+LAYOUTS: dict[str, Layout] = {
+    layout.version: layout
+    for layout in (
+        Layout("0.5.23"),
+        Layout(  # read from the 0.5.20 wheel: the capturer sizes × `dp_size`, slices by `get_attention_dp_rank()`
+            "0.5.20",
+            reads={"num_dp_ranks": f"{_RC}.get_parallel().dp_size"},
+            functions={
+                "dp_slot_in": f"{__name__}.slot_in_by_attention_dp_rank",
+                "dp_gather_slot": f"{_DP}.get_attention_dp_rank",
+            },
+            padded_counts="global_num_tokens_cpu",  # forward_batch_info.py: prepare_mlp_sync_batch's last line
+        ),
+        Layout(  # read from the 0.5.16 wheel: no settings bags in runtime_context, no resolution pipeline
+            "0.5.16",
+            targets={
+                # a ServerArgs method there (server_args.py:5729): the same bound, read off that ServerArgs
+                CUTEDSL: ("sglang.srt.server_args.ServerArgs.cutedsl_moe_max_num_tokens", "_cutedsl_method"),
+                # meta_info is built inline in _handle_batch_output: the pointer goes on each response instead
+                OUT_DICT: (f"{_TM}._wait_one_response", "_around_wait_one_response"),
+                BATCH_OUTPUT: None,  # … which needs no per-batch note of the rids
+            },
+            reads=_SERVER_ARGS_READS | {"cuda_graph_config": f"{_SA}.cuda_graph_config"},
+            functions=_OLD_FUNCTIONS,
+            padded_counts="global_num_tokens_cpu",
+            req_pool_idx="req_pool_idx",
+            budget_at_resolution=False,
+        ),
+        Layout(  # read from the 0.5.12 wheel: no runtime_context at all; the Scheduler processes batch results
+            "0.5.12",
+            targets={
+                f"{_BRP}._maybe_collect_routed_experts": f"{_MIX}.maybe_collect_routed_experts",
+                f"{_BRP}.process_batch_result_prefill": f"{_MIX}.process_batch_result_prefill",
+                f"{_BRP}.process_batch_result_decode": f"{_MIX}.process_batch_result_decode",
+                # CuteDSL buffers are sized inside FlashInferCuteDslMoE's constructor (moe_runner/
+                # flashinfer_cutedsl.py:248), no function of their own: upstream's sizing stays
+                CUTEDSL: None,
+                OUT_DICT: (f"{_TM}._wait_one_response", "_around_wait_one_response"),
+                BATCH_OUTPUT: None,
+            },
+            reads=_SERVER_ARGS_READS
+            | {
+                "cuda_graph_config": f"{__name__}.graph_config_from_flags()",
+                "attn_tp_size": f"{_DP}.get_attention_tp_size()",
+                "attn_tp_rank": f"{_DP}.get_attention_tp_rank()",
+                "attn_dp_rank": f"{_DP}.get_attention_dp_rank()",
+                "attn_dp_size": f"{_DP}.get_attention_dp_size()",
+            },
+            functions=_OLD_FUNCTIONS | {"capture_output_to_host": f"{__name__}.host_copies_by_fields"},
+            padded_counts="global_num_tokens_cpu",  # forward_batch_info.py:921
+            req_pool_idx="req_pool_idx",
+            budget_at_resolution=False,
+            decode_graph_runner="graph_runner",
+            graph_req_width="num_tokens_per_bs",  # cuda_graph_runner.py:642-652
+            result_processor=None,
+        ),
+    )
+}
+
+_layout: list[Layout] = [LAYOUTS["0.5.23"]]
+_getters: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {}
+_functions: dict[str, Callable[..., Any]] = {}
+
+
+def use(version: str) -> Layout:
+    """Make `version`'s layout this process's (KeyError outside `LAYOUTS`: nothing is guessed)."""
+    _layout[0] = LAYOUTS[version]
+    _getters.clear()
+    _functions.clear()
+    _pool_idx.clear()
+    return _layout[0]
+
+
+def layout() -> Layout:
+    return _layout[0]
+
+
+def hook(hook_target: str, function: str) -> tuple[str, str] | None:
+    """(target, hook function) for the 0.5.23 row `hook_target` → `function` here (None: not hooked here)."""
+    where = _layout[0].targets.get(hook_target, hook_target)
+    if where is None or isinstance(where, tuple):
+        return where
+    return where, function
+
+
+def target(hook_target: str) -> str | None:
+    """Where this version has the 0.5.23 hook target `hook_target` (None: it is not hooked here)."""
+    where = hook(hook_target, "")
+    return None if where is None else where[0]
+
+
+_pool_idx: list[Callable[[Any], Any]] = []
+
+
+def req_pool_idx(req: Any) -> Any:
+    """A Req's `req_to_token` row, where this version keeps it."""
+    if not _pool_idx:
+        _pool_idx.append(operator.attrgetter(_layout[0].req_pool_idx))
+    return _pool_idx[0](req)
+
+
+def split_read(spec: str) -> tuple[str, tuple[str, ...]]:
+    """`"m.get_x().a.b"` → `("m.get_x", ("a", "b"))`."""
+    getter, _, attrs = spec.partition("()")
+    return getter, tuple(a for a in attrs.split(".") if a)
+
+
+def read(name: str) -> Any:
+    """The setting `name` (a key of `READS`) as this version keeps it."""
+    got = _getters.get(name)
+    if got is None:
+        getter, attrs = split_read(_layout[0].read_spec(name))
+        got = _getters[name] = (pkgutil.resolve_name(getter), attrs)
+    value = got[0]()
+    for attr in got[1]:
+        value = getattr(value, attr)
+    return value
+
+
+def function(name: str) -> Callable[..., Any]:
+    """The SGLang function `name` (a key of `FUNCTIONS`) as this version names it."""
+    fn = _functions.get(name)
+    if fn is None:
+        fn = _functions[name] = pkgutil.resolve_name(_layout[0].function_path(name))
+    return fn
+
+
+def unresolved(hook_targets: Sequence[str]) -> list[str]:
+    """What of this layout does not import here: retargeted hook targets, getters, functions (a version check)."""
+    names = [t for t in (target(h) for h in hook_targets) if t is not None]
+    names += sorted({split_read(_layout[0].read_spec(n))[0] for n in READS})
+    names += [_layout[0].function_path(n) for n in FUNCTIONS]
+    out = []
+    for name in names:
+        try:
+            pkgutil.resolve_name(name)
+        except (ImportError, AttributeError):
+            out.append(name)
+    return out

@@ -1,0 +1,262 @@
+"""The real-server smoke suite every older SGLang of the support matrix runs: one body, one module per version.
+
+A thin module (`test_sglang_0_5_20.py`, …) sets `VERSION` and imports this module's tests and fixtures; the
+servers run that version's venv (`.venv-sglang-<VERSION>`, skipped with the reason when it is missing).
+Four module-scoped servers, one after another: upstream (plugin off), mirror, sidecar mode, and a dense+MoE
+model (GLM-4.5's layout, layer 0 dense) in mirror mode. What is proven per version: the plugin's hooks run
+there (records, pointer, engine file naming that version), the records are that version's own inline
+payload byte for byte (mirror: the same response's; sidecar: the upstream server's for the same request),
+loading the plugin changes nothing SGLang returns, an abort keeps its rows, and a resumed partial rollout
+splices into the uninterrupted one. Few prompts: CI runs this per version (docs/versions.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from sglang_server import GLM, Config, Stack
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def venv_python(version: str) -> Path:
+    return REPO / f".venv-sglang-{version}" / "bin" / "python"
+
+
+def marks(version: str) -> list:
+    """The thin module's `pytestmark`: a real-server test, skipped with the reason when the venv is missing."""
+    return [
+        pytest.mark.sglang,
+        pytest.mark.timeout(900),  # a server start counts in its module's first test
+        pytest.mark.skipif(
+            not venv_python(version).exists(), reason=f"needs .venv-sglang-{version} (make env-sglang-{version})"
+        ),
+    ]
+
+
+def configs(version: str) -> dict[str, Config]:
+    python, tag = str(venv_python(version)), "v" + version.replace(".", "")
+    return {
+        "upstream": Config(f"{tag}-upstream", plugin=False, sidecar=False, python=python),
+        "mirror": Config(f"{tag}-mirror", env={"R3_MODE": "mirror"}, python=python),
+        "sidecar": Config(f"{tag}-sidecar", env={"R3_MODE": "sidecar"}, python=python),
+        "dense": Config(f"{tag}-glm-mirror", env={"R3_MODE": "mirror"}, model=GLM, python=python),
+    }
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(500 + seed).integers(3, 250, size=n).tolist()
+
+
+# name → (input_ids, extra request fields); the same, in this order, on every server of the suite
+REQUESTS: dict[str, tuple[list[int], dict]] = {
+    "short": (prompt(6, 1), {}),
+    "chunked": (prompt(150, 2), {}),  # three prefill chunks at --chunked-prefill-size 64
+    "start_len": (prompt(40, 3), {"routed_experts_start_len": 17}),
+}
+
+
+def run_requests(stack: Stack) -> dict[str, dict]:
+    return {
+        name: stack.generate(ids, return_routed_experts=True, rid=f"{stack.config.name}-{name}", **extra)
+        for name, (ids, extra) in REQUESTS.items()
+    }
+
+
+def abort_mid_decode(stack: Stack, rid: str, ids: list[int], max_new_tokens: int, after_s: float) -> dict:
+    """A long greedy decode aborted once it has produced tokens: SGLang's response."""
+    result: dict = {}
+
+    def send() -> None:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        result["response"] = httpx.post(
+            f"{stack.url}/generate",
+            json={"input_ids": ids, "sampling_params": params, "return_routed_experts": True, "rid": rid},
+            timeout=300,
+        )
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(after_s)
+    httpx.post(f"{stack.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
+    thread.join(300)
+    return result["response"].json()
+
+
+def expected_rows(response: dict, start: int = 0) -> int:
+    meta = response["meta_info"]
+    return meta["prompt_tokens"] + meta["completion_tokens"] - 1 - start
+
+
+def engine_report(stack: Stack) -> dict:
+    """The one engine file the sidecar reads, once the plugin has written it."""
+    deadline = time.monotonic() + 20
+    while True:
+        body = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
+        reports = body if isinstance(body, list) else body.get("engines", [])
+        if reports or time.monotonic() > deadline:
+            assert len(reports) == 1, body
+            return reports[0]
+        time.sleep(0.5)
+
+
+# Tests run in this file's order and the pool keeps one server: each server's tests come before the next's.
+
+
+@pytest.fixture(scope="module")
+def version(request) -> str:
+    return request.module.VERSION
+
+
+@pytest.fixture(scope="module")
+def upstream(version, sglang_stack) -> dict:
+    stack = sglang_stack(configs(version)["upstream"])
+    return {"stack": stack, "responses": run_requests(stack)}
+
+
+@pytest.fixture(scope="module")
+def mirror(version, upstream, sglang_stack) -> dict:
+    """Mirror mode: the requests, an abort, and a partial rollout aborted and resumed next to the whole one."""
+    stack = sglang_stack(configs(version)["mirror"])
+    out = {"stack": stack, "responses": run_requests(stack)}
+    out["aborted"] = abort_mid_decode(stack, f"{stack.config.name}-abort", prompt(30, 7), 1500, after_s=1.5)
+    # The aborted part first (however far it got), then the uninterrupted run and the resume to the same length.
+    ids, more = prompt(40, 8), 40
+    params = {"temperature": 0.0, "ignore_eos": True}
+    first = abort_mid_decode(stack, "resume-part-0", ids, 1500, after_s=0.8)
+    done = first["output_ids"]
+    out["whole"] = stack.generate(
+        ids,
+        rid="resume-whole",
+        return_routed_experts=True,
+        sampling_params=params | {"max_new_tokens": len(done) + more},
+    )
+    start = len(ids) + len(done) - 1  # the first row the aborted part does not hold
+    rest = stack.generate(
+        ids + done,
+        rid="resume-part-1",
+        return_routed_experts=True,
+        routed_experts_start_len=start,
+        sampling_params=params | {"max_new_tokens": more},
+    )
+    return out | {"parts": (first, rest), "start": start}
+
+
+@pytest.fixture(scope="module")
+def sidecar(version, mirror, sglang_stack) -> dict:
+    stack = sglang_stack(configs(version)["sidecar"])
+    return {"stack": stack, "responses": run_requests(stack)}
+
+
+@pytest.fixture(scope="module")
+def dense(version, sidecar, sglang_stack) -> dict:
+    stack = sglang_stack(configs(version)["dense"])
+    responses = {
+        n: stack.generate(prompt(n, n), rid=f"{stack.config.name}-{n}", return_routed_experts=True) for n in (2, 90)
+    }
+    return {"stack": stack, "responses": responses}
+
+
+def test_upstream_rows_route_differently_per_layer(upstream):
+    stack, responses = upstream["stack"], upstream["responses"]
+    for name, (_, extra) in REQUESTS.items():
+        rows = stack.inline_rows(responses[name])
+        assert rows.shape == (expected_rows(responses[name], extra.get("routed_experts_start_len", 0)), 4, 2), name
+    sets = np.sort(stack.inline_rows(responses["chunked"]), axis=2)
+    for b in range(1, sets.shape[1]):  # the seeded weights: a layer mix-up would show
+        assert np.all(sets[:, 0] == sets[:, b], axis=1).mean() < 0.5, b
+
+
+def test_the_plugin_runs_on_this_version_and_names_it(version, mirror):
+    stack = mirror["stack"]
+    log = stack.server.log_text()
+    assert "registering no hooks" not in log and "r3-sidecar: sglang==" not in log
+    assert engine_report(stack)["sglang"] == version
+    assert mirror["responses"]["chunked"]["meta_info"]["routed_experts_url"].startswith(stack.sidecar_url)
+
+
+def test_loading_the_plugin_changes_nothing_sglang_returns(upstream, mirror):
+    for name in REQUESTS:
+        up, on = upstream["responses"][name], mirror["responses"][name]
+        assert on["output_ids"] == up["output_ids"], name
+        assert on["meta_info"]["routed_experts"] == up["meta_info"]["routed_experts"], name
+
+
+def test_mirror_records_are_the_inline_payload_byte_for_byte(mirror):
+    stack = mirror["stack"]
+    with httpx.Client(base_url=stack.sidecar_url, timeout=30) as client:
+        for name, (ids, extra) in REQUESTS.items():
+            rid, response = f"{stack.config.name}-{name}", mirror["responses"][name]
+            served = client.get(f"/routed_experts/{rid}", params={"format": "sglang_b64", "wait": 10})
+            assert served.status_code == 200, (name, served.text)
+            assert served.text == response["meta_info"]["routed_experts"], name
+            meta, stored = stack.final_record(rid)
+            start = extra.get("routed_experts_start_len", 0)
+            assert (meta.status, meta.prompt_len, meta.start) == ("ok", len(ids), start), name
+            assert np.array_equal(stored.astype(np.int32), stack.inline_rows(response)), name
+
+
+def test_abort_mid_decode_keeps_the_rows_so_far(mirror):
+    stack, response = mirror["stack"], mirror["aborted"]
+    assert response["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < response["meta_info"]["completion_tokens"] < 1500
+    inline = stack.inline_rows(response)
+    assert inline.shape[0] == expected_rows(response)
+    meta, stored = stack.final_record(f"{stack.config.name}-abort")
+    assert (meta.final, meta.status) == (True, "aborted")
+    assert np.array_equal(stored.astype(np.int32), inline)
+
+
+def test_a_resumed_partial_rollout_splices_from_sglang_own_parts(mirror):
+    """Abort, resume with `routed_experts_start_len`, fetch each part with `start=`/`end=`: SGLang's own rows.
+
+    The splice is compared with the parts' inline payloads, and the aborted part with the uninterrupted run.
+    The resumed part's first row is that token's prefill over the cached prefix, not a decode step: on 0.5.16
+    SGLang's own payload routes it differently in one layer from the uninterrupted run (bf16), so comparing the
+    resumed part with the uninterrupted run would test SGLang's numerics, not the plugin.
+    """
+    stack, start = mirror["stack"], mirror["start"]
+    (first, rest), whole = mirror["parts"], mirror["whole"]
+    assert first["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(first["output_ids"]) < 1500
+    assert first["output_ids"] + rest["output_ids"] == whole["output_ids"]  # greedy: the same tokens
+    head_rows, tail_rows = stack.inline_rows(first), stack.inline_rows(rest)
+    assert np.array_equal(head_rows, stack.inline_rows(whole)[: len(head_rows)])
+    with httpx.Client(base_url=stack.sidecar_url, timeout=30) as client:
+        head = client.get("/routed_experts/resume-part-0", params={"format": "raw", "end": start, "wait": 10})
+        tail = client.get("/routed_experts/resume-part-1", params={"format": "raw", "start": start, "wait": 10})
+    assert (head.status_code, tail.status_code) == (200, 200)
+    assert head.headers["X-R3-Status"] == "aborted"
+    dtype = head.headers["X-R3-Dtype"]
+    spliced = np.concatenate([np.frombuffer(head.content, dtype), np.frombuffer(tail.content, dtype)])
+    assert np.array_equal(spliced, np.concatenate([head_rows[:start], tail_rows]).astype(dtype).reshape(-1))
+
+
+def test_sidecar_records_are_upstream_payload_byte_for_byte(upstream, sidecar):
+    stack = sidecar["stack"]
+    for name in REQUESTS:
+        response, reference = sidecar["responses"][name], upstream["responses"][name]
+        assert "routed_experts" not in response["meta_info"], name  # the spool took the rows
+        assert response["output_ids"] == reference["output_ids"], name
+        served = httpx.get(response["meta_info"]["routed_experts_url"], params={"format": "sglang_b64", "wait": 10})
+        assert served.status_code == 200, (name, served.text)
+        assert served.text == reference["meta_info"]["routed_experts"], name
+        meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+        assert meta.status == "ok", name
+        assert np.array_equal(stored.astype(np.int32), upstream["stack"].inline_rows(reference)), name
+
+
+def test_dense_and_moe_layers_records_hold_the_moe_layers_and_serve_sglang_bytes(dense):
+    stack = dense["stack"]
+    for n, response in dense["responses"].items():
+        rid, inline = f"{stack.config.name}-{n}", stack.inline_rows(response)
+        assert inline.shape == (n + 8 - 1, 3, 2) and not inline[:, 0, :].any()  # layer 0 is dense: a zero slot
+        meta, stored = stack.final_record(rid)
+        assert (meta.layers, meta.num_hidden_layers) == ((1, 2), 3)
+        assert np.array_equal(stored.astype(np.int32), inline[:, [1, 2], :])
+        served = httpx.get(f"{stack.sidecar_url}/routed_experts/{rid}", params={"format": "sglang_b64"}, timeout=30)
+        assert served.text == response["meta_info"]["routed_experts"]  # byte for byte, dense slot included
