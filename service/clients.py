@@ -157,13 +157,16 @@ class RoutedExpertsClient(_Base):
 class AsyncRoutedExpertsClient(_Base):
     """The same API for asyncio trainers and rollout managers; no method blocks the event loop.
 
-    Over plain http the loop reads whole bodies itself, a bounded slice per turn, with no threads
-    (`service.aconnections`); a `wait` holds only its connection.
+    Over plain http, whole bodies are read on the client's threads (`threads` at most at once, default 8: more
+    threads contend for the GIL with the loop; a `wait` holds its thread, so many long waits belong in one
+    `get_many` / `afetch_many`).
     """
 
-    def __init__(self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, threads: int = 8, **kwargs: Any
+    ) -> None:
         super().__init__(base_url, **kwargs)
-        self._io = AsyncTransport(self._config, transport)
+        self._io = AsyncTransport(self._config, transport, threads=threads)
 
     async def __aenter__(self) -> AsyncRoutedExpertsClient:
         return self

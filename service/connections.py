@@ -21,15 +21,18 @@ from urllib.parse import urlencode, urlsplit
 import httpx
 import numpy as np
 
-STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
-"""What a kept connection the server closed while idle raises on its next request (replaced, not a failure)."""
+_STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
 
 class Connections:
     """A small pool of kept-alive connections to one `http://host:port[/prefix]`; safe to share between threads."""
 
     def __init__(self, base_url: str, headers: dict[str, str], connect_timeout: float) -> None:
-        self.host, self.port, self.prefix = endpoint(base_url)
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"plain http://host[:port] URLs only, not {base_url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.prefix = parts.path.rstrip("/")
         self.headers = headers
         self.connect_timeout = connect_timeout
         self._idle: list[http.client.HTTPConnection] = []
@@ -70,13 +73,13 @@ class Connections:
 
         A kept connection the server closed while idle is replaced by one new connection (not a failure).
         """
-        target = request_target(self.prefix, path, params)
+        target = self.prefix + path + (f"?{urlencode(params)}" if params else "")
         all_headers = {**self.headers, **(headers or {})}
         conn, reused = self._take()
         try:
             try:
                 resp = _send(conn, method, target, body, all_headers, timeout)
-            except STALE:
+            except _STALE:
                 if not reused:
                     raise
                 conn.close()
@@ -85,7 +88,7 @@ class Connections:
             yield resp
         except BaseException as exc:
             conn.close()
-            mapped = as_httpx(exc)
+            mapped = _as_httpx(exc)
             if mapped is exc:
                 raise
             raise mapped from exc
@@ -107,7 +110,7 @@ class Connections:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return self._connect(), False
-            if idle_and_open(conn.sock):
+            if _idle_and_open(conn):
                 return conn, True
             conn.close()
 
@@ -117,21 +120,9 @@ class Connections:
             conn.connect()
         except OSError as exc:
             conn.close()
-            raise as_httpx(exc, connecting=True) from exc
+            raise _as_httpx(exc, connecting=True) from exc
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
-
-
-def endpoint(base_url: str) -> tuple[str, int, str]:
-    """Host, port and path prefix of a plain `http://host[:port][/prefix]` URL."""
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"plain http://host[:port] URLs only, not {base_url!r}")
-    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
-
-
-def request_target(prefix: str, path: str, params: dict[str, str] | None) -> str:
-    return prefix + path + (f"?{urlencode(params)}" if params else "")
 
 
 def _send(
@@ -147,11 +138,11 @@ def _send(
     return conn.getresponse()
 
 
-def idle_and_open(sock: socket.socket | None) -> bool:
+def _idle_and_open(conn: http.client.HTTPConnection) -> bool:
     """An idle kept-alive socket that is readable has been closed by the server (or holds junk)."""
-    if sock is None:
+    if conn.sock is None:
         return False
-    readable, _, _ = select.select([sock], [], [], 0)
+    readable, _, _ = select.select([conn.sock], [], [], 0)
     return not readable
 
 
@@ -181,7 +172,7 @@ def fill(body: Any, buf: bytearray | memoryview) -> int:
     return filled
 
 
-def as_httpx(exc: BaseException, connecting: bool = False) -> BaseException:
+def _as_httpx(exc: BaseException, connecting: bool = False) -> BaseException:
     """The httpx exception the rest of the client retries or reports for this transport failure."""
     if isinstance(exc, httpx.HTTPError) or not isinstance(exc, OSError | http.client.HTTPException):
         return exc

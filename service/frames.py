@@ -9,7 +9,7 @@ Everything here is pure (bytes in, bytes out); the client maps `FrameError` and 
 from __future__ import annotations
 
 import struct
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -130,52 +130,28 @@ class FrameDecoder:
         return frame
 
 
-def frame_reads() -> Generator[Buffer, int, list[Decoded]]:
-    """Reading a frames body, without I/O: yields each buffer to fill and is sent the bytes filled into it (fewer
-    than its length only at the body's end); returns every frame. The blocking (`read_frames`) and the asyncio
-    (`aread_frames`) readers drive this one decoder.
+def read_frames(fill: Callable[[Buffer], int]) -> list[Decoded]:
+    """Every frame of a body read through `fill(buf)` (fills `buf`, returns the bytes read; fewer at its end).
 
-    Each payload lands in its own buffer with one copy, no intermediate chunk.
+    Each payload lands in its own buffer with one copy (`readinto`), no intermediate chunk.
     """
     frames: list[Decoded] = []
     while True:
         head = bytearray(LENGTH_BYTES)
-        filled = yield head
+        filled = fill(head)
         if filled == 0:  # the body may end between frames, nowhere else
             return frames
         if filled < LENGTH_BYTES:
             raise FrameTruncated("body ended inside a frame")
-        header_buf = bytearray(_header_length(head))
-        if header_buf and (yield header_buf) < len(header_buf):
-            raise FrameTruncated("body ended inside a frame")
-        header = orjson.loads(header_buf)
-        # left unfilled: the reader writes every byte (no zeroing pass under the GIL)
-        payload = np.empty(payload_size(header), dtype=np.uint8).data
-        if payload and (yield payload) < len(payload):
-            raise FrameTruncated("body ended inside a frame")
-        frames.append((header, payload))
+        header = orjson.loads(_read_exact(fill, bytearray(_header_length(head))))
+        # left unfilled: `fill` writes every byte (no zeroing pass under the GIL)
+        frames.append((header, _read_exact(fill, np.empty(payload_size(header), dtype=np.uint8).data)))
 
 
-def read_frames(fill: Callable[[Buffer], int]) -> list[Decoded]:
-    """Every frame of a body read through `fill(buf)` (fills `buf`, returns the bytes read; fewer at its end)."""
-    reads = frame_reads()
-    buf = next(reads)
-    try:
-        while True:
-            buf = reads.send(fill(buf))
-    except StopIteration as done:
-        return done.value
-
-
-async def aread_frames(fill: Callable[[Buffer], Awaitable[int]]) -> list[Decoded]:
-    """`read_frames` with an awaitable `fill` (the asyncio client reads on the event loop)."""
-    reads = frame_reads()
-    buf = next(reads)
-    try:
-        while True:
-            buf = reads.send(await fill(buf))
-    except StopIteration as done:
-        return done.value
+def _read_exact(fill: Callable[[Buffer], int], buf: Buffer) -> Buffer:
+    if buf and fill(buf) < len(buf):
+        raise FrameTruncated("body ended inside a frame")
+    return buf
 
 
 __all__ = [
@@ -183,9 +159,7 @@ __all__ = [
     "FrameDecoder",
     "FrameError",
     "FrameTruncated",
-    "aread_frames",
     "frame_header",
-    "frame_reads",
     "parse_frames",
     "payload_size",
     "read_frames",

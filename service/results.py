@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
@@ -24,7 +22,7 @@ from service.connections import fill
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Frame", "FrameDecoder", "Reply", "RoutedExperts", "aread_frames", "parse_npy", "read_frames"]
+__all__ = ["Frame", "FrameDecoder", "Reply", "RoutedExperts", "parse_npy", "read_frames"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,27 +186,13 @@ class FrameDecoder:
 
 def read_frames(body: io.RawIOBase | Any) -> list[Frame]:
     """Every frame of a body read with `readinto`: each payload lands in its own buffer with one copy."""
-    with _frame_errors():
-        decoded = wire.read_frames(lambda buf: fill(body, buf))
-    return [Frame(header, payload) for header, payload in decoded]
-
-
-async def aread_frames(fill_async: Callable[[wire.Buffer], Awaitable[int]]) -> list[Frame]:
-    """`read_frames` for the asyncio client: `fill_async(buf)` fills `buf` (fewer bytes only at the body's end)."""
-    with _frame_errors():
-        decoded = await wire.aread_frames(fill_async)
-    return [Frame(header, payload) for header, payload in decoded]
-
-
-@contextmanager
-def _frame_errors() -> Iterator[None]:
-    """A body cut inside a frame is a dropped connection (retried); bytes that are not frames are an `R3Error`."""
     try:
-        yield
+        decoded = wire.read_frames(lambda buf: fill(body, buf))
     except wire.FrameTruncated:
         raise httpx.RemoteProtocolError("batch response ended inside a frame") from None
     except wire.FrameError as exc:
         raise R3Error(str(exc)) from None
+    return [Frame(header, payload) for header, payload in decoded]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,26 +1,31 @@
 """The clients' two thin transports: send a `Call`, hand back the whole answer, its frames, or a stream's chunks.
 
-Over plain `http://` both read whole bodies with one copy from the socket into the body's final buffer: the
-blocking one through `service.connections` (`http.client`), the async one on the event loop through
-`service.aconnections` (non-blocking sockets, a bounded read per loop turn: no reader threads to contend with
-the loop for the GIL). `https://`, custom httpx transports and
+Over plain `http://` both read whole bodies through `service.connections` (one copy from the socket into the
+body's final buffer); the async one runs those reads on its own threads, so the event loop never copies or
+parses a body and the async path is as fast as the blocking one. (The loop reading the sockets itself, with no
+threads, was built and measured: longer loop stalls, since the copying and page faults then run on the loop
+thread; BENCHMARKS.md, "Trainer API".) `https://`, custom httpx transports and
 `stream=true` go through httpx (`httpx.Client` / `httpx.AsyncClient`). Nothing here decides a retry or an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from typing import TypeVar
 
 import httpx
 
-from service.aconnections import AsyncConnections
 from service.client_errors import error_for, json_or_text
 from service.connections import Connections
 from service.requests import Call, ClientConfig
-from service.results import Frame, FrameDecoder, Reply, aread_frames, read_frames
+from service.results import Frame, FrameDecoder, Reply, read_frames
 
 __all__ = ["AsyncTransport", "SyncTransport"]
+
+T = TypeVar("T")
 
 
 class BodyBuffer:
@@ -115,27 +120,21 @@ class SyncTransport:
 
 
 class AsyncTransport:
-    """The same for asyncio: whole bodies over plain http are read by the event loop itself
-    (`service.aconnections`: no threads, a bounded copy per loop turn), everything else through
-    `httpx.AsyncClient` on the loop."""
+    """The same for asyncio: whole bodies over plain http are read on this transport's threads (`threads` at
+    most at once: each waits out its own `wait`), everything else through `httpx.AsyncClient` on the loop."""
 
-    def __init__(self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None, *, threads: int = 8
+    ) -> None:
         self.cfg = cfg
         self._http = httpx.AsyncClient(base_url=cfg.base_url, headers=cfg.headers, transport=transport)
         direct = transport is None and cfg.plain
-        self.direct = AsyncConnections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
+        self.direct = Connections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="r3-client") if direct else None
 
     async def send(self, call: Call) -> Reply:
         if self.direct is not None:
-            status, headers, body = await self.direct.send(
-                call.method,
-                call.path,
-                call.params,
-                body=call.body,
-                headers=call.headers,
-                timeout=self.cfg.read_timeout(call),
-            )
-            return Reply(status, headers, body)
+            return await self._off_loop(_direct_send, call)
         async with self._open(call) as resp:
             body = BodyBuffer(resp.headers)
             async for chunk in resp.aiter_bytes():
@@ -144,17 +143,7 @@ class AsyncTransport:
 
     async def frames(self, call: Call) -> list[Frame]:
         if self.direct is not None:
-            async with self.direct.request(
-                call.method,
-                call.path,
-                call.params,
-                body=call.body,
-                headers=call.headers,
-                timeout=self.cfg.read_timeout(call),
-            ) as resp:
-                if resp.status != 200:
-                    raise error_for(resp.status, json_or_text(bytes(await resp.read())), call.rid)
-                return await aread_frames(resp.fill)
+            return await self._off_loop(_direct_frames, call)
         decoder, frames = FrameDecoder(), []
         async with self.chunks(call) as chunks:
             async for chunk in chunks:
@@ -172,7 +161,13 @@ class AsyncTransport:
     def _open(self, call: Call) -> httpx.Response:
         return self._http.stream(**self.cfg.stream_args(call))
 
+    async def _off_loop(self, fn: Callable[[Connections, ClientConfig, Call], T], call: Call) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, fn, self.direct, self.cfg, call)
+
     async def aclose(self) -> None:
         await self._http.aclose()
         if self.direct is not None:
             self.direct.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
