@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 import weakref
 
 import numpy as np
@@ -21,7 +22,8 @@ __all__ = ["uninitialized"]
 _OFF_GIL_BYTES = 64 << 10  # smaller blocks come from the heap without a system call: numpy is as good
 _HUGE_PAGE = 2 << 20
 _HUGE_BYTES = 4 << 20  # numpy's own threshold for asking for huge pages
-_MADV_HUGEPAGE = 14
+_MADV_HUGEPAGE = 14  # Linux's value; elsewhere no advice is given
+_LINUX = sys.platform.startswith("linux")
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -46,7 +48,7 @@ def uninitialized(n: int) -> memoryview:
     addr = _LIBC.malloc(n)
     if not addr:
         raise MemoryError(f"cannot allocate a body of {n} bytes")
-    if n >= _HUGE_BYTES:
+    if _LINUX and n >= _HUGE_BYTES:
         lo = (addr + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
         hi = (addr + n) & ~(_HUGE_PAGE - 1)
         if hi > lo:
