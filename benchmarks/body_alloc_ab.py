@@ -83,7 +83,8 @@ async def compare(url: str, rids: list[str], nbytes: int, reps: int, stall_reps:
             return afetch_many(refs, pool=pool)
 
         kinds: list[Kind] = [(CONTROL, lambda: asyncio.sleep(1.0))]
-        kinds += [kind(f"get x{len(rids)}", a, gets) for a in ALLOCATORS] + [kind("afetch_many", a, batch) for a in ALLOCATORS]
+        kinds += [kind(f"get x{len(rids)}", a, gets) for a in ALLOCATORS]
+        kinds += [kind("afetch_many", a, batch) for a in ALLOCATORS]
         for rep in range(stall_reps):
             loads.append(os.getloadavg()[0])
             order = kinds if rep % 2 == 0 else [kinds[0], kinds[2], kinds[1], kinds[4], kinds[3]]
