@@ -19,7 +19,8 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
-import numpy as np
+
+from service.buffers import uninitialized
 
 _STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
@@ -156,12 +157,6 @@ def _read_into_buffer(resp: http.client.HTTPResponse) -> bytearray | memoryview:
     if filled < len(buf):
         raise http.client.IncompleteRead(bytes(buf[:filled]), len(buf) - filled)
     return buf
-
-
-def uninitialized(n: int) -> memoryview:
-    """A writable buffer of `n` bytes left unfilled: the socket fills it (zeroing 12 MB first would hold the
-    GIL for milliseconds, stalling an asyncio client's event loop while its reader threads allocate)."""
-    return np.empty(n, dtype=np.uint8).data
 
 
 def fill(body: Any, buf: bytearray | memoryview) -> int:

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from service.buffers import uninitialized
+
 FRAMES_MEDIA_TYPE = "application/vnd.r3.frames"
 MAX_HEADER_BYTES = 1 << 20
 """A longer header length means the body is not a frames stream (a reader must not buffer it)."""
@@ -145,7 +147,7 @@ def read_frames(fill: Callable[[Buffer], int]) -> list[Decoded]:
             raise FrameTruncated("body ended inside a frame")
         header = orjson.loads(_read_exact(fill, bytearray(_header_length(head))))
         # left unfilled: `fill` writes every byte (no zeroing pass under the GIL)
-        frames.append((header, _read_exact(fill, np.empty(payload_size(header), dtype=np.uint8).data)))
+        frames.append((header, _read_exact(fill, uninitialized(payload_size(header)))))
 
 
 def _read_exact(fill: Callable[[Buffer], int], buf: Buffer) -> Buffer:

@@ -2,7 +2,9 @@
 
 Over plain `http://` both read whole bodies through `service.connections` (one copy from the socket into the
 body's final buffer); the async one runs those reads on its own threads, so the event loop never copies or
-parses a body and the async path is as fast as the blocking one. `https://`, custom httpx transports and
+parses a body and the async path is as fast as the blocking one. (The loop reading the sockets itself, with no
+threads, was built and measured: longer loop stalls, since the copying and page faults then run on the loop
+thread; BENCHMARKS.md, "Trainer API".) `https://`, custom httpx transports and
 `stream=true` go through httpx (`httpx.Client` / `httpx.AsyncClient`). Nothing here decides a retry or an error.
 """
 
