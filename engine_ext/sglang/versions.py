@@ -47,6 +47,7 @@ class Version:
     missing_names: tuple[str, ...]  # names the hook bodies import or read, absent here (those that stop a start)
     seeds: dict[Seed, Upstream]  # each seed fix as upstream ships it in this version
     evidence: str  # where the seed column was read, so a reader can check it
+    not_run: tuple[str, ...] = ()  # what the plugin does on 0.5.23 but cannot on this version, and why
 
 
 MATRIX: dict[str, Version] = {
@@ -99,6 +100,7 @@ MATRIX: dict[str, Version] = {
             ),
             seeds=dict.fromkeys(Seed, Upstream.PRESENT),
             evidence="as 0.5.20, cutedsl_moe_max_num_tokens in server_args.py",
+            not_run=("budget check at start (no arg_groups.resolution_hooks)",),
         ),
         Version(
             "0.5.12",
@@ -131,6 +133,10 @@ MATRIX: dict[str, Version] = {
             | {Seed.CUTEDSL_WORST_CASE: Upstream.PARTIAL, Seed.EAGLE_KV_INDICES: Upstream.ABSENT},
             evidence="CuteDSL sized max(cuda_graph_max_bs, chunked_prefill_size), no fail-fast "
             "(moe_runner/flashinfer_cutedsl.py:248); no spec_utils.draft_kv_indices_buffer_width",
+            not_run=(
+                "budget check at start (no arg_groups.resolution_hooks)",
+                "CuteDSL buffer sizing (sized in FlashInferCuteDslMoE's constructor: upstream's stays)",
+            ),
         ),
         Version(
             "0.5.10.post1",

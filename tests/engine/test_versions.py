@@ -54,7 +54,8 @@ def _applies(version: str) -> str:
     if not row.plugin_mechanism:
         return "cannot load: needs ≥ 0.5.12"
     if row.proven:
-        return "all hooks (proven on a real CPU server)"
+        gaps = f"; not run: {'; '.join(row.not_run)}" if row.not_run else ""
+        return f"all hooks (proven on a real CPU server){gaps}"
     return "none: logged at start; refused under enforce"
 
 
