@@ -160,15 +160,22 @@ class AsyncRoutedExpertsClient(_Base):
 
     Over plain http, whole bodies are read on the client's threads (`threads` at most at once, default 8: more
     threads contend for the GIL with the loop; a `wait` holds its thread, so many long waits belong in one
-    `get_many` / `afetch_many`).
+    `get_many` / `afetch_many`). Concurrent `get`s go as one batch request (`service.coalesce`) unless
+    `coalesce=False`.
     """
 
     def __init__(
-        self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, threads: int = 8, **kwargs: Any
+        self,
+        base_url: str,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        threads: int = 8,
+        coalesce: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(base_url, **kwargs)
         self._io = AsyncTransport(self._config, transport, threads=threads)
-        self._together = Coalescer(lambda call: self._run(self._io.frames, call))
+        self._together = Coalescer(lambda call: self._run(self._io.frames, call)) if coalesce else None
 
     async def __aenter__(self) -> AsyncRoutedExpertsClient:
         return self
@@ -198,7 +205,7 @@ class AsyncRoutedExpertsClient(_Base):
     async def get(self, call: Call) -> RoutedExperts:
         """`RoutedExpertsClient.get`. Calls made before the loop next runs, with the same `layers`, `wait` and
         `clamp`, go as one batch request (`service.coalesce`); each still gets its own rows or error."""
-        frame = await self._together.frame(call)
+        frame = await self._together.frame(call) if self._together is not None else None
         if frame is not None:
             if frame.status != 200:
                 raise frame.error()

@@ -219,3 +219,17 @@ def test_cancelling_one_caller_leaves_the_others_their_rows(store: Spool, served
     np.testing.assert_array_equal(got[0].array, a)
     np.testing.assert_array_equal(got[1].array, np.concatenate([b, more]))
     assert isinstance(got[2], asyncio.CancelledError)
+
+
+def test_coalesce_false_sends_each_get_alone(store: Spool, served) -> None:
+    url, app = served
+    arrays = {f"off-{i}": put(store, f"off-{i}", rows=3, seed=20 + i)[0] for i in range(3)}
+
+    async def main() -> list[RoutedExperts]:
+        async with AsyncRoutedExpertsClient(url, retries=1, coalesce=False) as ac:
+            app.take()
+            return await asyncio.gather(*(ac.get(rid) for rid in arrays))
+
+    for rid, r in zip(arrays, asyncio.run(main()), strict=True):
+        np.testing.assert_array_equal(r.array, arrays[rid])
+    assert sorted(app.take()) == [("GET", f"/routed_experts/{rid}") for rid in arrays]
