@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 from service import requests as req
 from service.client_errors import R3Error
-from service.requests import BatchItem, Call
+from service.requests import BatchItem, BatchKey, Call
 from service.results import Frame
 
 __all__ = ["Coalescer"]
@@ -33,7 +34,7 @@ class Coalescer:
     def __init__(self, batch: Callable[[Call], Awaitable[list[Frame]]], max_batch: int = 1024) -> None:
         self._batch = batch  # sends a batch `Call` under the client's retry policy
         self._max = max_batch  # the server's default `R3_MAX_BATCH`
-        self._queues: dict[tuple[object, ...], list[tuple[BatchItem, asyncio.Future[object]]]] = {}
+        self._queues: dict[BatchKey, list[tuple[BatchItem, asyncio.Future[object]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def frame(self, call: Call) -> Frame | None:
@@ -49,9 +50,9 @@ class Coalescer:
         fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         queue.append((req.batch_item(call), fut))
         outcome = await fut
-        return None if outcome is ALONE else outcome  # type: ignore[return-value]
+        return None if outcome is ALONE else cast(Frame, outcome)
 
-    def _flush(self, key: tuple[object, ...]) -> None:
+    def _flush(self, key: BatchKey) -> None:
         waiting = [(item, fut) for item, fut in self._queues.pop(key) if not fut.done()]
         for i in range(0, len(waiting), self._max):
             group = waiting[i : i + self._max]
@@ -65,11 +66,11 @@ class Coalescer:
             for fut in futs:
                 fut.add_done_callback(lambda _, t=task, fs=futs: _cancel_if_abandoned(t, fs))
 
-    async def _send(self, key: tuple[object, ...], group: list[tuple[BatchItem, asyncio.Future[object]]]) -> None:
+    async def _send(self, key: BatchKey, group: list[tuple[BatchItem, asyncio.Future[object]]]) -> None:
         layers, wait, clamp = key
         items = [item for item, _ in group]
         try:
-            frames: list[object] = list(await self._batch(req.batch_call(items, wait, layers, clamp)))  # type: ignore[arg-type]
+            frames: list[object] = list(await self._batch(req.batch_call(items, wait, layers, clamp)))
             if len(frames) != len(group):
                 raise R3Error(f"the batch answered {len(frames)} frames for {len(group)} rids")
         except R3Error:

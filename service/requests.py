@@ -205,7 +205,11 @@ def batch_call(rids: Sequence[BatchRid], wait: float, layers: Layers | None, cla
     return Call("POST", "/routed_experts/batch", None, body=orjson.dumps(body), wait=wait)
 
 
-def batch_key(call: Call) -> tuple[str | None, float, bool] | None:
+BatchKey = tuple[str | None, float, bool]
+"""What calls must share to go in one batch request: the `layers` text, `wait` and `clamp`."""
+
+
+def batch_key(call: Call) -> BatchKey | None:
     """What a `get_call` shares with the calls one batch request can carry with it (`layers`, `wait`,
     `clamp`), or None for a call a batch cannot answer the same way (not an `.npy` GET of a record)."""
     if call.method != "GET" or call.stream or call.rid is None or call.params.get("format") != "npy":

@@ -4,9 +4,11 @@ whose requests are counted as they arrive."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from helpers import FakeClock, live_app
@@ -233,3 +235,15 @@ def test_coalesce_false_sends_each_get_alone(store: Spool, served) -> None:
     for rid, r in zip(arrays, asyncio.run(main()), strict=True):
         np.testing.assert_array_equal(r.array, arrays[rid])
     assert sorted(app.take()) == [("GET", f"/routed_experts/{rid}") for rid in arrays]
+
+
+def test_a_batch_that_cannot_connect_raises_in_every_caller_after_the_retries() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> list[Any]:
+        async with AsyncRoutedExpertsClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01) as ac:
+            return await asyncio.gather(*(ac.get(f"r{i}") for i in range(4)), return_exceptions=True)
+
+    assert [type(e) for e in asyncio.run(main())] == [httpx.ConnectError] * 4
