@@ -1,9 +1,12 @@
 """The trainer API's two async claims and the size of a ref (BENCHMARKS.md, "Trainer API").
 
 1. `afetch` ÷ `fetch` GB/s for one 32k-token record (Qwen3-30B-A3B shape: 48 MoE layers, top-8, uint8),
-   alternating the two, median of `--reps` each.
+   alternating the two, median of `--reps` each; and the latency of a lone `get` of a 256-token record, where
+   any delay that coalescing adds before sending would show: the async client with and without it,
+   alternating which goes first, and the blocking one.
 2. The longest event-loop stall while 64 such records are fetched concurrently: a probe task sleeps 1 ms in a
-   loop and records how late it wakes. Measured for `AsyncRoutedExpertsClient.get` ×64 (gather),
+   loop and records how late it wakes. Measured for `AsyncRoutedExpertsClient.get` ×64 (gather: coalesced
+   into one batch after the first, and with `coalesce=False` as 64 requests),
    `afetch_many` (one batch), and, as the baseline a trainer has without it, the blocking client called
    from the loop; `--stall-reps` times each, interleaved with a control (the probe alone). The fetched arrays
    are freed after the probe stops (unmapping 800 MB is the trainer's cost whenever it drops them, not the
@@ -91,6 +94,30 @@ async def stall_during(work: Callable[[], Awaitable[object]]) -> Stall:
     return Stall(worst[0], worst[1], worst[2], took)
 
 
+def lone_latency_us(url: str, reps: int = 200) -> tuple[float, float, float]:
+    """Median µs of a lone `get` of the small record: blocking, async, async with `coalesce=False`."""
+    times: dict[str, list[float]] = {"sync": [], "on": [], "off": []}
+
+    async def main() -> None:
+        async with AsyncRoutedExpertsClient(url) as on, AsyncRoutedExpertsClient(url, coalesce=False) as off:
+            with RoutedExpertsClient(url) as sc:
+                for i in range(reps + 10):
+                    t = time.perf_counter()
+                    sc.get("small")
+                    took = {"sync": time.perf_counter() - t}
+                    for name, c in (("on", on), ("off", off)) if i % 2 else (("off", off), ("on", on)):
+                        t = time.perf_counter()
+                        await c.get("small")
+                        took[name] = time.perf_counter() - t
+                    if i >= 10:
+                        for name, v in took.items():
+                            times[name].append(v)
+
+    asyncio.run(main())
+    sync_us, on_us, off_us = (statistics.median(times[k]) * 1e6 for k in ("sync", "on", "off"))
+    return sync_us, on_us, off_us
+
+
 def throughput(url: str, nbytes: int, reps: int) -> tuple[float, float]:
     sync_s, async_s = [], []
 
@@ -125,13 +152,21 @@ def stalls(url: str, n: int, threads: int | None, reps: int) -> dict[str, list[S
 
     async def main() -> None:
         kwargs = {"threads": threads} if threads else {}
-        async with AsyncRoutedExpertsClient(url, **kwargs) as ac, AsyncSidecarPool(**kwargs) as pool:
+        async with (
+            AsyncRoutedExpertsClient(url, **kwargs) as ac,
+            AsyncRoutedExpertsClient(url, coalesce=False, **kwargs) as apart,
+            AsyncSidecarPool(**kwargs) as pool,
+        ):
             await asyncio.gather(*(ac.get(r) for r in rids[:8]))  # warm connections
+            await asyncio.gather(*(apart.get(r) for r in rids[:8]))
             await afetch_many(refs[:2], pool=pool)
             for _ in range(reps):
                 out.setdefault(CONTROL, []).append(await stall_during(lambda: asyncio.sleep(1.0)))
                 out.setdefault("AsyncRoutedExpertsClient.get x64 (gather)", []).append(
                     await stall_during(lambda: asyncio.gather(*(ac.get(r) for r in rids)))
+                )
+                out.setdefault("AsyncRoutedExpertsClient(coalesce=False).get x64 (gather): 64 requests", []).append(
+                    await stall_during(lambda: asyncio.gather(*(apart.get(r) for r in rids)))
                 )
                 out.setdefault("afetch_many(64 refs): one batch", []).append(
                     await stall_during(lambda: afetch_many(refs, pool=pool))
@@ -177,11 +212,17 @@ def main() -> None:
         nbytes = 0
         for i in range(args.records):
             nbytes = write(spool, f"big-{i}", args.tokens, i)
+        write(spool, "small", 256, 0)
         with serve("sidecar", Path(d)) as server:
             if not args.only_stalls:
                 sync_gbs, async_gbs = throughput(server.url, nbytes, args.reps)
                 print(f"one record of {args.tokens} tokens ({nbytes / 1e6:.1f} MB), median of {args.reps}:")
                 print(f"  fetch {sync_gbs:.2f} GB/s, afetch {async_gbs:.2f} GB/s, ratio {async_gbs / sync_gbs:.2f}")
+                sync_us, on_us, off_us = lone_latency_us(server.url)
+                print(
+                    f"a lone get of a 256-token record, median of 200: blocking {sync_us:.0f} µs, "
+                    f"async {on_us:.0f} µs, async coalesce=False {off_us:.0f} µs"
+                )
             load = os.getloadavg()[0]
             print(f"{args.records} records of {args.tokens} tokens concurrently, {args.stall_reps} reps each:")
             print("  longest event-loop stall (median, max, each), wall time; the longest's loop CPU / run-queue ms")

@@ -15,6 +15,7 @@ import httpx
 
 from service import requests as req
 from service.client_errors import R3Error, RecordNotFound
+from service.coalesce import Coalescer
 from service.requests import BatchRid, Call, ClientConfig, Layers, Retry
 from service.responses import sidecar_base
 from service.results import FrameDecoder, RoutedExperts, record_of
@@ -159,14 +160,22 @@ class AsyncRoutedExpertsClient(_Base):
 
     Over plain http, whole bodies are read on the client's threads (`threads` at most at once, default 8: more
     threads contend for the GIL with the loop; a `wait` holds its thread, so many long waits belong in one
-    `get_many` / `afetch_many`).
+    `get_many` / `afetch_many`). Concurrent `get`s go as one batch request (`service.coalesce`) unless
+    `coalesce=False`.
     """
 
     def __init__(
-        self, base_url: str, *, transport: httpx.AsyncBaseTransport | None = None, threads: int = 8, **kwargs: Any
+        self,
+        base_url: str,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        threads: int = 8,
+        coalesce: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(base_url, **kwargs)
         self._io = AsyncTransport(self._config, transport, threads=threads)
+        self._together = Coalescer(lambda call: self._run(self._io.frames, call)) if coalesce else None
 
     async def __aenter__(self) -> AsyncRoutedExpertsClient:
         return self
@@ -194,7 +203,13 @@ class AsyncRoutedExpertsClient(_Base):
 
     @req.sends(req.get_call, fmt="npy")
     async def get(self, call: Call) -> RoutedExperts:
-        """`RoutedExpertsClient.get`."""
+        """`RoutedExpertsClient.get`. Calls made before the loop next runs, with the same `layers`, `wait` and
+        `clamp`, go as one batch request (`service.coalesce`); each still gets its own rows or error."""
+        frame = await self._together.frame(call) if self._together is not None else None
+        if frame is not None:
+            if frame.status != 200:
+                raise frame.error()
+            return frame.result()
         return record_of(call.rid, (await self._run(self._io.send, call)).checked(call.rid))
 
     @req.sends(req.get_call)

@@ -205,6 +205,24 @@ def batch_call(rids: Sequence[BatchRid], wait: float, layers: Layers | None, cla
     return Call("POST", "/routed_experts/batch", None, body=orjson.dumps(body), wait=wait)
 
 
+BatchKey = tuple[str | None, float, bool]
+"""What calls must share to go in one batch request: the `layers` text, `wait` and `clamp`."""
+
+
+def batch_key(call: Call) -> BatchKey | None:
+    """What a `get_call` shares with the calls one batch request can carry with it (`layers`, `wait`,
+    `clamp`), or None for a call a batch cannot answer the same way (not an `.npy` GET of a record)."""
+    if call.method != "GET" or call.stream or call.rid is None or call.params.get("format") != "npy":
+        return None
+    return call.params.get("layers"), call.wait, call.params.get("clamp") == "true"
+
+
+def batch_item(call: Call) -> BatchItem:
+    """A `get_call`'s rid and range as one rid of a batch."""
+    start, end = call.params.get("start"), call.params.get("end")
+    return BatchItem(call.rid or "", int(start) if start is not None else None, int(end) if end is not None else None)
+
+
 def ack_call(rid: str) -> Call:
     return Call("DELETE", record_path(rid), rid)
 
