@@ -2,7 +2,8 @@
 through glibc's `mmap`) against `service.buffers.uninitialized` (the same `malloc` through ctypes, GIL released),
 interleaved in one process against one sidecar, with the probe-alone control and the load at every repetition.
 
-`PYTHONPATH=. .venv/bin/python -m benchmarks.body_alloc_ab [--stall-reps 7] [--reps 15]`
+`PYTHONPATH=. .venv/bin/python -m benchmarks.body_alloc_ab [--stall-reps 7] [--reps 15]`; its `get` ×64 are
+64 requests (`coalesce=False`), as when its figures were taken.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ async def compare(url: str, rids: list[str], nbytes: int, reps: int, stall_reps:
     times: dict[str, list[float]] = {}
     stalls: dict[str, list[Stall]] = {}
     loads: list[float] = []
-    async with AsyncRoutedExpertsClient(url) as client, AsyncSidecarPool() as pool:
+    async with AsyncRoutedExpertsClient(url, coalesce=False) as client, AsyncSidecarPool() as pool:
         with RoutedExpertsClient(url) as blocking:
             for _ in range(3):
                 blocking.get(rids[0])
