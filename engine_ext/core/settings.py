@@ -61,6 +61,9 @@ class EngineSettings(BaseSettings):
     )
     writer_queue_bytes: int = Field(256 << 20, ge=1 << 20, description="Bound of bytes awaiting the writer thread.")
     telemetry_interval_s: float = Field(1.0, gt=0)
+    shutdown_wait_s: float = Field(
+        10.0, ge=0, description="At an offline engine's shutdown: seconds to wait for the records responses point to."
+    )
     hook_timers: bool = Field(
         True, description="Time each scheduler-thread hook's own work (engine file `hooks`, r3_engine_hook_*)."
     )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from engine_ext.core.pointed import Pointed
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.sglang import capturer, compat, frontdoors, slicing, timers
@@ -118,6 +119,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         f"{_OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream", "_around_openai_stream", AROUND, ("pointer",)
     ),
+    Hook("sglang.srt.entrypoints.engine.Engine.shutdown", "_around_engine_shutdown", AROUND, ("pointer",)),
 )
 
 
@@ -826,6 +828,7 @@ def _forward_end_rows(original, self, params: dict):
 # ---- delivery, main process: the pointer ---------------------------------------------------------------
 
 _pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids", default=None)
+POINTED = Pointed()
 
 
 async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
@@ -859,6 +862,7 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
         with Contained("pointer"):
             meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+            POINTED.add(rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
 
 
@@ -878,7 +882,18 @@ async def _around_wait_one_response(original, self, obj, *args, **kwargs):
                 refused = settings.mode is Mode.SIDECAR and meta is not None and "routed_experts" in meta
                 if rid is not None and not refused:
                     meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+                    POINTED.add(rid)
         yield out
+
+
+def _around_engine_shutdown(original, self, *args, **kwargs):
+    """`sglang.Engine.shutdown` kills the scheduler (SIGKILL): first let the records that this process's responses
+    point to become final, for at most `R3_SHUTDOWN_WAIT_S` (`core.pointed`)."""
+    settings = PROCESS.settings
+    if settings is not None and settings.sidecar_url and settings.mode is not Mode.OFF:
+        with Contained("shutdown"):
+            POINTED.settle(settings.spool_dir, settings.shutdown_wait_s)
+    return original(self, *args, **kwargs)
 
 
 # ---- delivery, main process: the pointer in the OpenAI-compatible responses' `sglext` -------------------

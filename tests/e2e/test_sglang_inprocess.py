@@ -82,11 +82,12 @@ def test_inprocess_caller_gets_rows_or_a_pointer(sglang_exclusive, skip_tokenize
         fetched = httpx.get(small["url"], params={"format": "npy", "wait": 30}, timeout=60)
         assert fetched.status_code == 200, fetched.text
         assert fetched.headers["X-R3-Shape"] == f"{small['prompt_tokens'] + small['completion_tokens'] - 1},4,2"
-        # The spool refused the large one: SGLang's rows inline, and no pointer that could only answer 404.
+        # The spool refused the large one: SGLang's rows inline, no pointer, and its rid answers 410 at once.
         assert large["url"] is None
         assert large["inline_type"] == "str"  # base64 even in-process and with skip_tokenizer_init (0.5.23)
         rows = np.frombuffer(base64.b64decode(large["inline"]), dtype=np.int32).reshape(-1, 4, 2)
         assert rows.shape[0] == large["prompt_tokens"] + large["completion_tokens"] - 1
-        assert httpx.get(f"{sidecar_url}/routed_experts/inproc-{LARGE}", timeout=30).status_code == 404
+        gone = httpx.get(f"{sidecar_url}/routed_experts/inproc-{LARGE}?wait=20", timeout=30)
+        assert gone.status_code == 410 and gone.json()["error"] == "record_error", gone.text  # at once, not a wait
     finally:
         sidecar.stop()
