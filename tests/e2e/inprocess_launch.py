@@ -58,6 +58,13 @@ def main() -> None:
         for line in asyncio.run(run()):
             print("RESULT " + json.dumps(line), flush=True)
     finally:
+        # A caller that SIGKILLs its engine the moment the responses arrive first lets the records they point to
+        # become final (what the plugin does itself in `sglang.Engine.shutdown`): the writer thread is
+        # milliseconds behind the response.
+        from engine_ext.core.settings import EngineSettings
+        from engine_ext.sglang.hooks import POINTED
+
+        POINTED.settle(EngineSettings().spool_dir, timeout_s=10)
         kill_process_tree(os.getpid(), include_parent=False)
     os._exit(0)
 
