@@ -19,6 +19,7 @@ to SGLang's `[start_len, seqlen - 1)` rows.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from engine_ext.core.settings import Mode
-from engine_ext.core.writer import NOT_WRITABLE, Op, RecordSpec, SpoolWriter, undelivered_reason
+from engine_ext.core.writer import NOT_WRITABLE, RECENT_RIDS, Op, RecordSpec, SpoolWriter, undelivered_reason
 from engine_ext.sglang.weight_versions import Span, record_weights
 from service.record_meta import Weights
 
@@ -267,6 +268,8 @@ class Collector:
         self._ready = threading.Event()
         self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
         self._reopened: set[str] = set()  # rids whose old record `reopen` replaced, until their finish
+        self._spooled: OrderedDict[str, None] = OrderedDict()  # rids sent to the spool at finish, newest last
+        self._drain_lock = threading.Lock()  # the ticker and the scheduler: a batch's rows reach the writer in order
 
     def spec(self, fin: Finished) -> RecordSpec:
         lo, _ = fin.rows()
@@ -293,8 +296,10 @@ class Collector:
         replacement (`rows=0`, not final) makes the sidecar wait for this request's record instead. One
         metadata write, only for reused rids; refused like any reservation (then nothing changes).
         """
-        if not self.writer.written(rid):
+        if rid not in self._spooled and not self.writer.written(rid):
             return False
+        if self.gather.inflight():  # the old request's rows may still be on their way: they go to the writer first
+            self.drain(wait=True)
         spec = RecordSpec(
             rid=rid,
             num_experts=self.shape.num_experts,
@@ -344,6 +349,7 @@ class Collector:
                 self._end_refused(fin.rid, None if reopened else spec)
             return route
         status = "aborted" if fin.aborted else "ok"
+        self._note_spooled(fin.rid)
         if route == Route.BOTH:  # SGLang's inline rows start at start_len: skip those this server did not route
             self._mirror[fin.rid] = (spec, nbytes, status, lo - row_range(fin.start_len, fin.seqlen)[0])
         else:
@@ -363,8 +369,16 @@ class Collector:
             if refusal != NOT_WRITABLE:
                 self._end_refused(fin.rid, spec)
             return False
+        self._note_spooled(fin.rid)
         self.gather.add(_WholeRecord(self, spec, nbytes, "aborted" if fin.aborted else "ok"), fin.pool_idx, lo, hi)
         return True
+
+    def _note_spooled(self, rid: str) -> None:
+        """Remember a rid whose rows go to the spool (`reopen` must replace its record even before it is written)."""
+        self._spooled[rid] = None
+        self._spooled.move_to_end(rid)
+        if len(self._spooled) > RECENT_RIDS:
+            self._spooled.popitem(last=False)
 
     def _end_refused(self, rid: str, spec: RecordSpec | None) -> None:
         """A request whose rows the spool refused gets a record that ends at once, `error`, with no rows.
@@ -406,9 +420,10 @@ class Collector:
         """Gather launched requests' rows from the host cache and hand them to the writer."""
         if self._host_buffer is None or not self.gather.inflight():
             return 0
-        done = self.gather.drain(self._host_buffer, wait=wait)
-        for ticket, rows in done:
-            ticket.deliver(rows)
+        with self._drain_lock:
+            done = self.gather.drain(self._host_buffer, wait=wait)
+            for ticket, rows in done:
+                ticket.deliver(rows)
         return len(done)
 
     def run_ticker(self, stop: threading.Event, poll_s: float = 0.002) -> None:

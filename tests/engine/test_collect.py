@@ -336,3 +336,31 @@ def test_a_reused_rid_replaces_the_old_record_at_arrival(tmp_path):
         assert (meta.final, meta.status, meta.rows) == (True, "error", 0)
     finally:
         writer.close()
+
+
+def test_a_rid_reused_before_its_old_record_is_written_is_still_replaced(tmp_path):
+    """Under load the aborted request's final can still wait in the writer's queue when the resumed request
+    arrives: `reopen` must follow it there (FIFO), not skip the replacement because nothing was written yet."""
+    import torch
+
+    from engine_ext.core.writer import SpoolWriter
+    from engine_ext.sglang.collect import Collector, Finished, ModelShape
+    from service.spool import Spool
+
+    writer = SpoolWriter(tmp_path, engine="t/dp0")  # not started: every op waits in the queue
+    shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), layer_slots=None, num_hidden_layers=2)
+    collector = Collector(writer, shape, mode=Mode.SIDECAR, capture_all=False, dtype="uint8", engine="t/dp0")
+    host = torch.arange(64 * 2 * 2, dtype=torch.int32).reshape(64, 2, 2) % 8
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32).reshape(4, 16)
+    try:
+        old = Finished("r", wants_inline=True, start_len=0, prompt_len=3, seqlen=9, pool_idx=1, aborted=True)
+        assert collector.finish(old, publisher=True) == Route.SPOOL
+        collector.end_step(req_to_token, host)  # the rows go to the writer's queue
+        assert not writer.written("r")
+        assert collector.reopen("r", prompt_len=12, start_len=0)  # the resumed request arrives
+        writer.start()
+        assert writer.flush()
+        meta = Spool(tmp_path).read_meta("r")
+        assert (meta.final, meta.rows, meta.prompt_len) == (False, 0, 12), meta  # not the aborted rows
+    finally:
+        writer.close()
