@@ -273,7 +273,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             "R3SpoolNearlyFull",
         ]
         watch.provoke(*provoked)
-        with repeating(write_engines, 0.5), repeating(bad_fetches, 0.1):
+        # The engine files stay fresh until the end: dp0 must never go stale, however long the phases below take
+        # under load (seen: dp0 stale 5 s after the refreshes stopped, firing beside dp1).
+        stack.enter_context(repeating(write_engines, 0.5))
+        with repeating(bad_fetches, 0.1):
             watch.until_firing(provoked, files)
             for where, expr in dashboard_queries():
                 obs.panel_results[where] = len(prom.query(expr))
