@@ -315,6 +315,11 @@ def unresolved(hook_targets: Sequence[str]) -> list[str]:
     names = [t for t in (target(h) for h in hook_targets) if t is not None]
     names += sorted({split_read(_layout[0].read_spec(n))[0] for n in READS})
     names += [_layout[0].function_path(n) for n in FUNCTIONS]
+    return missing(names)
+
+
+def missing(names: Sequence[str]) -> list[str]:
+    """The dotted names that do not import here."""
     out = []
     for name in names:
         try:

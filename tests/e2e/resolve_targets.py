@@ -8,19 +8,8 @@ Targets of the `hip` group import only on ROCm and are left out.
 from __future__ import annotations
 
 import json
-import pkgutil
 import sys
 from importlib.metadata import version
-
-
-def missing(names: list[str]) -> list[str]:
-    out = []
-    for name in names:
-        try:
-            pkgutil.resolve_name(name)
-        except (ImportError, AttributeError):
-            out.append(name)
-    return out
 
 
 def main() -> None:
@@ -31,7 +20,7 @@ def main() -> None:
     names = sorted({n for row in MATRIX.values() if row.plugin_mechanism for n in row.missing_names})
     targets = [hook.target for hook in HOOKS if "hip" not in hook.groups]
     found = version("sglang")
-    result = {"sglang": found, "targets": missing(targets), "names": missing(names), "after_layout": None}
+    result = {"sglang": found, "targets": compat.missing(targets), "names": compat.missing(names), "after_layout": None}
     if found in compat.LAYOUTS:
         compat.use(found)
         result["after_layout"] = compat.unresolved(targets)

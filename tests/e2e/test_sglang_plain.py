@@ -11,12 +11,12 @@ a radix-cache prefix hit; a request that does not ask for routed experts; an abo
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
+import version_suite
 from sglang_server import Config, Stack
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
@@ -57,23 +57,9 @@ def abort_mid_decode(
     stack: Stack, rid: str, ids: list[int] | None = None, max_new_tokens: int = 1500, after_s: float = 1.5
 ) -> dict:
     """Start a long greedy decode, abort it once it has produced tokens, return SGLang's response."""
-    result: dict = {}
-    ids = ids if ids is not None else prompt(30, 7)
-
-    def send() -> None:
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-        result["response"] = httpx.post(
-            f"{stack.url}/generate",
-            json={"input_ids": ids, "sampling_params": params, "return_routed_experts": True, "rid": rid},
-            timeout=300,
-        )
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    time.sleep(after_s)
-    httpx.post(f"{stack.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
-    thread.join(300)
-    return result["response"].json()
+    return version_suite.abort_mid_decode(
+        stack, rid, ids if ids is not None else prompt(30, 7), max_new_tokens, after_s
+    )
 
 
 @pytest.fixture(scope="module")
