@@ -9,11 +9,10 @@ whose record never becomes final. Plain file reads of the spool: the main proces
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
+from engine_ext.core.rids import BoundedRids
 from service.record_meta import SpoolFormatError
 from service.spool import Spool
 
@@ -23,35 +22,24 @@ REMEMBERED = 4096
 """Pointers remembered (oldest forgotten first): the requests that may still be in the writer's hands."""
 
 
-class Pointed:
-    """A bounded, thread-safe ordered set of rids that got a pointer in this process."""
+class Pointed(BoundedRids):
+    """The rids that got a pointer in this process, and the wait at shutdown until their records are final."""
 
     def __init__(self, limit: int = REMEMBERED) -> None:
-        self._rids: OrderedDict[str, None] = OrderedDict()
-        self._limit = limit
-        self._lock = threading.Lock()
-
-    def add(self, rid: str) -> None:
-        with self._lock:
-            self._rids[rid] = None
-            self._rids.move_to_end(rid)
-            if len(self._rids) > self._limit:
-                self._rids.popitem(last=False)
+        super().__init__(limit)
 
     def settle(self, spool_dir: Path, timeout_s: float, poll_s: float = 0.01) -> list[str]:
         """Wait up to `timeout_s` until every remembered rid's record is final; return those still open."""
         spool = Spool(spool_dir, create=False)
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            waiting = list(self._rids)
+        checked = self.snapshot()
+        waiting = checked
         while True:
             waiting = [rid for rid in waiting if not _final(spool, rid)]
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(poll_s)
-        with self._lock:
-            for rid in set(self._rids) - set(waiting):
-                self._rids.pop(rid, None)
+        self.forget(set(checked) - set(waiting))
         if waiting:
             logger.warning(
                 "r3-sidecar: %d record(s) a response pointed to were not final after %.1f s at shutdown (first: %r)",

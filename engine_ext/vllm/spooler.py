@@ -16,14 +16,13 @@ reservation keeps the inline array in both modes and is counted in the engine fi
 from __future__ import annotations
 
 import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from engine_ext.core.records import routed_experts_url
+from engine_ext.core.rids import BoundedRids
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, spool_dtype, undelivered_reason
@@ -63,25 +62,6 @@ def status_of(finish_reason: str | None) -> str:
     return "error" if finish_reason == "error" else "ok"
 
 
-class Pointers:
-    """Rids whose records the spool accepted, until the response builder takes their pointer (bounded)."""
-
-    def __init__(self, keep: int = POINTERS_KEPT) -> None:
-        self._rids: OrderedDict[str, None] = OrderedDict()
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def add(self, rid: str) -> None:
-        with self._lock:
-            self._rids[rid] = None
-            while len(self._rids) > self._keep:
-                self._rids.popitem(last=False)
-
-    def take(self, rid: str) -> bool:
-        with self._lock:
-            return self._rids.pop(rid, 0) is None
-
-
 class Spooler:
     """One API server process's delivery: the writer thread, the engine file, the pointers to attach."""
 
@@ -93,7 +73,7 @@ class Spooler:
         self.dtype = spool_dtype(settings.dtype, shape.num_experts)
         self.row_bytes = len(shape.layers) * shape.topk * np.dtype(self.dtype).itemsize
         self.all_layers = shape.layers == tuple(range(shape.num_hidden_layers))
-        self.pointers = Pointers()
+        self.pointers = BoundedRids(POINTERS_KEPT)  # spooled rids, until the response builder takes the pointer
         self.writer = SpoolWriter(
             settings.spool_dir,
             max_bytes=settings.spool_max_bytes,

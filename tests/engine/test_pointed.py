@@ -7,6 +7,7 @@ import threading
 import numpy as np
 
 from engine_ext.core.pointed import Pointed
+from engine_ext.core.rids import BoundedRids
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
 
 
@@ -59,3 +60,14 @@ def test_only_the_newest_pointers_are_remembered(tmp_path):
     for rid in "abcde":
         pointed.add(rid)
     assert pointed.settle(tmp_path, timeout_s=0) == ["c", "d", "e"]
+
+
+def test_bounded_rids_take_once_and_forget_the_oldest() -> None:
+    """vLLM's pointer set: a rid's pointer is taken once; a re-added rid becomes the newest."""
+    rids = BoundedRids(limit=2)
+    rids.add("a")
+    rids.add("b")
+    rids.add("a")  # newest again
+    rids.add("c")  # forgets b, not a
+    assert rids.snapshot() == ["a", "c"]
+    assert rids.take("a") and not rids.take("a") and not rids.take("b")
