@@ -12,7 +12,7 @@ import logging
 import time
 from pathlib import Path
 
-from engine_ext.core.rids import BoundedRids
+from engine_ext.core.bounded_rids import BoundedRids
 from service.record_meta import SpoolFormatError
 from service.spool import Spool
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from engine_ext.core.bounded_rids import BoundedRids
 from engine_ext.core.records import routed_experts_url
-from engine_ext.core.rids import BoundedRids
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, spool_dtype, undelivered_reason

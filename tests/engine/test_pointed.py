@@ -6,8 +6,8 @@ import threading
 
 import numpy as np
 
+from engine_ext.core.bounded_rids import BoundedRids
 from engine_ext.core.pointed import Pointed
-from engine_ext.core.rids import BoundedRids
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
 
 
