@@ -22,7 +22,7 @@ import numpy as np
 import service.connections
 import service.frames
 from benchmarks.servers import serve
-from benchmarks.trainer_api import CONTROL, Stall, stall_during, write
+from benchmarks.trainer_api import CONTROL, Stall, stall_during, stall_summary, write
 from service.buffers import uninitialized
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, afetch_many
 from service.refs import AsyncSidecarPool
@@ -97,13 +97,7 @@ async def compare(url: str, rids: list[str], nbytes: int, reps: int, stall_reps:
             print(f"  rep {rep}, load {loads[-1]:.2f}: " + ", ".join(line), flush=True)
     print(f"longest loop stall, {len(rids)} records, {stall_reps} reps, load {min(loads):.2f}-{max(loads):.2f}:")
     for name, runs in stalls.items():
-        each = sorted(r.ms for r in runs)
-        worst = max(runs, key=lambda r: r.ms)
-        print(
-            f"  {name}: median {statistics.median(each):.1f} ms ({', '.join(f'{x:.0f}' for x in each)}); "
-            f"{statistics.median(r.took_s for r in runs):.2f} s; longest: {worst.cpu_ms:.1f} ms on CPU, "
-            f"{worst.runq_ms:.1f} ms waiting for one"
-        )
+        print(stall_summary(name, runs))
 
 
 def main() -> None:

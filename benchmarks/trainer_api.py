@@ -70,6 +70,17 @@ class Stall:
     took_s: float
 
 
+def stall_summary(name: str, runs: list[Stall]) -> str:
+    """One line per kind of work: the median and longest stall, each repetition, and what the longest was."""
+    each = sorted(r.ms for r in runs)
+    worst = max(runs, key=lambda r: r.ms)
+    return (
+        f"  {name}: median {statistics.median(each):.1f} ms, max {each[-1]:.1f} ms "
+        f"({', '.join(f'{x:.0f}' for x in each)}); {statistics.median(r.took_s for r in runs):.2f} s; "
+        f"longest: {worst.cpu_ms:.1f} ms on CPU, {worst.runq_ms:.1f} ms waiting for one"
+    )
+
+
 async def lag_probe(stop: asyncio.Event, out: list[tuple[float, float, float]], period: float = 0.001) -> None:
     """How late the loop wakes a 1 ms sleeper: the longest value is the longest stall."""
     while not stop.is_set():
@@ -227,13 +238,7 @@ def main() -> None:
             print(f"{args.records} records of {args.tokens} tokens concurrently, {args.stall_reps} reps each:")
             print("  longest event-loop stall (median, max, each), wall time; the longest's loop CPU / run-queue ms")
             for name, runs in stalls(server.url, args.records, args.threads, args.stall_reps).items():
-                each = sorted(r.ms for r in runs)
-                worst = max(runs, key=lambda r: r.ms)
-                print(
-                    f"  {name}: median {statistics.median(each):.1f} ms, max {each[-1]:.1f} ms "
-                    f"({', '.join(f'{x:.0f}' for x in each)}); {statistics.median(r.took_s for r in runs):.2f} s; "
-                    f"longest: {worst.cpu_ms:.1f} ms on CPU, {worst.runq_ms:.1f} ms waiting for one"
-                )
+                print(stall_summary(name, runs))
             print(f"load average (1 min) before the stalls {load:.2f}, after {os.getloadavg()[0]:.2f}")
     for tokens, size, rows in pickle_sizes():
         print(f"pointer ref at {tokens} tokens: pickle {size} B; its rows {rows / 1e6:.1f} MB uint8")
