@@ -173,13 +173,13 @@ def stalls(url: str, n: int, threads: int | None, reps: int) -> dict[str, list[S
             await afetch_many(refs[:2], pool=pool)
             for _ in range(reps):
                 out.setdefault(CONTROL, []).append(await stall_during(lambda: asyncio.sleep(1.0)))
-                out.setdefault("AsyncRoutedExpertsClient.get x64 (gather)", []).append(
+                out.setdefault(f"AsyncRoutedExpertsClient.get x{n} (gather)", []).append(
                     await stall_during(lambda: asyncio.gather(*(ac.get(r) for r in rids)))
                 )
-                out.setdefault("AsyncRoutedExpertsClient(coalesce=False).get x64 (gather): 64 requests", []).append(
+                out.setdefault(f"AsyncRoutedExpertsClient(coalesce=False).get x{n} (gather): {n} requests", []).append(
                     await stall_during(lambda: asyncio.gather(*(apart.get(r) for r in rids)))
                 )
-                out.setdefault("afetch_many(64 refs): one batch", []).append(
+                out.setdefault(f"afetch_many({n} refs): one batch", []).append(
                     await stall_during(lambda: afetch_many(refs, pool=pool))
                 )
         with RoutedExpertsClient(url) as sc:
@@ -188,7 +188,7 @@ def stalls(url: str, n: int, threads: int | None, reps: int) -> dict[str, list[S
             async def blocking() -> list[object]:
                 return [sc.get(r) for r in rids]
 
-            out["baseline: blocking client.get x64 on the loop"] = [await stall_during(blocking)]
+            out[f"baseline: blocking client.get x{n} on the loop"] = [await stall_during(blocking)]
 
     asyncio.run(main())
     return out
