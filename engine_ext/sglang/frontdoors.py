@@ -64,15 +64,24 @@ def delivery_report(configured: Mode, unreachable: str | None) -> dict[str, str 
 def pointer_rids(rids: list[str], asked: list[bool], inline: list[object] | None, mode: Mode) -> frozenset[str]:
     """The rids of one batch of outputs whose responses get `routed_experts_url`.
 
-    Those that asked for routed experts (`asked`), except, in sidecar mode, those that carry SGLang's inline
-    payload: sidecar mode drops the payload only once the spool has accepted the rows, so an output that still
-    has it is one the spool refused (full, writer queue full, not writable), whose pointer could only answer
-    404 after the trainer's whole `wait`. Its rows are in the response instead. Mirror mode keeps both.
+    Those that asked for routed experts (`asked`), except `refused_rids`: their pointer could only answer 404
+    after the trainer's whole `wait`, and their rows are in the response instead. Mirror mode keeps both.
     """
-    refused = [False] * len(rids)
-    if mode is Mode.SIDECAR and inline:
-        refused = [i < len(inline) and inline[i] is not None for i in range(len(rids))]
-    return frozenset(rid for rid, wants, kept in zip(rids, asked, refused, strict=True) if wants and not kept)
+    refused = refused_rids(rids, asked, inline, mode)
+    return frozenset(rid for rid, wants in zip(rids, asked, strict=True) if wants and rid not in refused)
+
+
+def refused_rids(rids: list[str], asked: list[bool], inline: list[object] | None, mode: Mode) -> frozenset[str]:
+    """The rids of one batch whose rows the spool refused, in sidecar mode: those that asked and still carry
+    SGLang's inline payload (sidecar mode drops it only once the spool has accepted the rows: full, writer
+    queue full, not writable)."""
+    if mode is not Mode.SIDECAR or not inline:
+        return frozenset()
+    return frozenset(
+        rid
+        for i, (rid, wants) in enumerate(zip(rids, asked, strict=True))
+        if wants and i < len(inline) and inline[i] is not None
+    )
 
 
 # ---- the OpenAI-compatible endpoints: `sglext.routed_experts_url(s)` ------------------------------

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from engine_ext.core.pointed import Pointed
+from engine_ext.core.promised import Promised
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.sglang import capturer, compat, frontdoors, slicing, timers
@@ -828,7 +828,7 @@ def _forward_end_rows(original, self, params: dict):
 # ---- delivery, main process: the pointer ---------------------------------------------------------------
 
 _pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids", default=None)
-POINTED = Pointed()
+PROMISED = Promised()
 
 
 async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
@@ -844,7 +844,11 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
             for rid in rids
         ]
         mode = settings.mode if settings is not None else Mode.OFF
-        wanted = frontdoors.pointer_rids(rids, asked, getattr(recv_obj, "routed_experts", None), mode)
+        inline = getattr(recv_obj, "routed_experts", None)
+        wanted = frontdoors.pointer_rids(rids, asked, inline, mode)
+        if settings is not None and settings.sidecar_url:  # their `error` records, for the shutdown wait
+            for rid in frontdoors.refused_rids(rids, asked, inline, mode):
+                PROMISED.add(rid)
     token = _pointer_rids.set(wanted)
     try:
         return await original(self, recv_obj, *args, **kwargs)
@@ -862,7 +866,7 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
         with Contained("pointer"):
             meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
-            POINTED.add(rid)
+            PROMISED.add(rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
 
 
@@ -882,17 +886,18 @@ async def _around_wait_one_response(original, self, obj, *args, **kwargs):
                 refused = settings.mode is Mode.SIDECAR and meta is not None and "routed_experts" in meta
                 if rid is not None and not refused:
                     meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
-                    POINTED.add(rid)
+                if rid is not None:  # a pointer's record, or the refused rows' `error` record
+                    PROMISED.add(rid)
         yield out
 
 
 def _around_engine_shutdown(original, self, *args, **kwargs):
     """`sglang.Engine.shutdown` kills the scheduler (SIGKILL): first let the records that this process's responses
-    point to become final, for at most `R3_SHUTDOWN_WAIT_S` (`core.pointed`)."""
+    promised become final, for at most `R3_SHUTDOWN_WAIT_S` (`core.promised`)."""
     settings = PROCESS.settings
     if settings is not None and settings.sidecar_url and settings.mode is not Mode.OFF:
         with Contained("shutdown"):
-            POINTED.settle(settings.spool_dir, settings.shutdown_wait_s)
+            PROMISED.settle(settings.spool_dir, settings.shutdown_wait_s)
     return original(self, *args, **kwargs)
 
 

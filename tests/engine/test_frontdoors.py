@@ -12,6 +12,7 @@ from engine_ext.sglang.frontdoors import (
     layout_refusal,
     pointer_rids,
     pointer_unreachable,
+    refused_rids,
     sglext_pointer,
 )
 
@@ -89,3 +90,6 @@ def test_pointer_only_for_rows_the_spool_took():
     assert pointer_rids(rids, asked, inline, Mode.SIDECAR) == {"a", "d"}
     assert pointer_rids(rids, asked, inline, Mode.MIRROR) == {"a", "b", "d"}  # mirror keeps rows and pointer
     assert pointer_rids(rids, asked, None, Mode.SIDECAR) == {"a", "b", "d"}  # no output carries rows
+    assert refused_rids(rids, asked, inline, Mode.SIDECAR) == {"b"}  # its `error` record, for the shutdown wait
+    assert refused_rids(rids, asked, ["x", "x", "x", None], Mode.SIDECAR) == {"a", "b"}  # c did not ask
+    assert refused_rids(rids, asked, inline, Mode.MIRROR) == frozenset()

@@ -1,13 +1,14 @@
-"""`core.pointed`: at an offline engine's shutdown, wait (bounded) for the records responses pointed to."""
+"""`core.promised`: at an offline engine's shutdown, wait (bounded) for the records responses promised."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
 from engine_ext.core.bounded_rids import BoundedRids
-from engine_ext.core.pointed import Pointed
+from engine_ext.core.promised import Promised
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
 
 
@@ -17,7 +18,7 @@ def _spec(rid: str) -> RecordSpec:
 
 def test_settle_waits_for_records_finalized_after_the_call(tmp_path):
     writer = SpoolWriter(tmp_path, engine="t/dp0").start()
-    pointed = Pointed()
+    pointed = Promised()
     try:
         writer.submit(Op("a", spec=_spec("a")))  # open, not final: the response went out before the rows
         assert writer.flush()
@@ -41,7 +42,7 @@ def test_settle_waits_for_records_finalized_after_the_call(tmp_path):
 
 def test_settle_gives_up_after_its_timeout_and_names_what_stayed_open(tmp_path, caplog):
     writer = SpoolWriter(tmp_path, engine="t/dp0").start()
-    pointed = Pointed()
+    pointed = Promised()
     try:
         writer.submit(Op("open", spec=_spec("open")))
         writer.submit(Op("done", spec=_spec("done"), rows=np.ones((1, 2, 2), np.uint8), status="ok"))
@@ -56,7 +57,7 @@ def test_settle_gives_up_after_its_timeout_and_names_what_stayed_open(tmp_path, 
 
 
 def test_only_the_newest_pointers_are_remembered(tmp_path):
-    pointed = Pointed(limit=3)
+    pointed = Promised(limit=3)
     for rid in "abcde":
         pointed.add(rid)
     assert pointed.settle(tmp_path, timeout_s=0) == ["c", "d", "e"]
@@ -71,3 +72,12 @@ def test_bounded_rids_take_once_and_forget_the_oldest() -> None:
     rids.add("c")  # forgets b, not a
     assert rids.snapshot() == ["a", "c"]
     assert rids.take("a") and not rids.take("a") and not rids.take("b")
+
+
+def test_settle_gives_up_at_once_where_no_record_can_be_written(tmp_path):
+    """No spool directory to write to: the writer refuses every record, so the shutdown does not wait for one."""
+    promised = Promised()
+    promised.add("refused")
+    started = time.monotonic()
+    assert promised.settle(tmp_path / "never-created", timeout_s=5) == ["refused"]
+    assert time.monotonic() - started < 1
