@@ -1,7 +1,8 @@
 """A bounded, thread-safe, ordered set of request ids: the oldest is forgotten first.
 
-Why: both engines remember, for a while, which requests got a pointer (SGLang, to settle them at shutdown;
-vLLM, until the response builder attaches it); neither may grow without bound on a server that runs for weeks.
+Why: both engines remember requests for a while (SGLang: those whose response promised a record, to settle at
+shutdown; vLLM: those spooled, until the response builder attaches their pointer); neither may grow without
+bound on a server that runs for weeks.
 """
 
 from __future__ import annotations
