@@ -33,7 +33,9 @@ from service.responses import vllm_choice_rid
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)]
 
 LONG = "".join(chr(ord("a") + (i * 7) % 26) for i in range(300))  # 300 byte tokens: two full 128-token blocks
-LONG_DECODE = 960  # tokens: more than a few hundred ms of decode, within max_model_len 1024
+MAX_MODEL_LEN = 16384
+LONG_DECODE = 16000  # tokens: the abort lands mid-decode even where vLLM decodes this model 100x faster than here
+ABORT_AFTER = 8  # tokens vLLM reports decoded before the abort is sent
 GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 PREFIX_HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
@@ -51,17 +53,22 @@ def _generated(server: VllmServer) -> float:
 def _abort(server: VllmServer) -> dict[str, Any]:
     """A long request aborted through vLLM's own endpoint (by its external id) once it has decoded a few
     tokens: the abort waits on vLLM's own token counter, not on a clock, so a fast or a loaded machine alike
-    aborts it mid-decode."""
+    aborts it mid-decode. The response gains `seen_before_abort`, what the counter said when the abort went."""
     before = _generated(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(server.completion, "Abort me, please", rid="abort", max_tokens=LONG_DECODE)
         deadline = time.monotonic() + 120
-        while _generated(server) - before < 24 and not pending.done() and time.monotonic() < deadline:
+        seen = 0.0
+        while seen < ABORT_AFTER and not pending.done() and time.monotonic() < deadline:
             time.sleep(0.01)
+            seen = _generated(server) - before
         httpx.post(
             f"{server.url}/inference/v1/abort_requests", json={"request_ids": ["cmpl-abort-0"]}, timeout=10
         ).raise_for_status()
-        return pending.result(timeout=120)
+        try:
+            return pending.result(timeout=120) | {"seen_before_abort": seen}
+        except concurrent.futures.TimeoutError:
+            pytest.fail(f"{server.name}: the aborted request still runs 120 s on ({seen} tokens when it was aborted)")
 
 
 def _hang_up(server: VllmServer) -> None:
@@ -140,7 +147,9 @@ def runs(
         ("mirror", True, {"R3_MODE": "mirror", "R3_ENGINE_ID": "mirror"}, True),
         ("sidecar", True, {"R3_MODE": "sidecar", "R3_ENGINE_ID": "side"}, True),
     ):
-        server = vllm_server.start(root / name, model, name=name, plugin=plugin, env=env, sidecar=sidecar)
+        server = vllm_server.start(
+            root / name, model, name=name, plugin=plugin, env=env, sidecar=sidecar, max_model_len=MAX_MODEL_LEN
+        )
         try:
             out[name] = (server, workload(server))
             if name != "sidecar":
@@ -223,7 +232,8 @@ def test_aborted_requests_keep_their_rows(runs: dict) -> None:
         server, results = runs[mode]
         choice = results["abort"]["choices"][0]
         usage = results["abort"]["usage"]
-        assert choice["finish_reason"] == "abort", mode
+        seen = results["abort"]["seen_before_abort"]
+        assert choice["finish_reason"] == "abort", (mode, f"{seen} tokens decoded when the abort was sent", usage)
         meta, rows = server.record("cmpl-abort-0")
         assert meta.status == "aborted" and meta.rows == usage["prompt_tokens"] + usage["completion_tokens"] - 1
         if mode == "mirror":

@@ -133,6 +133,7 @@ def start(
     env: dict[str, str] | None = None,
     sidecar: bool = False,
     capture: bool = True,
+    max_model_len: int = 1024,
     args: tuple[str, ...] = (),
 ) -> VllmServer:
     """Start a vLLM server under `workdir` (and `r3-sidecar serve` on its spool); raise with the log tail.
@@ -165,7 +166,7 @@ def start(
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model_dir), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)),
-        *("--enforce-eager", "--max-model-len", "1024"),
+        *("--enforce-eager", "--max-model-len", str(max_model_len)),
         *(("--enable-return-routed-experts",) if capture else ()),
         *("--dtype", "bfloat16", "--seed", "0", "--enable-scale-out", *args),
     ]

@@ -61,7 +61,7 @@ def write_model(out: Path, *, layers: int = 4, experts: int = 16, topk: int = 4,
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    hidden, heads, kv_heads, head_dim, inter, max_pos = 64, 4, 2, 32, 32, 2048
+    hidden, heads, kv_heads, head_dim, inter, max_pos = 64, 4, 2, 32, 32, 32768
     vocab = write_tokenizer(out, max_pos)
     config = {
         "architectures": ["Qwen3MoeForCausalLM"],
