@@ -61,20 +61,19 @@ def delivery_report(configured: Mode, unreachable: str | None) -> dict[str, str 
     }
 
 
-def pointer_rids(rids: list[str], asked: list[bool], inline: list[object] | None, mode: Mode) -> frozenset[str]:
+def pointer_rids(rids: list[str], asked: list[bool], refused: frozenset[str]) -> frozenset[str]:
     """The rids of one batch of outputs whose responses get `routed_experts_url`.
 
-    Those that asked for routed experts (`asked`), except `refused_rids`: their pointer could only answer 404
-    after the trainer's whole `wait`, and their rows are in the response instead. Mirror mode keeps both.
+    Those that asked for routed experts (`asked`), except the `refused` ones (`refused_rids`): their pointer
+    could only answer 404 after the trainer's whole `wait`, and their rows are in the response instead.
     """
-    refused = refused_rids(rids, asked, inline, mode)
     return frozenset(rid for rid, wants in zip(rids, asked, strict=True) if wants and rid not in refused)
 
 
 def refused_rids(rids: list[str], asked: list[bool], inline: list[object] | None, mode: Mode) -> frozenset[str]:
     """The rids of one batch whose rows the spool refused, in sidecar mode: those that asked and still carry
     SGLang's inline payload (sidecar mode drops it only once the spool has accepted the rows: full, writer
-    queue full, not writable)."""
+    queue full, not writable). Mirror mode keeps both rows and pointer: none is refused."""
     if mode is not Mode.SIDECAR or not inline:
         return frozenset()
     return frozenset(

@@ -845,9 +845,10 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
         ]
         mode = settings.mode if settings is not None else Mode.OFF
         inline = getattr(recv_obj, "routed_experts", None)
-        wanted = frontdoors.pointer_rids(rids, asked, inline, mode)
+        refused = frontdoors.refused_rids(rids, asked, inline, mode)
+        wanted = frontdoors.pointer_rids(rids, asked, refused)
         if settings is not None and settings.sidecar_url:  # their `error` records, for the shutdown wait
-            for rid in frontdoors.refused_rids(rids, asked, inline, mode):
+            for rid in refused:
                 PROMISED.add(rid)
     token = _pointer_rids.set(wanted)
     try:

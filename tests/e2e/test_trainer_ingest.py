@@ -216,7 +216,7 @@ def test_verl_resume_loop_concatenates_to_the_uninterrupted_rows(served):
     """verl 0.9.1 `FullyAsyncLLMServerClient.generate` (llm_server.py:225-352; concatenation at :308-313)."""
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 
-    stack, total = served["stack"], 400  # as test_sglang_plain's resume: still decoding when the abort lands
+    stack, total = served["stack"], 1200  # as test_sglang_plain's resume: still decoding when the abort lands
     ids = prompt(30, 9)
     params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
     whole = stack.generate(ids, rid="ingest-verl-whole", return_routed_experts=True, sampling_params=params)

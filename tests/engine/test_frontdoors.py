@@ -87,9 +87,9 @@ def test_pointer_only_for_rows_the_spool_took():
     """Sidecar mode: an output that still carries SGLang's payload was refused by the spool: rows, no pointer."""
     rids, asked = ["a", "b", "c", "d"], [True, True, False, True]
     inline = [None, "AAAA", None, None]
-    assert pointer_rids(rids, asked, inline, Mode.SIDECAR) == {"a", "d"}
-    assert pointer_rids(rids, asked, inline, Mode.MIRROR) == {"a", "b", "d"}  # mirror keeps rows and pointer
-    assert pointer_rids(rids, asked, None, Mode.SIDECAR) == {"a", "b", "d"}  # no output carries rows
+    assert pointer_rids(rids, asked, refused_rids(rids, asked, inline, Mode.SIDECAR)) == {"a", "d"}
+    assert pointer_rids(rids, asked, refused_rids(rids, asked, inline, Mode.MIRROR)) == {"a", "b", "d"}  # both
+    assert pointer_rids(rids, asked, refused_rids(rids, asked, None, Mode.SIDECAR)) == {"a", "b", "d"}  # no rows
     assert refused_rids(rids, asked, inline, Mode.SIDECAR) == {"b"}  # its `error` record, for the shutdown wait
     assert refused_rids(rids, asked, ["x", "x", "x", None], Mode.SIDECAR) == {"a", "b"}  # c did not ask
     assert refused_rids(rids, asked, inline, Mode.MIRROR) == frozenset()
