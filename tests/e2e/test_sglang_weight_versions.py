@@ -3,7 +3,8 @@
 Launched with `--weight-version v0`, mirror mode (SGLang's inline rows and its own `meta_info` spans beside
 each record). An update between requests (`/update_weight_version`, SGLang's endpoint for a version change
 without new weights; `update_weights_from_*` take the same path in the scheduler, `record_weight_version_change`)
-changes the next record's version. A request that spans an update records the position where the version
+changes the next record's version. A request that spans an update (one that does not abort the running
+requests, `abort_all_requests: false`) records the position where the version
 changed, the same boundary as SGLang's own `meta_info["weight_versions"]` (spans over output tokens), on
 both delivery paths (finish-time and live rows), and the sidecar serves it in headers and frames.
 """
@@ -29,8 +30,10 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
 
 
-def set_version(stack: Stack, version: str) -> None:
-    response = httpx.post(f"{stack.url}/update_weight_version", json={"new_version": version}, timeout=30)
+def set_version(stack: Stack, version: str, *, abort_all: bool = True) -> None:
+    """SGLang's endpoint aborts every running request first unless told not to (`abort_all_requests`)."""
+    body = {"new_version": version, "abort_all_requests": abort_all}
+    response = httpx.post(f"{stack.url}/update_weight_version", json=body, timeout=30)
     response.raise_for_status()
     assert response.json()["success"], response.text
 
@@ -62,15 +65,15 @@ def test_update_between_requests_changes_the_recorded_version(stack: Stack) -> N
         assert framed.weight_version == "v0"
 
 
-def test_a_request_spanning_an_update_records_where_the_version_changed(stack: Stack) -> None:
-    """Two requests decode while the version changes: one delivered at finish, one as live rows."""
-    ids = {"wv-span": prompt(20, 3), "wv-span-live": prompt(24, 4)}
-    live = {"wv-span": False, "wv-span-live": True}
+def decode_across_update(stack: Stack, tag: str, version: str, *, abort_all: bool) -> dict[str, tuple[list, dict]]:
+    """Two requests decode while the version changes, one delivered at finish, one as live rows; by rid, its
+    prompt and SGLang's response."""
+    ids = {f"wv-{tag}": prompt(20, 3), f"wv-{tag}-live": prompt(24, 4)}
     results: dict[str, dict] = {}
 
     def send(rid: str) -> None:
         params = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True, "custom_params": {}}
-        params["custom_params"]["r3_live_rows"] = live[rid]
+        params["custom_params"]["r3_live_rows"] = rid.endswith("-live")
         response = httpx.post(
             f"{stack.url}/generate",
             json={"input_ids": ids[rid], "sampling_params": params, "return_routed_experts": True, "rid": rid},
@@ -83,20 +86,25 @@ def test_a_request_spanning_an_update_records_where_the_version_changed(stack: S
         thread.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # both requests are decoding: the live record has rows past its prompt
-        meta, _ = stack.record("wv-span-live")
-        if meta is not None and meta.end > len(ids["wv-span-live"]) + 5:
+        meta, _ = stack.record(f"wv-{tag}-live")
+        if meta is not None and meta.end > len(ids[f"wv-{tag}-live"]) + 5:
             break
         time.sleep(0.05)
-    set_version(stack, "v2")
+    set_version(stack, version, abort_all=abort_all)
     for thread in threads:
         thread.join(300)
+    return {rid: (ids[rid], results[rid]) for rid in ids}
 
+
+def test_a_request_spanning_an_update_records_where_the_version_changed(stack: Stack) -> None:
+    """An update that lets the running requests decode on: both records say where the version changed."""
     with RoutedExpertsClient(stack.sidecar_url) as client:
-        for rid, response in results.items():
+        for rid, (ids, response) in decode_across_update(stack, "span", "v2", abort_all=False).items():
             spans = response["meta_info"]["weight_versions"]
+            assert response["meta_info"]["finish_reason"]["type"] == "length", response["meta_info"]  # decoded on
             assert len(spans) == 2 and spans[-1]["version"] == "v2", spans  # SGLang's own account: it spanned
             meta, rows = stack.final_record(rid)
-            want = expected_positions(spans, len(ids[rid]))
+            want = expected_positions(spans, len(ids))
             assert meta.weight_version == "v2"
             assert [list(p) for p in meta.weight_versions] == want
             assert 0 < want[1][0] < meta.end
@@ -110,3 +118,17 @@ def test_a_request_spanning_an_update_records_where_the_version_changed(stack: S
             assert [list(p) for p in served.weight_versions] == want
             (framed,) = client.get_many([rid])
             assert [list(p) for p in framed.weight_versions] == want
+
+
+def test_an_update_that_aborts_the_running_requests_records_what_sglang_reports(stack: Stack) -> None:
+    """SGLang's default update aborts every running request first, and a request can finish before the change
+    is recorded (one span, the old version) or after it (two spans): each record says what SGLang's own
+    `meta_info` says, either way."""
+    for rid, (ids, response) in decode_across_update(stack, "aborted", "v3", abort_all=True).items():
+        spans = response["meta_info"]["weight_versions"]
+        assert response["meta_info"]["finish_reason"]["type"] == "abort", response["meta_info"]
+        meta, rows = stack.final_record(rid)
+        assert meta.status == "aborted" and meta.weight_version == spans[-1]["version"], (spans, meta)
+        want = expected_positions(spans, len(ids)) if len(spans) > 1 else []
+        assert [list(p) for p in meta.weight_versions] == want
+        np.testing.assert_array_equal(rows, stack.inline_rows(response)[:, list(meta.layers)])
