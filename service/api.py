@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Query, Request, Security
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StringConstraints
@@ -33,7 +33,7 @@ from service.frames import FRAMES_MEDIA_TYPE
 from service.metrics import Metrics
 from service.openapi import BINARY, SERVER_400, TEXT, Engines, Health, errors, record_responses
 from service.record_meta import SpoolFormatError
-from service.records import MAX_RID_CHARS, counted
+from service.records import MAX_RID_CHARS, CountedResponse, counted
 from service.settings import Settings
 from service.spool import Spool
 from service.store import Store
@@ -103,7 +103,7 @@ def batch_request_model(settings: Settings) -> type[BaseModel]:
 # ---- routes -----------------------------------------------------------------------------------
 # (No docstrings on routes: FastAPI would publish them as the schema's descriptions.)
 # `POST /routed_experts/batch`: parse the shared `layers`, then one frame per rid (`service.batch`).
-async def batch(request: Any, store: StoreDep, metrics: MetricsDep) -> StreamingResponse:
+async def batch(request: Any, store: StoreDep, metrics: MetricsDep) -> CountedResponse:
     fetch = metrics.fetch("batch")
     try:
         if isinstance(request.layers, str):
@@ -118,7 +118,7 @@ async def batch(request: Any, store: StoreDep, metrics: MetricsDep) -> Streaming
         raise ApiError(422, "invalid_layers", str(exc)) from None
     deadline = store.deadline_clock() + request.wait
     body = counted(batch_frames(store, request, items, deadline, fetch), fetch)
-    return StreamingResponse(body, media_type=FRAMES_MEDIA_TYPE)
+    return CountedResponse(body, media_type=FRAMES_MEDIA_TYPE)
 
 
 # `GET /routed_experts/{rid}`: a whole record (`service.fetch`) or its rows as they arrive (`service.stream`).

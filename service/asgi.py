@@ -52,7 +52,7 @@ class BodyLimit:
 
 
 class ClientGone(OSError):
-    """The client closed its connection while its answer was being sent."""
+    """The client closed its connection, or stopped reading, while its answer was being sent."""
 
 
 class SidecarApp(FastAPI):
@@ -108,13 +108,13 @@ class SidecarApp(FastAPI):
                 finally:
                     sending_since = None
             if aborted:
-                raise OSError(f"client read nothing for {timeout}s; connection closed")
+                raise ClientGone(f"client read nothing for {timeout}s; connection closed")
 
         watchdog = loop.call_later(timeout, watch)
         try:
             await super().__call__(scope, receive, watched_send)
         except ClientGone:
-            pass  # nobody to answer, nothing wrong with the server: no traceback in the log
+            pass  # nobody to answer, nothing wrong with the server: no traceback in the log (counted 499)
         finally:
             watchdog.cancel()
 

@@ -5,11 +5,12 @@ enough); after them the body streams from the spool through the pure encoders of
 """
 
 import numpy as np
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from service import formats
 from service.metrics import Fetch
 from service.records import (
+    CountedResponse,
     counted,
     gone,
     missing,
@@ -69,4 +70,4 @@ async def fetch_record(
     if length is not None:
         headers["Content-Length"] = str(length)
     body = counted(body, fetch, ok=(200, meta.status), bin_file=bin_file)
-    return StreamingResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)
+    return CountedResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)

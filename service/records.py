@@ -12,6 +12,8 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from service import formats
 from service.errors import ApiError
@@ -265,6 +267,21 @@ async def counted(
         if outcome is not None:
             fetch.count(*outcome)
         fetch.finish(sent)
+
+
+class CountedResponse(StreamingResponse):
+    """A streamed answer whose body generator is closed the moment the answer ends, however it ends.
+
+    Starlette leaves a body generator suspended when `send` fails (the client left, or the send timeout cut
+    it off); it is closed only when the garbage collector reaches it, and `counted` accounts the answer in
+    its `finally`. Closing it here makes the 499 (and the `.bin`'s close) prompt, not a matter of GC timing.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 # ---- POST /routed_experts/batch (registered first: `{rid:path}` would also match "batch") ---

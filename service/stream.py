@@ -8,7 +8,7 @@ its own frame; read here alone, every transition is in one function.
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from service import formats
 from service.errors import ApiError
@@ -17,6 +17,7 @@ from service.metrics import Fetch
 from service.record_meta import RecordMeta
 from service.records import (
     RESTARTED_DETAIL,
+    CountedResponse,
     counted,
     empty_frame,
     gone,
@@ -76,7 +77,7 @@ async def stream_record(
     shape = (max(0, meta.rows - (lo - meta.start)), len(out_layers), meta.topk)
     headers = ok_headers(meta, meta.dtype, shape, lo, out_layers, final=meta.final)
     body = counted(stream_frames(store, plan, fetch), fetch)
-    return StreamingResponse(body, media_type=FRAMES_MEDIA_TYPE, headers=headers)
+    return CountedResponse(body, media_type=FRAMES_MEDIA_TYPE, headers=headers)
 
 
 async def stream_frames(store: Store, plan: StreamPlan, fetch: Fetch) -> AsyncIterator[bytes]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -15,6 +16,16 @@ from helpers import live_server
 
 from service.settings import Settings
 from service.spool import Spool
+
+
+@pytest.fixture
+def gc_off() -> Iterator[None]:
+    """The garbage collector off for the test: what must happen promptly may not wait for a collection."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.fixture
