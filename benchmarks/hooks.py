@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.hooks            # ~2 minutes; benchmarks/out/hooks.json and a table
     .venv/bin/python -m benchmarks.hooks --quick    # fewer shapes and repeats
+    python3 -m benchmarks.hooks --device cuda       # the capturer and its tensors on a GPU (see BENCHMARKS.md)
 
 Each variant runs in its own interpreter, because `HookRegistry` patches SGLang's classes in place:
 `upstream` (no plugin hook: only a `_forward_raw` stand-in through the same registry), `timers_on` (the
@@ -60,10 +61,19 @@ def _model_dir(tmp: Path, layers: int) -> Path:
     return path
 
 
+def _no_sync() -> None:
+    return None
+
+
+_SYNC = [_no_sync]  # on CUDA, `torch.cuda.synchronize`: a block's time then includes the kernels it queued
+
+
 def _block_ns(fn, number: int) -> float:
+    _SYNC[0]()
     t0 = time.perf_counter_ns()
     for _ in range(number):
         fn()
+    _SYNC[0]()
     return (time.perf_counter_ns() - t0) / number
 
 
@@ -120,7 +130,9 @@ def _variants(before: str | None) -> dict[str, dict[tuple[type, str], Any]]:
     return out
 
 
-def one_shape(variants: dict, layers: int, dp: int, kind: str, tokens: int, rounds: int) -> dict[str, Any]:
+def one_shape(
+    variants: dict, layers: int, dp: int, kind: str, tokens: int, rounds: int, device: str = "cpu"
+) -> dict[str, Any]:
     """One shape: a fresh published config, capturer and batch; the variants interleaved, least of `rounds`."""
     import torch
     from sglang.srt.configs.model_config import ModelConfig
@@ -149,7 +161,7 @@ def one_shape(variants: dict, layers: int, dp: int, kind: str, tokens: int, roun
         model_config=model_config,
         num_tokens=8192,
         max_running_requests=512,
-        device="cpu",
+        device=device,
     )
     set_global_experts_capturer(cap)
     runner = ModelRunner.__new__(ModelRunner)
@@ -158,14 +170,14 @@ def one_shape(variants: dict, layers: int, dp: int, kind: str, tokens: int, roun
     fb = ForwardBatch(
         forward_mode=mode,
         batch_size=tokens if kind == "decode" else 1,
-        input_ids=torch.zeros(tokens, dtype=torch.int64),
-        req_pool_indices=torch.zeros(1, dtype=torch.int64),
-        seq_lens=torch.ones(1, dtype=torch.int64),
-        out_cache_loc=torch.arange(tokens, dtype=torch.int64),
+        input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+        req_pool_indices=torch.zeros(1, dtype=torch.int64, device=device),
+        seq_lens=torch.ones(1, dtype=torch.int64, device=device),
+        out_cache_loc=torch.arange(tokens, dtype=torch.int64, device=device),
         seq_lens_sum=tokens,
     )
     fb.global_num_tokens_cpu = [tokens] * dp if dp > 1 else None
-    topk = torch.randint(0, 128, (gathered, 8), dtype=torch.int32)
+    topk = torch.randint(0, 128, (gathered, 8), dtype=torch.int32, device=device)
     config = TopKConfig(top_k=8)
 
     def extent() -> None:
@@ -226,7 +238,7 @@ def _per_layer_hook_ns(variants: dict, cap, topk, rounds: int) -> dict[str, floa
     return out
 
 
-def child(repeats: int, quick: bool, before: str | None) -> list[dict[str, Any]]:
+def child(repeats: int, quick: bool, before: str | None, device: str = "cpu") -> list[dict[str, Any]]:
     """Every shape, every variant, in this (fresh) process."""
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
     import torch
@@ -234,12 +246,19 @@ def child(repeats: int, quick: bool, before: str | None) -> list[dict[str, Any]]
 
     cpu_workarounds()
     torch.set_num_threads(1)
+    if device == "cuda":
+        from sglang.srt.mem_cache.pool_host import common as host_common
+
+        # The host cache unregistered, as on the CPU: no timed part touches it (overlap mode's forward end
+        # hands back device clones), and registering the benchmark's large one failed on the lent GPU (712).
+        host_common.ALLOC_MEMORY_FUNCS["cuda"] = host_common.ALLOC_MEMORY_FUNCS["cpu"]
+        _SYNC[0] = torch.cuda.synchronize
     variants = _variants(before)
     rows = []
     for layers in LAYERS[-1:] if quick else LAYERS:
         for dp, kind, tokens in SHAPES[::3] if quick else SHAPES:
             row = {"layers": layers, "dp": dp, "kind": kind, "tokens": tokens}
-            rows.append(row | one_shape(variants, layers, dp, kind, tokens, repeats))
+            rows.append(row | one_shape(variants, layers, dp, kind, tokens, repeats, device))
             print(f"{row}", file=sys.stderr, flush=True)
     return rows
 
@@ -340,6 +359,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--device", default="cpu", help="where the capturer and its tensors live: cpu or cuda")
     ap.add_argument("--before", type=Path, help="also time the plugin tree at this path (e.g. a `git archive`)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--render", type=Path, help="no run: print the table of a saved results file")
@@ -349,12 +369,13 @@ def main() -> None:
         print(render(json.loads(args.render.read_text())))
         return
     if args.child:
-        print(json.dumps(child(args.rounds, args.quick, before)))
+        print(json.dumps(child(args.rounds, args.quick, before, args.device)))
         return
     flags = [
         "--rounds",
         str(args.rounds),
         *(["--quick"] if args.quick else []),
+        *(["--device", args.device] if args.device != "cpu" else []),
         *(["--before", before] if before else []),
     ]
     results: dict[str, Any] = {"timer_cost": timer_cost_ns(7), "environment": environment(), "rows": run_child(*flags)}

@@ -93,6 +93,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "sglang": sglang.__version__,
         "kernel": platform.release(),
         "commit": subprocess.run(

@@ -192,8 +192,12 @@ def _synthetic_forward_raw(runner, forward_batch, pp_proxy_tensors=None, *args, 
     if case.graph != "decode":  # _prepare_eager_forward_batch → prepare_mlp_sync_batch
         forward_batch.global_num_tokens_padded_cpu = case.padded if len(case.raw) > 1 else None
         forward_batch.global_num_tokens_cpu = case.padded if len(case.raw) > 1 else None
-    for layer in range(LAYERS):
-        capture_routed_experts_if_allowed(TopKConfig(top_k=TOPK), layer, _CURRENT["topk"][layer])
+    graph = _CURRENT.get("graph")
+    if graph is not None:  # a CUDA graph of the loop below (`test_capture_graph_cuda`): a replay runs no Python
+        graph.replay()
+    else:
+        for layer in range(LAYERS):
+            capture_routed_experts_if_allowed(TopKConfig(top_k=TOPK), layer, _CURRENT["topk"][layer])
     if case.graph == "decode":
         runner.decode_cuda_graph_runner.bs = case.graph_bs  # set by the replay (`load_batch`)
     return ModelRunnerOutput(logits_output=None, can_run_graph=case.graph != "eager")
