@@ -1,10 +1,10 @@
-"""Import SGLang 0.5.23 with CUDA visible but without its CUDA kernel packages (`sgl_kernel`, `flashinfer`, ...).
+"""Import SGLang 0.5.23 with CUDA visible but without its CUDA kernel package `sgl_kernel`.
 
 On a GPU machine with PyTorch but no SGLang wheels of its own (the device machine this workplace lends: no
-network, 64 MiB of carry, while `sgl_kernel` alone is hundreds of MB), SGLang's modules take their CUDA
-branches and import names from those packages at module level. The capture path under test never calls
-them, so each missing package resolves to a placeholder module: every name in it imports, and any call
-raises `NotImplementedError`, so no result can rest on one. A package that is installed is used as is.
+network, 64 MiB of carry, while `sgl_kernel` is hundreds of MB and must match the image's torch), SGLang's
+modules take their CUDA branches and import names from it at module level. The capture path under test
+never calls them, so the missing package resolves to a placeholder module: every name in it imports, and
+any call raises `NotImplementedError`, so no result can rest on one. An installed `sgl_kernel` is used as is.
 On `PYTHONPATH`, Python imports this file at start (child interpreters too).
 """
 
@@ -13,9 +13,9 @@ import importlib.machinery
 import sys
 import types
 
-PACKAGES = frozenset(
-    {"sgl_kernel", "flashinfer", "deep_gemm", "deep_ep", "flash_attn", "triton_kernels", "cuda", "quack"}
-)
+# SGLang 0.5.23 imports `sgl_kernel` unguarded once CUDA is visible; its other kernel packages (flashinfer,
+# deep_gemm, ...) it imports guarded or lazily, so their absence takes SGLang's own no-package branches.
+PACKAGES = frozenset({"sgl_kernel"})
 TOUCHED: list[str] = []  # the placeholder names imported, for the log
 
 
