@@ -884,7 +884,8 @@ async def _around_wait_one_response(original, self, obj, *args, **kwargs):
             with Contained("pointer"):
                 meta = out.get("meta_info") if isinstance(out, dict) else None
                 rid = meta.get("id") if isinstance(meta, dict) else None
-                refused = settings.mode is Mode.SIDECAR and meta is not None and "routed_experts" in meta
+                inline = [meta.get("routed_experts")] if isinstance(meta, dict) else None
+                refused = rid is not None and rid in frontdoors.refused_rids([rid], [True], inline, settings.mode)
                 if rid is not None and not refused:
                     meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
                 if rid is not None:  # a pointer's record, or the refused rows' `error` record

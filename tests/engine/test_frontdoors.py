@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from sglang_env import run_sglang
+
 from engine_ext.core.settings import Mode
 from engine_ext.sglang.frontdoors import (
     PointerStream,
@@ -93,3 +95,31 @@ def test_pointer_only_for_rows_the_spool_took():
     assert refused_rids(rids, asked, inline, Mode.SIDECAR) == {"b"}  # its `error` record, for the shutdown wait
     assert refused_rids(rids, asked, ["x", "x", "x", None], Mode.SIDECAR) == {"a", "b"}  # c did not ask
     assert refused_rids(rids, asked, inline, Mode.MIRROR) == frozenset()
+
+
+def test_versions_that_build_meta_info_inline_follow_the_same_rule():
+    """≤ 0.5.16 builds `meta_info` inside `_wait_one_response`, where the plugin adds the pointer per response:
+    a response that still carries SGLang's rows in sidecar mode gets none; mirror mode points at both."""
+    (got,) = run_sglang(
+        """
+        import asyncio
+        from types import SimpleNamespace
+        from engine_ext.core.settings import EngineSettings
+        from engine_ext.sglang import hooks
+        from engine_ext.sglang.delivery import PROCESS
+
+        async def original(self, obj):
+            yield {"meta_info": {"id": "took"}}
+            yield {"meta_info": {"id": "refused", "routed_experts": "AAAA"}}
+
+        async def run(mode):
+            PROCESS.settings = EngineSettings(mode=mode, sidecar_url="http://sc:1")
+            obj = SimpleNamespace(return_routed_experts=True)
+            outs = hooks._around_wait_one_response(original, None, obj)
+            return [sorted(out["meta_info"]) async for out in outs]
+
+        emit({mode: asyncio.run(run(mode)) for mode in ("sidecar", "mirror")})
+        """
+    )
+    assert got["sidecar"] == [["id", "routed_experts_url"], ["id", "routed_experts"]]
+    assert got["mirror"] == [["id", "routed_experts_url"], ["id", "routed_experts", "routed_experts_url"]]
