@@ -153,8 +153,7 @@ def test_send_timeout_interrupts_a_server_without_a_transport(tmp_path) -> None:
 
     async def run() -> float:
         t0 = time.monotonic()
-        with pytest.raises(OSError, match="client read nothing"):
-            await asyncio.wait_for(app(scope, receive, stalled_send), 5)
+        await asyncio.wait_for(app(scope, receive, stalled_send), 5)  # ends (client gone), does not hang
         return time.monotonic() - t0
 
     assert asyncio.run(run()) < 2
