@@ -2,8 +2,8 @@
 
     .venv/bin/python -m benchmarks.report [results.json]
 
-Numbers come only from the results file; the prose about causes lives in `benchmarks/findings.md` and is
-included as written.
+Sections 1-6 come only from the results file. Every other section of BENCHMARKS.md (other benchmarks' runs,
+the hook costs, the findings and the prose about causes) is kept as the file has it (`kept_sections`).
 """
 
 from __future__ import annotations
@@ -18,12 +18,21 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMAND = ".venv/bin/python -m benchmarks.run"
 # The real-server section has its own run (`make bench-sglang`); both writers keep it between these markers.
 REAL_SERVER_BEGIN, REAL_SERVER_END = "<!-- real-server:begin -->", "<!-- real-server:end -->"
+RANKS_BEGIN, RANKS_END = "<!-- ranks:begin -->", "<!-- ranks:end -->"
 RANKS_INTRO = """## Per-rank fetch and refs through Ray
 
-Reproduce: `.venv/bin/python -m benchmarks.ranks --reps 25` (writes `benchmarks/ranks.md`). What one training
-rank fetches with `service.ranks.fetch_rank` (its pipeline stage's layers, its load-balanced context-parallel
-chunks, sliced by the sidecar) against the whole record; bytes are the sidecar's `r3_served_bytes_total`, time
-the median of kept-alive loopback fetches; then `pickle.dumps` of a `RoutedExpertsRef` against its rows.
+```bash
+.venv/bin/python -m benchmarks.ranks --reps 25   # writes benchmarks/ranks.md; `make bench` keeps it here
+```
+
+What one training rank fetches with `service.ranks.fetch_rank` (its pipeline stage's layers, its load-balanced
+context-parallel chunks, sliced by the sidecar) against the whole record. Rank 0 of each place (DeepSeek-V3's
+first stage holds its 3 dense layers, so it fetches fewer MoE layers than a quarter). Bytes are the sidecar's
+own count of body bytes served (`r3_served_bytes_total`); time is the median of a kept-alive loopback fetch, the
+places interleaved. On loopback the time falls less than the bytes (a request costs ~3 ms here whatever its
+size); across a network the bytes are the time. The second table is `pickle.dumps` of the `RoutedExpertsRef` a
+trainer ships through Ray's object store instead of the rows.
+
 """
 
 
@@ -129,7 +138,7 @@ def targets(results: dict) -> list[list[str]]:
 
 
 def analysis(results: dict) -> list[str]:
-    """Measured decompositions behind the targets, computed from this run's numbers (see findings.md)."""
+    """Measured decompositions behind the targets, computed from this run's numbers (see BENCHMARKS.md's findings)."""
     out = []
     bd, lim = results.get("breakdown", {}), results.get("limits")
     stacks = bd.get("client_stacks", {}).get("stacks")
@@ -479,7 +488,43 @@ def plots(results: dict, directory: Path) -> list[str]:
 # ---- document ----------------------------------------------------------------------------------------
 
 
-def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
+GENERATED = ("## Targets", "## 1. ", "## 2. ", "## 3. ", "## 4. ", "## 5. ", "## 6. ", "## Plots")
+
+
+def kept_sections(document: str) -> str | None:
+    """The sections of an existing BENCHMARKS.md that this run does not generate, verbatim and in order.
+
+    Other benchmarks write them (real server, vLLM, per-rank, hook costs) or they hold readings written by
+    hand (findings, GPU step times): regenerating sections 1-6 must not drop them. They start at the first
+    heading this module does not write (with the `<!-- …:begin -->` marker above it) and end at the plots.
+    """
+    lines = document.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("## ") and not line.startswith(GENERATED)), None)
+    if start is None:
+        return None
+    while start > 0 and lines[start - 1].startswith("<!-- ") and lines[start - 1].endswith(":begin -->"):
+        start -= 1
+    end = next((i for i, line in enumerate(lines) if line.startswith("## Plots")), len(lines))
+    kept = lines[start:end] if end > start else lines[start:]
+    if ranks_fragment().exists():  # `benchmarks.ranks` writes its table to a file: refresh it here
+        kept = _refreshed_ranks(kept)
+    return "\n".join(kept).strip()
+
+
+def ranks_fragment() -> Path:
+    return ROOT / "benchmarks" / "ranks.md"
+
+
+def _refreshed_ranks(lines: list[str]) -> list[str]:
+    """The per-rank section between its markers, rebuilt from `benchmarks/ranks.md`."""
+    if RANKS_BEGIN not in lines or RANKS_END not in lines:
+        return lines
+    start, end = lines.index(RANKS_BEGIN), lines.index(RANKS_END)
+    section = (RANKS_INTRO + ranks_fragment().read_text().strip()).splitlines()
+    return [*lines[: start + 1], *section, *lines[end:]]
+
+
+def render(results: dict, plot_names: list[str], plot_dir: str, kept: str | None = None) -> str:
     env, after = results["environment"], results.get("environment_after", {})
     cfg = results["config"]
     out = [
@@ -581,31 +626,35 @@ def render(results: dict, plot_names: list[str], plot_dir: str) -> str:
         ]
     if "breakdown" in results:
         out += ["## 6. Where the time goes", "", breakdown_section(results["breakdown"]), ""]
-    real_server = ROOT / "benchmarks" / "real_server.md"
-    if real_server.exists():  # written by `make bench-sglang` (benchmarks/real_server.py), kept here as is
-        out += [REAL_SERVER_BEGIN, real_server.read_text().strip(), REAL_SERVER_END, ""]
-    vllm_parts = [ROOT / "benchmarks" / f"{name}.md" for name in ("vllm_server", "vllm_payload")]
-    if any(p.exists() for p in vllm_parts):  # written by benchmarks/vllm_server.py and vllm_payload.py, kept as is
-        vllm = "\n\n".join(p.read_text().strip() for p in vllm_parts if p.exists())
-        out += ["<!-- vllm-server:begin -->", vllm, "<!-- vllm-server:end -->", ""]
-    ranks = ROOT / "benchmarks" / "ranks.md"
-    if ranks.exists():  # written by `python -m benchmarks.ranks`, kept here with its introduction
-        out += [RANKS_INTRO, ranks.read_text().strip(), ""]
-    hook_cost = ROOT / "benchmarks" / "hook_cost.md"
-    if hook_cost.exists():  # `make bench-hooks` and `make bench-ab` tables with their reading, kept as is
-        out += [hook_cost.read_text().strip(), ""]
-    findings = ROOT / "benchmarks" / "findings.md"
-    if findings.exists():
-        out += [findings.read_text().strip(), ""]
+    if kept is not None:  # the existing document's other sections, as they are
+        out += [kept, ""]
+    else:  # a new document: the sections other benchmarks wrote to files
+        out += _fragments()
     if plot_names:
         out += ["## Plots", "", *[f"![{n}]({plot_dir}/{n})" for n in plot_names], ""]
     return "\n".join(out)
 
 
+def _fragments() -> list[str]:
+    out: list[str] = []
+    real_server = ROOT / "benchmarks" / "real_server.md"
+    if real_server.exists():  # written by `make bench-sglang` (benchmarks/real_server.py)
+        out += [REAL_SERVER_BEGIN, real_server.read_text().strip(), REAL_SERVER_END, ""]
+    vllm_parts = [ROOT / "benchmarks" / f"{name}.md" for name in ("vllm_server", "vllm_payload")]
+    if any(p.exists() for p in vllm_parts):  # written by benchmarks/vllm_server.py and vllm_payload.py
+        vllm = "\n\n".join(p.read_text().strip() for p in vllm_parts if p.exists())
+        out += ["<!-- vllm-server:begin -->", vllm, "<!-- vllm-server:end -->", ""]
+    if ranks_fragment().exists():  # written by `python -m benchmarks.ranks`, with its introduction
+        out += [RANKS_BEGIN, RANKS_INTRO + ranks_fragment().read_text().strip(), RANKS_END, ""]
+    return out
+
+
 def write_report(results: dict, md_path: Path, plot_dir: Path) -> None:
+    """Sections 1-6 and the plots from `results`; every other section of an existing `md_path` kept."""
     names = plots(results, plot_dir)
     rel = plot_dir.resolve().relative_to(md_path.resolve().parent)
-    md_path.write_text(render(results, names, str(rel)))
+    kept = kept_sections(md_path.read_text()) if md_path.exists() else None
+    md_path.write_text(render(results, names, str(rel), kept))
 
 
 def main() -> None:

@@ -113,3 +113,14 @@ def test_report_renders_every_section(results: dict, tmp_path: Path) -> None:
         "engine_cost.png",
         "memory.png",
     ]
+
+
+def test_report_over_an_existing_document_keeps_its_other_sections(results: dict, tmp_path: Path) -> None:
+    from benchmarks.report import write_report
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n## 1. Delivery per request\nstale-delivery\n\n## By hand\nkept text\n\n## Plots\nstale-plots\n")
+    write_report(results, md, tmp_path / "plots")
+    text = md.read_text()
+    assert "## By hand\nkept text" in text and "stale-" not in text
+    assert text.count("## 1. Delivery") == 1 and text.count("## Plots") == 1

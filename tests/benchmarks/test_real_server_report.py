@@ -90,3 +90,15 @@ def test_report_keeps_the_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     }
     text = report.render({"environment": env, "config": {}}, [], "plots")
     assert f"{BEGIN}\n## Real SGLang server\nkept\n{END}" in text
+
+
+def test_regenerating_keeps_every_section_it_does_not_write(tmp_path: Path) -> None:
+    """Sections 1-6 are the run's; every other section of the real BENCHMARKS.md survives, verbatim."""
+    document = (Path(__file__).resolve().parents[2] / "BENCHMARKS.md").read_text()
+    kept = report.kept_sections(document)
+    assert kept is not None
+    for heading in ("## 7. Trainer API", "## Real SGLang server", "## Hook costs", "### On a GPU", "## Findings"):
+        assert heading in kept
+    assert kept.count(BEGIN) == kept.count(END) == 1
+    assert "## Plots" not in kept and "## 1. Delivery" not in kept
+    assert kept in document, "BENCHMARKS.md's per-rank table differs from benchmarks/ranks.md"
