@@ -119,7 +119,9 @@ def test_report_over_an_existing_document_keeps_its_other_sections(results: dict
     from benchmarks.report import write_report
 
     md = tmp_path / "BENCHMARKS.md"
-    md.write_text("# Benchmarks\n\n## 1. Delivery per request\nstale-delivery\n\n## By hand\nkept text\n\n## Plots\nstale-plots\n")
+    md.write_text(
+        "# Benchmarks\n\n## 1. Delivery per request\nstale-delivery\n\n## By hand\nkept text\n\n## Plots\nstale-plots\n"
+    )
     write_report(results, md, tmp_path / "plots")
     text = md.read_text()
     assert "## By hand\nkept text" in text and "stale-" not in text
