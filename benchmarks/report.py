@@ -504,8 +504,8 @@ def kept_sections(document: str) -> str | None:
         return None
     while start > 0 and lines[start - 1].startswith("<!-- ") and lines[start - 1].endswith(":begin -->"):
         start -= 1
-    end = next((i for i, line in enumerate(lines) if line.startswith("## Plots")), len(lines))
-    kept = lines[start:end] if end > start else lines[start:]
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## Plots")), len(lines))
+    kept = lines[start:end]
     if ranks_fragment().exists():  # `benchmarks.ranks` writes its table to a file: refresh it here
         kept = _refreshed_ranks(kept)
     return "\n".join(kept).strip()
@@ -515,12 +515,16 @@ def ranks_fragment() -> Path:
     return ROOT / "benchmarks" / "ranks.md"
 
 
+def _ranks_section() -> str:
+    return RANKS_INTRO + ranks_fragment().read_text().strip()
+
+
 def _refreshed_ranks(lines: list[str]) -> list[str]:
     """The per-rank section between its markers, rebuilt from `benchmarks/ranks.md`."""
     if RANKS_BEGIN not in lines or RANKS_END not in lines:
         return lines
     start, end = lines.index(RANKS_BEGIN), lines.index(RANKS_END)
-    section = (RANKS_INTRO + ranks_fragment().read_text().strip()).splitlines()
+    section = _ranks_section().splitlines()
     return [*lines[: start + 1], *section, *lines[end:]]
 
 
@@ -645,7 +649,7 @@ def _fragments() -> list[str]:
         vllm = "\n\n".join(p.read_text().strip() for p in vllm_parts if p.exists())
         out += ["<!-- vllm-server:begin -->", vllm, "<!-- vllm-server:end -->", ""]
     if ranks_fragment().exists():  # written by `python -m benchmarks.ranks`, with its introduction
-        out += [RANKS_BEGIN, RANKS_INTRO + ranks_fragment().read_text().strip(), RANKS_END, ""]
+        out += [RANKS_BEGIN, _ranks_section(), RANKS_END, ""]
     return out
 
 

@@ -33,9 +33,6 @@ class _Missing:
             raise AttributeError(item)
         return _Missing(f"{self._name}.{item}")
 
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
 
 class _PlaceholderModule(types.ModuleType):
     def __getattr__(self, item: str) -> _Missing:
