@@ -164,6 +164,33 @@ class HookTime:
 
 
 @dataclass(frozen=True, slots=True)
+class HookFault:
+    """A hook whose plugin code failed (`degraded[]`): from then on the engine runs its own code at every hook of
+    that process (SGLang's rows inline, nothing new from the plugin in the spool)."""
+
+    hook: str
+    target: str
+    error: str
+    since: float
+
+    @classmethod
+    def parse_all(cls, obj: Any) -> tuple[HookFault, ...]:
+        if not isinstance(obj, list):
+            raise EngineReportError(f"degraded={obj!r} (a list of failed hooks)")
+        out = []
+        for i, fault in enumerate(obj):
+            where = f"degraded[{i}]"
+            if not isinstance(fault, dict):
+                raise EngineReportError(f"{where}={fault!r} (an object)")
+            hook, target, error = (_text(fault, key, where) for key in ("hook", "target", "error"))
+            out.append(cls(hook, target, error, float(_count(fault, "since", where))))
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hook": self.hook, "target": self.target, "error": self.error, "since": self.since}
+
+
+@dataclass(frozen=True, slots=True)
 class EngineReport:
     """One engine process's file, `<root>/v1/engines/<engine>.json`: exactly the JSON of Contract 1.
 
@@ -184,6 +211,7 @@ class EngineReport:
     delivery: DeliveryMode | None = None  # absent in older plugins' files and in the demo's
     vllm: str | None = None  # the vLLM version, in the vLLM plugin's files (`sglang` is "" there)
     hooks: dict[str, dict[str, HookTime]] | None = None  # absent when R3_HOOK_TIMERS=0, in older files, the demo's
+    degraded: tuple[HookFault, ...] | None = None  # failed hooks ([] when none); absent in older files, the demo's
     v: int = VERSION
 
     @classmethod
@@ -223,6 +251,7 @@ class EngineReport:
             delivery=None if report.get("delivery") is None else DeliveryMode.from_dict(report["delivery"]),
             vllm=_optional_text(report, "vllm"),
             hooks=None if report.get("hooks") is None else HookTime.parse_all(report["hooks"]),
+            degraded=None if report.get("degraded") is None else HookFault.parse_all(report["degraded"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,7 +281,8 @@ class EngineReport:
             "writer": self.writer.to_dict(),
         } | ({} if self.delivery is None else {"delivery": self.delivery.to_dict()})
         out |= {} if self.vllm is None else {"vllm": self.vllm}
-        return out | ({} if self.hooks is None else {"hooks": HookTime.dump_all(self.hooks)})
+        out |= {} if self.hooks is None else {"hooks": HookTime.dump_all(self.hooks)}
+        return out | ({} if self.degraded is None else {"degraded": [fault.to_dict() for fault in self.degraded]})
 
 
 def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:

@@ -180,6 +180,12 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
         "Calls of each timed hook (see r3_engine_hook_seconds).",
         labels=["engine", "hook", "kind"],
     )
+    degraded = CounterMetricFamily(
+        "r3_engine_degraded_hooks",
+        "Hooks whose plugin code failed in an engine process (the engine file's `degraded`): that process runs "
+        "SGLang's own code at every hook since, rows inline, nothing new in the spool. 0 for a healthy engine.",
+        labels=["engine", "hook"],
+    )
     for obj in engines:
         try:
             report = EngineReport.from_dict(obj)
@@ -216,7 +222,14 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
             for kind, t in sorted(kinds.items()):
                 hook_seconds.add_metric([engine, hook, kind], float(t.seconds))
                 hook_calls.add_metric([engine, hook, kind], float(t.calls))
-    return [*g.values(), fallback, undelivered, written, refused, write_errors, hook_seconds, hook_calls]
+        _add_degraded(degraded, engine, report)
+    return [*g.values(), fallback, undelivered, written, refused, write_errors, hook_seconds, hook_calls, degraded]
+
+
+def _add_degraded(family: CounterMetricFamily, engine: str, report: EngineReport) -> None:
+    """One series per failed hook (a hook fails once: the process never runs it again)."""
+    for fault in report.degraded or ():
+        family.add_metric([engine, fault.hook], 1.0)
 
 
 _undelivered_seen: dict[str, tuple[tuple[str, float], ...]] = {}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_ext.core.degraded import DEGRADED
 from service.engine_report import EngineReport, EngineReportError, WriterCounters
 from service.spool import Spool
 
@@ -39,6 +40,7 @@ class Sources:
     host_cache: Callable[[], tuple[int, int]] = lambda: (0, 0)
     writer: Callable[[], dict[str, Any]] = lambda: WriterCounters().to_dict()
     hooks: Callable[[], dict[str, Any]] | None = None  # `timers.TIMERS.snapshot`; None: timers off, no `hooks`
+    degraded: Callable[[], list[dict[str, Any]]] = DEGRADED.snapshot  # hooks that failed: the engine's own code runs
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Telemetry:
             "occupancy": self._part("occupancy", []),
             "host_cache": {"capacity_tokens": int(capacity), "used_tokens": int(used)},
             "writer": _writer_part(self._part("writer", WriterCounters().to_dict())),
+            "degraded": self._part("degraded", []),
         } | ({"delivery": self.delivery} if self.delivery is not None else {})
         return report | ({"vllm": self.vllm} if self.vllm is not None else {})
 

@@ -133,6 +133,13 @@ class StepGather:
             self._inflight.append(batch)
             self.launches += 1
 
+    def discard(self) -> list[Any]:
+        """Forget every queued and launched read without reading the host cache; returns their tickets."""
+        with self._lock:
+            tickets = [t for t, *_ in self._queued] + [t for batch in self._inflight for t in batch.tickets]
+            self._queued, self._inflight = [], []
+        return tickets
+
     def drain(self, host_buffer: torch.Tensor, *, wait: bool) -> list[tuple[Any, torch.Tensor]]:
         """Rows of every launched batch whose copy is done (all of them with `wait`), in launch order.
 
@@ -425,6 +432,25 @@ class Collector:
             for ticket, rows in done:
                 ticket.deliver(rows)
         return len(done)
+
+    def abandon(self) -> None:
+        """The plugin stepped aside (a hook failed): no more reads of the host cache, which SGLang alone writes
+        from now on, and every request not yet handed whole to the writer ends `error` (410), never a record
+        whose rows a later forward could have overwritten."""
+        with self._drain_lock:
+            self._host_buffer = None  # `drain` reads nothing from here on
+            tickets = self.gather.discard()
+        for ticket in tickets:
+            if isinstance(ticket, _WholeRecord):
+                self.writer.release(ticket.nbytes)
+                self._end_refused(ticket.spec.rid, ticket.spec)
+        for rid, (spec, nbytes, *_) in self._mirror.items():
+            self.writer.release(nbytes)
+            self._end_refused(rid, spec)
+        self._mirror.clear()
+        for rid in self._reopened:
+            self._end_refused(rid, None)
+        self._reopened.clear()
 
     def run_ticker(self, stop: threading.Event, poll_s: float = 0.002) -> None:
         """Drain copies that completed while the engine is idle (a daemon thread's body)."""

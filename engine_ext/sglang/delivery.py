@@ -7,8 +7,9 @@ Everything here takes plain values; `hooks.py` reads them off SGLang's objects.
 
     from engine_ext.sglang.delivery import PROCESS
     delivery = PROCESS.current(build)   # None until the settings ask for delivery and a capturer exists
-    with Contained("finish"):           # an error is logged once per place; SGLang's own path goes on
-        ...
+
+A failure in the plugin's own code at any hook is the guard's (`engine_ext/sglang/guard.py`): SGLang's own path
+from then on, and `step_aside` below ends what delivery had in flight and keeps an engine file saying so.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -135,6 +135,15 @@ class Delivery:
             and wants_live(settings.live_rows, custom_params)
         )
 
+    def abandon(self) -> None:
+        """A hook failed: stop reading SGLang's host cache and end every record not yet whole as `error`.
+
+        The writer and the telemetry thread go on: records already whole reach the spool, and the engine file
+        keeps reporting, `degraded` included."""
+        self.stop.set()  # the idle ticker drains no more
+        self.live.abandon()
+        self.collector.abandon()
+
     def close(self) -> None:
         """Stop the threads; what is queued is written (bounded by the writer's timeout)."""
         self.stop.set()
@@ -149,12 +158,15 @@ class Process:
     def __init__(self) -> None:
         self.settings: EngineSettings | None = None
         self.delivery: Delivery | None = None
+        self.reporter: Telemetry | None = None  # the engine file of a process that stepped aside with no delivery
 
     def configure(self, settings: EngineSettings | None) -> None:
         """Set (or, with None, clear) the settings delivery is built from; closes a delivery already built."""
         if self.delivery is not None:
             self.delivery.close()
-        self.settings, self.delivery = settings, None
+        if self.reporter is not None:
+            self.reporter.close()
+        self.settings, self.delivery, self.reporter = settings, None, None
 
     def current(self, build: Callable[[EngineSettings], Delivery | None]) -> Delivery | None:
         """The delivery, built by `build(settings)` on first use; one attempt: a failure leaves SGLang's path."""
@@ -167,27 +179,18 @@ class Process:
                 atexit.register(delivery.close)  # a clean exit writes what is queued
         return self.delivery
 
+    def step_aside(self, report: Callable[[], Telemetry | None]) -> None:
+        """Every hook of this process fell back to SGLang's own: no delivery from now on, loudly.
+
+        A delivery already built abandons what it had in flight, and its telemetry reports `degraded`; a process
+        with no engine file of its own (`R3_MODE=off`, the main process, a delivery whose start failed, a rank
+        that does not publish) starts one with `report()`."""
+        self.settings = None  # no delivery is built from now on
+        if self.delivery is not None:
+            self.delivery.abandon()
+        reporting = self.delivery is not None and self.delivery.publisher
+        if not reporting and self.reporter is None:
+            self.reporter = report()
+
 
 PROCESS = Process()
-
-
-class Contained:
-    """Delivery never takes the scheduler down: an error in it is logged (once per place) and SGLang goes on."""
-
-    seen: ClassVar[set[str]] = set()  # places that have failed in this process (logged once each)
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.failed = False
-
-    def __enter__(self) -> Contained:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        self.failed = True
-        if self.where not in Contained.seen:
-            Contained.seen.add(self.where)
-            log.exception("r3-sidecar delivery failed in %s; SGLang's own path goes on", self.where)
-        return True

@@ -29,9 +29,9 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from engine_ext.core.promised import Promised
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.sglang import capturer, compat, frontdoors, slicing, timers
+from engine_ext.sglang import capturer, compat, frontdoors, guard, slicing, timers
 from engine_ext.sglang.collect import Finished, ModelShape, Route
-from engine_ext.sglang.delivery import PROCESS, Contained, Delivery, HostCache, Placement
+from engine_ext.sglang.delivery import PROCESS, Delivery, HostCache, Placement
 from engine_ext.sglang.live import StepRequest, decode_layout, extend_layout, verify_layout
 from engine_ext.sglang.timers import TIMERS, timed
 
@@ -124,7 +124,8 @@ HOOKS: tuple[Hook, ...] = (
 
 
 def install(settings: EngineSettings) -> None:
-    """Register every hook this plugin needs for `settings`."""
+    """Register every hook this plugin needs for `settings`, each behind its guard (`guard.py`)."""
+    guard.Guard.on_step_aside[:] = [lambda: PROCESS.step_aside(lambda: degraded_report(settings))]
     install_capture_hooks(settings)
     install_budget_hooks(settings)
     if settings.mode is not Mode.OFF:
@@ -139,8 +140,32 @@ def _register(*groups: str) -> None:
         if hook not in _registered and set(hook.groups) & set(groups):
             where = compat.hook(hook.target, hook.function)  # this version's target and function for the row
             if where is not None:
-                HookRegistry.register(where[0], timers.untimed(globals()[where[1]]), hook.type)
+                target, name = where
+                fn = guard.wrap(name, target, timers.untimed(globals()[name]), replace=hook.type is REPLACE)
+                HookRegistry.register(target, fn, AROUND)  # behind its guard: SGLang's own code if ours fails
             _registered.add(hook)
+
+
+def degraded_report(settings: EngineSettings):
+    """The engine file of a process whose hooks fell back to SGLang's own and that writes none otherwise: its
+    `degraded` part says which hook failed and how (a started `telemetry.Telemetry`)."""
+    import os
+    from importlib.metadata import version
+
+    from engine_ext.core.telemetry import Sources, Telemetry
+
+    publisher, dp_rank = _attention_ranks()
+    engine = settings.engine_name(dp_rank)  # without DP it names this process (`/pid<pid>`)
+    if dp_rank is not None and not publisher:  # the group's name is its publishing rank's file
+        engine = f"{engine}/pid{os.getpid()}"
+    return Telemetry(
+        spool_dir=settings.spool_dir,
+        engine=engine,
+        dp_rank=dp_rank,
+        sources=Sources(),
+        interval_s=settings.telemetry_interval_s,
+        sglang=version("sglang"),
+    ).start()
 
 
 def install_capture_hooks(settings: EngineSettings) -> None:
@@ -656,16 +681,11 @@ def _around_collect(original, self, req):
     settings = PROCESS.settings
     if settings is None or not (req.return_routed_experts or settings.capture_all):
         return original(self, req)
-    route = Route.INLINE
-    with Contained("finish") as contained:
-        route = _route_finished(self, req)
-    if contained.failed:
-        route = Route.INLINE  # upstream's own path for this request
+    route = _route_finished(self, req)  # fails: the guard runs SGLang's own collection of this request
     if route in (Route.INLINE, Route.BOTH):
         original(self, req)
     if route == Route.BOTH:
-        with Contained("mirror"):
-            PROCESS.delivery.collector.mirror(req.rid, req.routed_experts)
+        PROCESS.delivery.collector.mirror(req.rid, req.routed_experts)
     return None
 
 
@@ -693,8 +713,7 @@ def _around_process_result(original, self, batch, result, *args, **kwargs):
     TIMERS.kind = _forward_kind(batch.forward_mode)
     captured = getattr(result, "routed_experts_output", None)  # finalize() clears the field, not the object
     out = original(self, batch, result, *args, **kwargs)
-    with Contained("batch result"):
-        after_batch_result(self, batch, result, captured)
+    after_batch_result(self, batch, result, captured)
     return out
 
 
@@ -757,14 +776,13 @@ def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:
 def _around_arrival(original, self, recv_req, *args, **kwargs):
     """A request arrives: under a rid this process already wrote, its old record is replaced now (`reopen`)."""
     delivery = PROCESS.delivery
-    if delivery is not None and delivery.publisher:
-        with Contained("arrival"):
-            if recv_req.return_routed_experts or delivery.settings.capture_all:
-                delivery.collector.reopen(
-                    recv_req.rid,
-                    prompt_len=len(recv_req.input_ids or ()),
-                    start_len=int(recv_req.routed_experts_start_len or 0),
-                )
+    asked = delivery is not None and (recv_req.return_routed_experts or delivery.settings.capture_all)
+    if asked and delivery.publisher:
+        delivery.collector.reopen(
+            recv_req.rid,
+            prompt_len=len(recv_req.input_ids or ()),
+            start_len=int(recv_req.routed_experts_start_len or 0),
+        )
     return original(self, recv_req, *args, **kwargs)
 
 
@@ -772,9 +790,8 @@ def _around_disagg_prefill_done(original, self, *args, **kwargs):
     """PD prefill collects at KV-transfer completion (a Scheduler method): end that step like a batch result."""
     out = original(self, *args, **kwargs)
     if PROCESS.delivery is not None:
-        with Contained("PD prefill"):
-            attr = compat.layout().result_processor
-            end_delivery_step(getattr(self, attr) if attr else self)
+        attr = compat.layout().result_processor
+        end_delivery_step(getattr(self, attr) if attr else self)
     return out
 
 
@@ -783,8 +800,7 @@ def _around_finalize(original, self):
     """Overlap path: gather finished rows before this forward's rows land in the host cache."""
     delivery = PROCESS.delivery
     if delivery is not None and self.host_cache.buffer is delivery.host_rows:
-        with Contained("drain"):
-            delivery.collector.drain(wait=True)
+        delivery.collector.drain(wait=True)
     return original(self)
 
 
@@ -814,8 +830,7 @@ def _forward_end_rows(original, self, params: dict):
     delivery = PROCESS.delivery
     if delivery is None or params.get("no_copy_to_cpu", False):
         return original(self, **params)
-    with Contained("drain"):
-        delivery.collector.drain(wait=True)
+    delivery.collector.drain(wait=True)
     out = original(self, **(params | {"no_copy_to_cpu": True}))
     if out is None:
         return None
@@ -835,21 +850,19 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
     """Note which rids of this batch get a pointer (the meta_info hook has no `self`): those that asked, less
     those whose rows the spool refused in sidecar mode (`frontdoors.pointer_rids`)."""
     settings = PROCESS.settings
-    wanted: frozenset[str] = frozenset()
-    with Contained("pointer"):
-        states, rids = self.rid_to_state, list(recv_obj.rids)
-        asked = [
-            (settings is not None and settings.capture_all)
-            or ((state := states.get(rid)) is not None and bool(getattr(state.obj, "return_routed_experts", False)))
-            for rid in rids
-        ]
-        mode = settings.mode if settings is not None else Mode.OFF
-        inline = getattr(recv_obj, "routed_experts", None)
-        refused = frontdoors.refused_rids(rids, asked, inline, mode)
-        wanted = frontdoors.pointer_rids(rids, asked, refused)
-        if settings is not None and settings.sidecar_url:  # their `error` records, for the shutdown wait
-            for rid in refused:
-                PROMISED.add(rid)
+    states, rids = self.rid_to_state, list(recv_obj.rids)
+    asked = [
+        (settings is not None and settings.capture_all)
+        or ((state := states.get(rid)) is not None and bool(getattr(state.obj, "return_routed_experts", False)))
+        for rid in rids
+    ]
+    mode = settings.mode if settings is not None else Mode.OFF
+    inline = getattr(recv_obj, "routed_experts", None)
+    refused = frontdoors.refused_rids(rids, asked, inline, mode)
+    wanted = frontdoors.pointer_rids(rids, asked, refused)
+    if settings is not None and settings.sidecar_url:  # their `error` records, for the shutdown wait
+        for rid in refused:
+            PROMISED.add(rid)
     token = _pointer_rids.set(wanted)
     try:
         return await original(self, recv_obj, *args, **kwargs)
@@ -865,9 +878,8 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     wanted = _pointer_rids.get()
     rid = meta_info.get("id") if isinstance(meta_info, dict) else None
     if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
-        with Contained("pointer"):
-            meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
-            PROMISED.add(rid)
+        meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+        PROMISED.add(rid)
     return original(recv_obj, i, meta_info, *args, **kwargs)
 
 
@@ -881,15 +893,14 @@ async def _around_wait_one_response(original, self, obj, *args, **kwargs):
     asked = asked and (settings.capture_all or bool(getattr(obj, "return_routed_experts", False)))
     async for out in original(self, obj, *args, **kwargs):
         if asked:
-            with Contained("pointer"):
-                meta = out.get("meta_info") if isinstance(out, dict) else None
-                rid = meta.get("id") if isinstance(meta, dict) else None
-                inline = [meta.get("routed_experts")] if isinstance(meta, dict) else None
-                refused = rid is not None and rid in frontdoors.refused_rids([rid], [True], inline, settings.mode)
-                if rid is not None and not refused:
-                    meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
-                if rid is not None:  # a pointer's record, or the refused rows' `error` record
-                    PROMISED.add(rid)
+            meta = out.get("meta_info") if isinstance(out, dict) else None
+            rid = meta.get("id") if isinstance(meta, dict) else None
+            inline = [meta.get("routed_experts")] if isinstance(meta, dict) else None
+            refused = rid is not None and rid in frontdoors.refused_rids([rid], [True], inline, settings.mode)
+            if rid is not None and not refused:
+                meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
+            if rid is not None:  # a pointer's record, or the refused rows' `error` record
+                PROMISED.add(rid)
         yield out
 
 
@@ -898,8 +909,7 @@ def _around_engine_shutdown(original, self, *args, **kwargs):
     promised become final, for at most `R3_SHUTDOWN_WAIT_S` (`core.promised`)."""
     settings = PROCESS.settings
     if settings is not None and settings.sidecar_url and settings.mode is not Mode.OFF:
-        with Contained("shutdown"):
-            PROMISED.settle(settings.spool_dir, settings.shutdown_wait_s)
+        PROMISED.settle(settings.spool_dir, settings.shutdown_wait_s)
     return original(self, *args, **kwargs)
 
 
@@ -934,41 +944,35 @@ def _with_pointer_model(response_cls: type) -> type:
 def _around_openai_response(original, self, request, ret, *args, **kwargs):
     """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`."""
     response = original(self, request, ret, *args, **kwargs)
-    with Contained("openai pointer"):
-        from sglang.srt.entrypoints.openai.protocol import SglExt
+    from sglang.srt.entrypoints.openai.protocol import SglExt
 
-        urls = [(item.get("meta_info") or {}).get("routed_experts_url") for item in ret]
-        pointer = frontdoors.sglext_pointer(urls)
-        if pointer is None or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
-            return response
-        cls = _with_pointer_model(type(response))
-        ext_cls = _sglext_models[SglExt]
-        old = response.sglext
-        fields = {name: getattr(old, name) for name in SglExt.model_fields} if old is not None else {}
-        values = {name: getattr(response, name) for name in type(response).model_fields}
-        values["sglext"] = ext_cls(**fields, **pointer)
-        return cls.model_construct(**values)
-    return response
+    urls = [(item.get("meta_info") or {}).get("routed_experts_url") for item in ret]
+    pointer = frontdoors.sglext_pointer(urls)
+    if pointer is None or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
+        return response
+    cls = _with_pointer_model(type(response))
+    ext_cls = _sglext_models[SglExt]
+    old = response.sglext
+    fields = {name: getattr(old, name) for name in SglExt.model_fields} if old is not None else {}
+    values = {name: getattr(response, name) for name in type(response).model_fields}
+    values["sglext"] = ext_cls(**fields, **pointer)
+    return cls.model_construct(**values)
 
 
 async def _around_openai_stream(original, self, adapted_request, request, raw_request, *args, **kwargs):
     """Streaming `/v1/completions`, `/v1/chat/completions`: the choices' pointers in an `sglext` chunk."""
     settings = PROCESS.settings
     stream = None
-    with Contained("openai pointer"):
-        if settings is not None and (getattr(request, "return_routed_experts", False) or settings.capture_all):
-            stream = frontdoors.PointerStream(
-                base_url=settings.sidecar_url,
-                n=int(getattr(request, "n", 1) or 1),
-                object_name="chat.completion.chunk" if hasattr(request, "messages") else "text_completion",
-                model=getattr(request, "model", None),
-            )
+    if settings is not None and (getattr(request, "return_routed_experts", False) or settings.capture_all):
+        stream = frontdoors.PointerStream(
+            base_url=settings.sidecar_url,
+            n=int(getattr(request, "n", 1) or 1),
+            object_name="chat.completion.chunk" if hasattr(request, "messages") else "text_completion",
+            model=getattr(request, "model", None),
+        )
     async for chunk in original(self, adapted_request, request, raw_request, *args, **kwargs):
         if stream is None:
             yield chunk
             continue
-        out = [chunk]
-        with Contained("openai pointer"):
-            out = stream.feed(chunk)
-        for piece in out:
+        for piece in stream.feed(chunk):  # fails: the guard passes this chunk and the rest on as SGLang made them
             yield piece

@@ -324,6 +324,14 @@ class LiveRows:
         self.collector.spool_whole(fin)
 
     @_locked
+    def abandon(self) -> None:
+        """The plugin stepped aside (a hook failed): every live record ends `error`, none is served as whole."""
+        for rid, record in self.records.items():
+            if record.opened and not record.broken:
+                self.writer.submit(Op(rid, status="error"))
+        self.records.clear()
+
+    @_locked
     def end_step(self, unseen_steps: int = FORGET_AFTER_STEPS) -> None:
         """Count a step; every `unseen_steps`, end records whose request stopped appearing in batches.
 

@@ -83,7 +83,9 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
 from engine_ext.sglang import hooks
-from engine_ext.sglang.delivery import PROCESS, Contained
+from engine_ext.sglang.delivery import PROCESS
+from engine_ext.sglang import guard
+from engine_ext.core.degraded import DEGRADED
 from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
 
@@ -197,25 +199,30 @@ finish([g])
 results["g"] = dict(inline=g.routed_experts is not None, record=getattr(Spool(SPOOL).read_meta("g"), "status", None),
                     stats=PROCESS.delivery.writer.snapshot(), dropped=PROCESS.delivery.collector.dropped)
 
-# containment: a request the delivery cannot read (no pool row) takes SGLang's own path, the scheduler goes on
+# the guard: a request the delivery cannot read (no pool row) takes SGLang's own path, the scheduler goes on,
+# and every hook of the process runs SGLang's own code from then on (guard.reset: the next case starts afresh)
+def degraded():
+    seen = [fault["hook"] for fault in DEGRADED.snapshot()]
+    guard.reset()
+    return seen
 configure()
 broken = run_request("broken", 5, 4, 2, return_routed_experts=True)
 broken.kv.req_pool_idx = None
 proc._maybe_collect_routed_experts(broken)
 results["contained"] = dict(
     inline=broken.routed_experts is not None, record=Spool(SPOOL).read_meta("broken") is not None,
-    seen=sorted(Contained.seen))
+    seen=degraded())
 # a delivery that cannot start (R3_DTYPE too narrow for 300 experts) is tried once; SGLang's path stays
 configure(dtype="uint8")
 mc.hf_text_config.num_experts = 300
 narrow = run_request("narrow", 5, 4, 2, return_routed_experts=True)
 proc._maybe_collect_routed_experts(narrow)
 results["narrow"] = dict(inline=narrow.routed_experts is not None, delivery=PROCESS.delivery is not None,
-                         settings=PROCESS.settings is not None, seen=sorted(Contained.seen))
+                         settings=PROCESS.settings is not None, seen=degraded())
 mc.hf_text_config.num_experts = 8
 configure(spool_max_bytes=64)
 finish([run_request("f3", 6, 30, 10, return_routed_experts=True)])
-results["f3"] = dict(seen=sorted(Contained.seen), stats=PROCESS.delivery.writer.snapshot())
+results["f3"] = dict(seen=degraded(), stats=PROCESS.delivery.writer.snapshot())
 
 # telemetry: the real delivery's engine file (budget from the published ServerArgs) is accepted by the sidecar
 PROCESS.delivery.telemetry.close()  # no background write racing this one
@@ -263,8 +270,9 @@ emit(results)
 @pytest.mark.sglang
 def test_finish_path_against_sglang(tmp_path):
     (res,) = run_sglang(_FINISH_CHILD, env={"R3_TEST_SPOOL": str(tmp_path / "spool")})
-    assert res["contained"] == {"inline": True, "record": False, "seen": ["finish"]}, res["f3"]
-    assert res["narrow"] == {"inline": True, "delivery": False, "settings": False, "seen": ["finish"]}
+    assert res["contained"] == {"inline": True, "record": False, "seen": ["_around_collect"]}, res["f3"]
+    assert res["narrow"] == {"inline": True, "delivery": False, "settings": False, "seen": ["_around_collect"]}
+    assert res["f3"]["seen"] == []
     assert res["unpatched"] == []  # every delivery target resolved and wrapped by HookRegistry
     a, b = res["a"], res["b/ü"]
     assert a == {**a, "equal": True, "rows": 14, "start": 0, "status": "ok", "final": True, "inline": False}

@@ -1,0 +1,46 @@
+"""Which of the plugin's hooks failed in this process, and with what: the engine file's `degraded` part.
+
+Why it exists: the plugin never takes the engine down. When its own code fails at a hook, the process falls back to
+the engine's own behaviour for the rest of the run (`engine_ext/sglang/guard.py`), and this record is how that
+stays loud: the engine file lists each failed hook with its error (`GET /v1/engines`), and the sidecar exports
+it as `r3_engine_degraded_hooks_total{engine,hook}`. Plain values only; any thread may read a snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class Degraded:
+    """Failed hooks in order of failure: hook name → (target, error text, time of the failure)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._faults: dict[str, dict[str, Any]] = {}
+
+    def note(self, hook: str, target: str, error: BaseException) -> bool:
+        """Record the first failure of `hook`; False when it had already failed (nothing changes)."""
+        with self._lock:
+            if hook in self._faults:
+                return False
+            text = f"{type(error).__name__}: {error}"
+            self._faults[hook] = {"hook": hook, "target": target, "error": text[:2000], "since": time.time()}
+            return True
+
+    def __bool__(self) -> bool:
+        return bool(self._faults)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The engine file's `degraded` list: `{"hook", "target", "error", "since"}` per failed hook."""
+        with self._lock:
+            return [dict(fault) for fault in self._faults.values()]
+
+    def clear(self) -> None:
+        """Forget every failure (tests; a process never recovers a hook it degraded)."""
+        with self._lock:
+            self._faults.clear()
+
+
+DEGRADED = Degraded()
