@@ -23,9 +23,10 @@ the per-layer hook with Dynamo) the guard is a plain branch on the switch: no tr
 written, so it traces to the hook or, degraded, to the original alone. A failure there surfaces at trace time,
 where no try/except reaches; the forward-level hooks around the compiled region are guarded as usual.
 
-Tests inject a fault with `R3_TEST_FAULT_HOOKS=<hook function>[:after],...` (or `*`): the guard raises
-`InjectedFault` as the hook's own code, on entry, or (`:after`) right after the hook's first call of the
-original returns. Read once when the hooks are registered; test-only.
+Tests inject a fault with `R3_TEST_FAULT_HOOKS=<hook function>[:after][@n],...` (or `*` for every hook): the guard
+raises `InjectedFault` as the hook's own code at the n-th call (default the first), on entry, or (`:after`) right
+after the hook's call of the original returns (a stream hook: after it pulled an item from SGLang's stream). Read
+once when the hooks are registered; test-only.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Guard:
     all: list[Guard] = []  # noqa: RUF012 (the process's guards, in registration order)
     on_step_aside: list[Callable[[], None]] = []  # noqa: RUF012 (run once, at the first failure)
 
-    def __init__(self, name: str, target: str, fault: str | None = None) -> None:
+    def __init__(self, name: str, target: str, fault: list | None = None) -> None:
         self.name, self.target, self.fault = name, target, fault
         self.degraded = False
         self.calls: ContextVar[_Call] = ContextVar(f"r3_guard_{name}")
@@ -106,24 +107,29 @@ class Guard:
                     log.warning("r3-sidecar: stepping aside after a failed hook: %s: %s", type(exc).__name__, exc)
 
     def injected(self, where: str) -> None:
-        if self.fault == where:
-            raise InjectedFault(f"{FAULT_ENV}: {self.name} ({where})")
+        """The test-only fault: raise at `where` ("enter" or "after") of the call it names."""
+        if self.fault is not None and self.fault[0] == where:
+            self.fault[1] -= 1
+            if self.fault[1] == 0:
+                raise InjectedFault(f"{FAULT_ENV}: {self.name} ({where})")
 
 
-def faults(spec: str | None = None) -> dict[str, str]:
-    """`R3_TEST_FAULT_HOOKS` as {hook function or "*": "enter" | "after"}."""
+def faults(spec: str | None = None) -> dict[str, list]:
+    """`R3_TEST_FAULT_HOOKS` as {hook function or "*": [where, call]}: `name[:after][@n]`, the n-th call (1)."""
     spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
-    out: dict[str, str] = {}
+    out: dict[str, list] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
+        item, _, nth = item.partition("@")
         name, _, where = item.partition(":")
-        out[name] = where or "enter"
+        out[name] = [where or "enter", int(nth or 1)]
     return out
 
 
 def wrap(name: str, target: str, fn: Callable[..., Any], *, replace: bool) -> Callable[..., Any]:
     """The AROUND hook to register for `fn` (an AROUND hook, or with `replace` a REPLACE one) at `target`."""
     wanted = faults()
-    guard = Guard(name, target, wanted.get(name, wanted.get("*")))
+    fault = wanted.get(name, wanted.get("*"))
+    guard = Guard(name, target, None if fault is None else list(fault))
     if inspect.isasyncgenfunction(fn):
         hook = _stream(guard, fn, replace)
     elif inspect.iscoroutinefunction(fn):

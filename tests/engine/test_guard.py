@@ -1,0 +1,201 @@
+"""The guard every r3-sidecar hook is registered behind (`engine_ext/sglang/guard.py`), on SGLang's real
+`HookRegistry`: a failure in our hook ends that call as SGLang's own would and degrades every hook of the process,
+once and loudly; SGLang's own exceptions pass through; a compiled caller traces the guard.
+
+The targets are functions of a module each test makes (`Target`), so what "SGLang's original" did is counted
+exactly; `HookRegistry.apply_hooks` patches them as it patches SGLang's. Guards and failures are process-wide:
+each test starts from none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import sys
+import types
+
+import pytest
+
+from engine_ext.core.degraded import DEGRADED
+from engine_ext.sglang import guard
+
+hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
+HookRegistry, HookType = hook_registry.HookRegistry, hook_registry.HookType
+pytestmark = pytest.mark.sglang
+_names = itertools.count()
+
+
+class Target:
+    """A module of four "SGLang originals" that record their calls: plain, failing, coroutine and stream."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.name = f"r3_guard_target_{next(_names)}"
+        module = types.ModuleType(self.name)
+        calls = self.calls
+
+        def plain(x, *, scale=1):
+            calls.append(("plain", x, scale))
+            return x * 10 * scale
+
+        def failing(x):
+            calls.append(("failing", x))
+            raise ValueError(f"SGLang's own error {x}")
+
+        async def coro(x):
+            calls.append(("coro", x))
+            return x + 100
+
+        async def stream(n):
+            for i in range(n):
+                calls.append(("item", i))
+                yield i
+
+        module.plain, module.failing, module.coro, module.stream = plain, failing, coro, stream
+        module.scale = lambda x: x * 2
+        sys.modules[self.name] = self.module = module
+
+    def hook(self, attr: str, fn, *, replace: bool = False) -> None:
+        target = f"{self.name}.{attr}"
+        HookRegistry.register(target, guard.wrap(fn.__name__, target, fn, replace=replace), HookType.AROUND)
+
+    def apply(self) -> types.ModuleType:
+        HookRegistry.apply_hooks()
+        return self.module
+
+
+@pytest.fixture
+def target(monkeypatch, caplog):
+    monkeypatch.setattr(guard.Guard, "all", [])
+    monkeypatch.setattr(guard.Guard, "on_step_aside", [])
+    monkeypatch.delenv(guard.FAULT_ENV, raising=False)
+    DEGRADED.clear()
+    caplog.set_level(logging.INFO, logger="r3_sidecar")
+    yield Target()
+    DEGRADED.clear()
+
+
+def errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_failing_hook_runs_sglangs_original_once_and_degrades_every_hook_once(target, caplog) -> None:
+    stepped = []
+    guard.Guard.on_step_aside[:] = [lambda: stepped.append(1), lambda: 1 / 0]  # a failing callback is contained
+
+    def broken(original, x, *, scale=1):
+        raise KeyError("our bug")
+
+    def other(original, x):
+        target.calls.append(("other hook", x))
+        return original(x)
+
+    target.hook("plain", broken)
+    target.hook("failing", other)
+    m = target.apply()
+    assert m.plain(3, scale=2) == 60  # our hook failed before calling the original: SGLang's own call
+    assert m.plain(4) == 40  # degraded: the original only
+    with pytest.raises(ValueError, match="SGLang's own error 5"):
+        m.failing(5)  # the other hook is degraded too: our code is not run
+    assert target.calls == [("plain", 3, 2), ("plain", 4, 1), ("failing", 5)]
+    (line,) = errors(caplog)  # one ERROR line for the failed hook, none per later call
+    assert line.startswith(f"r3-sidecar: hook broken ({target.name}.plain) failed: KeyError: 'our bug'"), line
+    (fault,) = DEGRADED.snapshot()
+    assert (fault["hook"], fault["target"], fault["error"]) == ("broken", f"{target.name}.plain", "KeyError: 'our bug'")
+    assert [g.degraded for g in guard.Guard.all] == [True, True] and stepped == [1]
+
+
+def test_sglangs_own_exception_passes_through_and_degrades_nothing(target, caplog) -> None:
+    def passing(original, x):
+        return original(x) + 1
+
+    target.hook("failing", passing)
+    m = target.apply()
+    with pytest.raises(ValueError, match="SGLang's own error 7"):
+        m.failing(7)
+    assert errors(caplog) == [] and DEGRADED.snapshot() == [] and not guard.Guard.all[0].degraded
+
+
+def test_a_failure_after_the_original_keeps_its_result_and_never_calls_it_twice(target, monkeypatch) -> None:
+    monkeypatch.setenv(guard.FAULT_ENV, "after:after@2")  # the second call, right after the original returns
+
+    def after(original, x, *, scale=1):
+        return original(x, scale=scale) + 1
+
+    target.hook("plain", after)
+    m = target.apply()
+    assert m.plain(2) == 21  # our hook's result
+    assert m.plain(3) == 30  # the original's own result, not ours (31)
+    assert target.calls == [("plain", 2, 1), ("plain", 3, 1)]
+    assert [f["hook"] for f in DEGRADED.snapshot()] == ["after"]
+
+
+def test_a_replace_hook_falls_back_to_the_function_it_replaced(target) -> None:
+    def replaced(x, *, scale=1):
+        raise RuntimeError("our replacement failed")
+
+    target.hook("plain", replaced, replace=True)
+    assert target.apply().plain(5) == 50
+    assert target.calls == [("plain", 5, 1)] and [f["hook"] for f in DEGRADED.snapshot()] == ["replaced"]
+
+
+def test_coroutine_hooks_settle_as_sglangs_own_call(target, caplog) -> None:
+    async def before(original, x):
+        raise OSError("our async bug")
+
+    target.hook("coro", before)
+    m = target.apply()
+    assert asyncio.run(m.coro(1)) == 101 and asyncio.run(m.coro(2)) == 102
+    assert target.calls == [("coro", 1), ("coro", 2)] and len(errors(caplog)) == 1
+
+
+def test_a_stream_hook_failing_mid_stream_passes_every_item_on_once_in_order(target, monkeypatch, caplog) -> None:
+    monkeypatch.setenv(guard.FAULT_ENV, "tagged:after@3")  # after the hook pulled item 2, before it passed it on
+
+    async def tagged(original, n):
+        async for item in original(n):
+            yield ("ours", item)
+
+    target.hook("stream", tagged)
+    m = target.apply()
+
+    async def take(n):
+        return [item async for item in m.stream(n)]
+
+    assert asyncio.run(take(5)) == [("ours", 0), ("ours", 1), 2, 3, 4]
+    assert asyncio.run(take(2)) == [0, 1]  # degraded: SGLang's stream as it is
+    assert [c[1] for c in target.calls] == [0, 1, 2, 3, 4, 0, 1]  # no item produced twice
+    assert len(errors(caplog)) == 1
+
+
+def test_a_compiled_caller_traces_the_guard_plainly_on_and_degraded(target) -> None:
+    """Dynamo (fullgraph, as SGLang's piecewise graphs compile each layer) traces through the guard: no
+    try/except, logging or state in the compiled path; degraded, the compiled graph is the original's."""
+    import torch
+
+    def plus_one(original, x):
+        return original(x) + 1
+
+    target.hook("scale", plus_one)
+    m = target.apply()
+    compiled = torch.compile(lambda x: m.scale(x) * 3, fullgraph=True, backend="eager")
+    x = torch.arange(4.0)
+    assert compiled(x).tolist() == [3.0, 9.0, 15.0, 21.0]
+    guard.Guard.all[0].degraded = True
+    assert compiled(x).tolist() == [0.0, 6.0, 12.0, 18.0]
+
+
+def test_install_registers_every_hook_behind_a_guard_as_around(target, monkeypatch) -> None:
+    from engine_ext.core.settings import EngineSettings
+    from engine_ext.sglang import hooks
+
+    monkeypatch.setattr(hooks, "_registered", set())
+    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
+    monkeypatch.setattr(hooks, "_budget_hook_registered", [True])
+    hooks.install(EngineSettings(mode="mirror", sidecar_url="http://sc:1"))
+    hooks.PROCESS.configure(None)  # install set the delivery settings of this (test) process
+    ours = [(t, ht, getattr(h, "__r3_guard__", None)) for t, hs in HookRegistry._hooks.items() for ht, h, _ in hs]
+    assert len(ours) == len({h.target for h in hooks.HOOKS if "hip" not in h.groups})
+    assert all(kind is HookType.AROUND and g is not None and g.target == t for t, kind, g in ours), ours
+    assert len(guard.Guard.on_step_aside) == 1
