@@ -6,8 +6,9 @@ through the bodies each decide differently. `wrap` turns each row of `hooks.HOOK
 failed, the guard calls the hook. When the plugin's own code raises `Exception` at any hook:
 
 - that call ends as SGLang's own would: the original is called with the caller's arguments if the hook had not
-  called it yet, else its result (or its exception) stands; an item a stream hook had pulled from SGLang's stream
-  and not passed on is passed on as SGLang made it, then the rest of SGLang's stream;
+  called it yet, else its result (or its exception) stands, finished by the hook row's `settle` where the hook
+  called it with other arguments; an item a stream hook had pulled from SGLang's stream and not passed on is
+  passed on as SGLang made it, then the rest of SGLang's stream;
 - every guard of the process switches to degraded, and from then on calls the original only. All of them, not the
   one: the hooks share state (a forward's extent feeds the slice, a drain must precede the host-cache write, the
   finish path ends what live rows began), so half a plugin could hand out rows that are not what SGLang routed;
@@ -125,8 +126,13 @@ def faults(spec: str | None = None) -> dict[str, list]:
     return out
 
 
-def wrap(name: str, target: str, fn: Callable[..., Any], *, replace: bool) -> Callable[..., Any]:
-    """The AROUND hook to register for `fn` (an AROUND hook, or with `replace` a REPLACE one) at `target`."""
+def wrap(
+    name: str, target: str, fn: Callable[..., Any], *, replace: bool, settle: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
+    """The AROUND hook to register for `fn` (an AROUND hook, or with `replace` a REPLACE one) at `target`.
+
+    `settle(result, *args, **kwargs)`: for a hook that calls the original with other arguments than its caller's,
+    how SGLang's own call ends from that result when the hook fails after the original returned."""
     wanted = faults()
     fault = wanted.get(name, wanted.get("*"))
     guard = Guard(name, target, None if fault is None else list(fault))
@@ -135,7 +141,7 @@ def wrap(name: str, target: str, fn: Callable[..., Any], *, replace: bool) -> Ca
     elif inspect.iscoroutinefunction(fn):
         hook = _coroutine(guard, fn, replace)
     else:
-        hook = _function(guard, fn, replace)
+        hook = _function(guard, fn, replace, settle)
     hook.__name__ = hook.__qualname__ = f"guarded_{name}"
     hook.__r3_guard__ = guard  # type: ignore[attr-defined]
     return hook
@@ -163,7 +169,9 @@ class _Tracked:
         return call.result
 
 
-def _function(guard: Guard, fn: Callable[..., Any], replace: bool) -> Callable[..., Any]:
+def _function(
+    guard: Guard, fn: Callable[..., Any], replace: bool, settle: Callable[..., Any] | None
+) -> Callable[..., Any]:
     tracked = _Tracked(guard)
 
     def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -180,6 +188,8 @@ def _function(guard: Guard, fn: Callable[..., Any], replace: bool) -> Callable[.
             if exc is call.error:
                 raise
             guard.trip(exc)
+            if call.returned and settle is not None:
+                return settle(call.result, *args, **kwargs)
             return call.settle() if call.called else original(*args, **kwargs)
         finally:
             guard.calls.reset(token)

@@ -48,6 +48,7 @@ class Hook:
     function: str
     type: HookType
     groups: tuple[str, ...]  # capture: always · hip: ROCm only · delivery: R3_MODE not off · pointer: R3_SIDECAR_URL
+    settle: str | None = None  # calls the original with other arguments: how the guard ends SGLang's call (`guard`)
 
 
 AROUND, REPLACE = HookType.AROUND, HookType.REPLACE
@@ -61,7 +62,9 @@ HOOKS: tuple[Hook, ...] = (
         ("capture",),
     ),
     Hook(f"{_RE}._get_local_slice", "_get_local_slice", REPLACE, ("capture",)),
-    Hook(f"{_RE}.on_forward_end", "_around_forward_end", AROUND, ("capture", "delivery")),  # occupancy; host rows
+    Hook(  # occupancy; host rows
+        f"{_RE}.on_forward_end", "_around_forward_end", AROUND, ("capture", "delivery"), "_settle_forward_end"
+    ),
     Hook("sglang.srt.state_capturer.base.BaseDeviceCache.capture", "_checked_device_capture", AROUND, ("capture",)),
     Hook("sglang.srt.runtime_context.cutedsl_moe_max_num_tokens", "_cutedsl_moe_max_num_tokens", REPLACE, ("capture",)),
     Hook(
@@ -141,7 +144,8 @@ def _register(*groups: str) -> None:
             where = compat.hook(hook.target, hook.function)  # this version's target and function for the row
             if where is not None:
                 target, name = where
-                fn = guard.wrap(name, target, timers.untimed(globals()[name]), replace=hook.type is REPLACE)
+                fn, settle = timers.untimed(globals()[name]), globals()[hook.settle] if hook.settle else None
+                fn = guard.wrap(name, target, fn, replace=hook.type is REPLACE, settle=settle)
                 HookRegistry.register(target, fn, AROUND)  # behind its guard: SGLang's own code if ours fails
             _registered.add(hook)
 
@@ -154,7 +158,10 @@ def degraded_report(settings: EngineSettings):
 
     from engine_ext.core.telemetry import Sources, Telemetry
 
-    publisher, dp_rank = _attention_ranks()
+    try:
+        publisher, dp_rank = _attention_ranks()
+    except Exception:  # a process without SGLang's parallel state (the main process): it names itself
+        publisher, dp_rank = True, None
     engine = settings.engine_name(dp_rank)  # without DP it names this process (`/pid<pid>`)
     if dp_rank is not None and not publisher:  # the group's name is its publishing rank's file
         engine = f"{engine}/pid{os.getpid()}"
@@ -824,6 +831,17 @@ def _around_forward_end(original, self, *args, **kwargs):
     if occupancy is not None:
         occupancy.record(where.gathered_rows if where is not None else params["forward_batch"].out_cache_loc.shape[0])
     return out
+
+
+def _settle_forward_end(out, self, *args, **kwargs):
+    """SGLang's own end of `on_forward_end` when our hook failed after its original returned: the delivery path
+    asks the original for the rows without the host copy, so make the copy the caller asked for, as upstream does
+    (`base.py` `on_forward_end`: the rows into the host cache at `out_cache_loc`, return None). Idempotent."""
+    params = dict(zip(("forward_batch", "can_run_graph", "cuda_graph_batch", "no_copy_to_cpu"), args, strict=False))
+    if out is None or (params | kwargs).get("no_copy_to_cpu", False):
+        return out
+    out.host_cache.buffer[out.out_cache_loc.cpu()] = out.topk.cpu()
+    return None
 
 
 def _forward_end_rows(original, self, params: dict):
