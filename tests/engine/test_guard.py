@@ -56,9 +56,10 @@ class Target:
         module.scale = lambda x: x * 2
         sys.modules[self.name] = self.module = module
 
-    def hook(self, attr: str, fn, *, replace: bool = False) -> None:
+    def hook(self, attr: str, fn, *, replace: bool = False, settle=None) -> None:
         target = f"{self.name}.{attr}"
-        HookRegistry.register(target, guard.wrap(fn.__name__, target, fn, replace=replace), HookType.AROUND)
+        wrapped = guard.wrap(fn.__name__, target, fn, replace=replace, settle=settle)
+        HookRegistry.register(target, wrapped, HookType.AROUND)
 
     def apply(self) -> types.ModuleType:
         HookRegistry.apply_hooks()
@@ -129,6 +130,23 @@ def test_a_failure_after_the_original_keeps_its_result_and_never_calls_it_twice(
     assert m.plain(3) == 30  # the original's own result, not ours (31)
     assert target.calls == [("plain", 2, 1), ("plain", 3, 1)]
     assert [f["hook"] for f in DEGRADED.snapshot()] == ["after"]
+
+
+def test_a_hook_that_changed_the_originals_arguments_is_settled_by_its_row(target, monkeypatch) -> None:
+    """Our hook asked the original for something else (on_forward_end without the host copy) and failed after it
+    returned: the row's `settle` finishes SGLang's own call from that result, once."""
+    monkeypatch.setenv(guard.FAULT_ENV, "other_args:after")
+
+    def other_args(original, x, *, scale=1):
+        return original(x, scale=0)  # the host copy skipped: ours would follow
+
+    def settle(result, x, *, scale=1):
+        target.calls.append(("settle", result, x, scale))
+        return x * 10 * scale  # what SGLang's own call gives
+
+    target.hook("plain", other_args, settle=settle)
+    assert target.apply().plain(4, scale=3) == 120
+    assert target.calls == [("plain", 4, 0), ("settle", 0, 4, 3)]
 
 
 def test_a_replace_hook_falls_back_to_the_function_it_replaced(target) -> None:

@@ -51,6 +51,54 @@ def test_a_request_that_stops_appearing_is_forgotten(tmp_path):
     writer.close()
 
 
+def test_stepping_aside_ends_every_record_not_yet_whole_as_error(tmp_path):
+    """A hook failed (`guard.py`): a live record, a finished request whose slot read is queued, a mirror payload
+    not yet handed over and a reopened rid all end `error`; no later drain reads the host cache (SGLang alone
+    writes it now); a record whose rows were read before the failure stays as it is."""
+    import torch
+
+    from engine_ext.core.settings import Mode
+    from engine_ext.core.writer import SpoolWriter
+    from engine_ext.sglang.collect import Collector, Finished, ModelShape
+    from engine_ext.sglang.live import LiveRows
+    from service.spool import Spool
+
+    writer = SpoolWriter(tmp_path).start()
+    shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), layer_slots=None)
+    collector = Collector(writer, shape, mode=Mode.SIDECAR, capture_all=False, dtype="uint8", engine="e")
+    live = LiveRows(collector)
+    host = torch.ones(64, 2, 2, dtype=torch.int32)
+    req_to_token = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16) % 64
+
+    def finished(rid: str, idx: int) -> Finished:
+        return Finished(rid=rid, wants_inline=True, start_len=0, prompt_len=4, seqlen=7, pool_idx=idx, aborted=False)
+
+    collector.finish(finished("whole", 1), publisher=True)
+    collector.end_step(req_to_token, host)
+    collector.drain(wait=True)  # handed to the writer whole before the failure
+    live.begin("live", start=0, prompt_len=3, retractions=0, first_pos=0, pool_idx=2)
+    live.feed("live", 0, torch.zeros(3, 2, 2, dtype=torch.int32), limit=10)
+    collector.finish(finished("launched", 3), publisher=True)
+    collector.end_step(req_to_token, host)  # read and drained at its step's end (a CPU copy is done at once)
+    collector.finish(finished("queued", 4), publisher=True)  # queued for the next step's read
+    collector.mode = Mode.MIRROR
+    collector.finish(finished("mirrored", 5), publisher=True)  # waits for SGLang's inline payload
+    assert collector.reopen("whole", prompt_len=4, start_len=0)  # a new request under a written rid
+    queued_bytes = writer.snapshot()["queued_bytes"]
+
+    live.abandon()
+    collector.abandon()
+    assert collector.drain(wait=True) == 0 and not collector.gather.pending() and not live.records
+    assert writer.flush()
+    spool = Spool(tmp_path)
+    for rid in ("live", "queued", "mirrored", "whole"):
+        meta = spool.read_meta(rid)
+        assert meta.final and meta.status == "error", (rid, meta)
+    assert spool.read_meta("launched").status == "ok" and spool.read_meta("launched").rows == 6
+    assert writer.snapshot()["queued_bytes"] <= queued_bytes
+    writer.close()
+
+
 _LIVE_CHILD = r"""
 import base64, os, types
 from array import array
