@@ -15,8 +15,19 @@ def register() -> None:
     """Entry point: register every hook where `versions.support` says the plugin is proven, else none, loudly.
 
     Under `R3_BUDGET=enforce` an unsupported SGLang stops the start (`SystemExit`: SGLang's plugin loader
-    catches `Exception` only) with the one message naming the version.
+    catches `Exception` only) with the one message naming the version. Any other failure here leaves SGLang as
+    it is, as a failed hook does (`guard.py`): the hooks registered so far call SGLang's originals only, one
+    ERROR line, the failure in `degraded`.
     """
+    from engine_ext.sglang import guard
+
+    try:
+        _register()
+    except Exception as exc:
+        guard.failed_outside_hooks("register", f"{__name__}:register", exc)
+
+
+def _register() -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     from engine_ext.core.settings import BudgetPolicy, EngineSettings

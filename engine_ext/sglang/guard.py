@@ -115,6 +115,11 @@ class Guard:
                 raise InjectedFault(f"{FAULT_ENV}: {self.name} ({where})")
 
 
+def failed_outside_hooks(name: str, where: str, error: Exception) -> None:
+    """The plugin's own code failed outside any hook (its entry point): the same step aside as a failed hook's."""
+    Guard(name, where).trip(error)
+
+
 def faults(spec: str | None = None) -> dict[str, list]:
     """`R3_TEST_FAULT_HOOKS` as {hook function or "*": [where, call]}: `name[:after][@n]`, the n-th call (1)."""
     spec = os.environ.get(FAULT_ENV, "") if spec is None else spec

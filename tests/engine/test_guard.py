@@ -217,3 +217,25 @@ def test_install_registers_every_hook_behind_a_guard_as_around(target, monkeypat
     assert len(ours) == len({h.target for h in hooks.HOOKS if "hip" not in h.groups})
     assert all(kind is HookType.AROUND and g is not None and g.target == t for t, kind, g in ours), ours
     assert len(guard.Guard.on_step_aside) == 1
+
+
+def test_a_failure_in_the_entry_point_leaves_every_hook_registered_so_far_on_sglangs_code(
+    target, monkeypatch, caplog
+) -> None:
+    """`register()` failing half way (after the capture hooks): SGLang's loader would carry on with those hooks;
+    they call SGLang's originals only, and the failure is said once, as a failed hook's."""
+    import engine_ext.sglang
+    from engine_ext.sglang import hooks
+
+    def broken(settings):
+        raise RuntimeError("budget hook registration failed")
+
+    monkeypatch.setattr(hooks, "_registered", set())
+    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
+    monkeypatch.setattr(hooks, "install_budget_hooks", broken)
+    monkeypatch.setattr(hooks.PROCESS, "step_aside", lambda report: None)  # no engine file from this test process
+    engine_ext.sglang.register()
+    assert len(guard.Guard.all) > 1 and all(g.degraded for g in guard.Guard.all)
+    assert [f["hook"] for f in DEGRADED.snapshot()] == ["register"]
+    (line,) = errors(caplog)
+    assert line.startswith("r3-sidecar: hook register (engine_ext.sglang:register) failed: RuntimeError"), line
