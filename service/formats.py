@@ -63,16 +63,28 @@ def parse_layers(text: str) -> list[LayerItem]:
     return items
 
 
-def resolve_layers(record_layers: Sequence[int], items: Sequence[LayerItem]) -> list[int]:
+def resolve_layers(
+    record_layers: Sequence[int], items: Sequence[LayerItem], num_hidden_layers: int | None = None
+) -> list[int]:
     """The model layers a query names in a record: each index as given, each range as the stored layers inside it.
 
     An index must be a layer the record holds (a typo must not pass silently); a range may hold none (a pipeline
-    stage of dense layers only gets an empty answer). Raises ValueError naming what is wrong.
+    stage of dense layers only gets an empty answer) but must start inside the model: `100-200` on a 48-layer model
+    names another model, not an empty stage (`40-63`, a last stage split evenly, keeps layers 40-47). The model's
+    layers are `num_hidden_layers` when the record says so, else those up to its last stored one. Raises
+    ValueError naming what is wrong.
     """
     held = set(record_layers)
     missing = [x for x in items if isinstance(x, int) and x not in held]
     if missing:
         raise ValueError(f"layers {missing} are not in this record (it holds {_layer_text(record_layers)})")
+    model = num_hidden_layers if num_hidden_layers is not None else max(record_layers, default=-1) + 1
+    outside = [x for x in items if isinstance(x, tuple) and x[0] >= model]
+    if outside:
+        raise ValueError(
+            f"layers {format_layer_items(outside)} lie outside the model's layers 0-{model - 1} "
+            f"(this record holds {_layer_text(record_layers)})"
+        )
     out: list[int] = []
     for item in items:
         out.extend([item] if isinstance(item, int) else [x for x in record_layers if item[0] <= x <= item[1]])
@@ -112,6 +124,11 @@ def layer_slots(record_layers: Sequence[int], wanted: Sequence[int] | None) -> l
     return None if slots == list(range(len(record_layers))) else slots
 
 
+def as_bytes(array: np.ndarray) -> memoryview | bytes:
+    """A C-contiguous array's bytes without a copy (`memoryview.cast` refuses a shape with a zero in it)."""
+    return array.data.cast("B") if array.size else b""
+
+
 def select_layers(
     chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, slots: list[int] | None
 ) -> Iterator[bytes]:
@@ -126,7 +143,7 @@ def select_layers(
     )
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
-        yield np.ascontiguousarray(rows[:, index, :]).data.cast("B")
+        yield as_bytes(np.ascontiguousarray(rows[:, index, :]))
 
 
 # ---- encoders ---------------------------------------------------------------------------------
@@ -152,7 +169,7 @@ def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes | memor
         yield from chunks
         return
     for chunk in chunks:
-        yield np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE).data.cast("B")
+        yield as_bytes(np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE))
 
 
 def to_sglang_rows(
@@ -172,7 +189,7 @@ def to_sglang_rows(
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, len(layers), topk)
         out = np.zeros((rows.shape[0], num_hidden_layers, topk), dtype=SGLANG_DTYPE)
         out[:, index, :] = rows
-        yield out.data.cast("B")
+        yield as_bytes(out)
 
 
 def b64_chunk_rows(rows: int) -> int:
@@ -202,10 +219,18 @@ def b64_length(nbytes: int) -> int:
 
 
 def encode_json(
-    chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, head: dict[str, Any]
+    chunks: Iterable[bytes], dtype: np.dtype, shape: tuple[int, int, int], head: dict[str, Any]
 ) -> Iterator[bytes]:
-    """`{...head, "data": [[[e, …], …], …]}`, streamed row chunk by row chunk (for debugging)."""
+    """`{...head, "data": [[[e, …], …], …]}`, streamed row chunk by row chunk (for debugging).
+
+    Rows of no layers carry no bytes, so their count comes from `shape`: each is an empty list.
+    """
     yield orjson.dumps(head)[:-1] + (b',"data":[' if head else b'"data":[')
+    rows_count, num_layers, topk = shape
+    if num_layers * topk == 0:
+        yield b",".join([b"[]"] * rows_count)
+        yield b"]}"
+        return
     first = True
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
@@ -234,7 +259,7 @@ def encode(
     if fmt == "sglang_b64":
         return encode_b64(to_int32(chunks, dtype))
     if fmt == "json":
-        return encode_json(chunks, dtype, shape[1], shape[2], head or {})
+        return encode_json(chunks, dtype, shape, head or {})
     raise ValueError(f"format={fmt!r}: one of {', '.join(FORMATS)}")
 
 
