@@ -321,7 +321,7 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         engines,
         methods=["GET"],
         response_model=Engines,
-        responses=errors(*auth_errors),
+        responses=errors(*auth_errors, 422),
         summary="Engine budget and occupancy",
     )
     app.add_api_route("/healthz", healthz, methods=["GET"], response_model=Health, summary="Liveness")
