@@ -15,7 +15,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import Depends, FastAPI, Query, Request, Security
@@ -171,6 +171,14 @@ async def get_record(
     clamp: Annotated[
         bool, Query(description="Cut `start`/`end` to the rows the record holds instead of answering 416.")
     ] = False,
+    sglang_dtype: Annotated[
+        Literal["int32", "uint16", "uint8"] | None,
+        Query(
+            description="`format=sglang_b64` only: encode as SGLang does under `SGLANG_ROUTED_EXPERTS_DTYPE` (the "
+            "narrower dtype when every id fits, else int32); `X-R3-Dtype` names the one sent, as SGLang's "
+            '`meta_info["routed_experts_dtype"]` does. Default: int32, every SGLang release\'s payload.'
+        ),
+    ] = None,
 ) -> Response:
     fetch = metrics.fetch("frames" if stream else fmt)
     try:
@@ -180,11 +188,13 @@ async def get_record(
             items = formats.parse_layers(layers) if layers is not None else None
         except ValueError as exc:
             raise ApiError(422, "invalid_layers", str(exc)) from None
+        if sglang_dtype is not None and (stream or fmt != "sglang_b64"):
+            raise ApiError(422, "invalid_parameter", "sglang_dtype applies to format=sglang_b64 only")
         if stream:
             if clamp:
                 raise ApiError(422, "invalid_parameter", "clamp applies to whole fetches; a stream waits for its rows")
             return await stream_record(store, rid, items, start, end, wait, fetch)
-        return await fetch_record(store, rid, fmt, items, start, end, wait, clamp, fetch)
+        return await fetch_record(store, rid, fmt, items, start, end, wait, clamp, fetch, sglang_dtype)
     except Exception as exc:  # an answer before the headers: count it here (bodies count themselves)
         if isinstance(exc, ApiError):
             fetch.count(exc.status, error=exc.code)

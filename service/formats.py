@@ -33,6 +33,24 @@ MEDIA_TYPES: dict[str, str] = {
     "sglang_b64": "text/plain; charset=utf-8",
 }
 SGLANG_DTYPE = np.dtype("<i4")
+SGLANG_WIRE_DTYPES: dict[str, np.dtype] = {"int32": SGLANG_DTYPE, "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+"""SGLang's `SGLANG_ROUTED_EXPERTS_DTYPE` choices (main, after 0.5.23): `meta_info["routed_experts_dtype"]` names
+the one a payload was sent in; a payload without it is int32 (every release up to 0.5.23)."""
+
+
+def sglang_wire_dtype(name: str | None) -> np.dtype:
+    """The numpy dtype of an SGLang payload whose `routed_experts_dtype` is `name` (None: int32)."""
+    key = "int32" if name is None else str(name).strip().lower()
+    if key not in SGLANG_WIRE_DTYPES:
+        raise ValueError(f"routed_experts_dtype={name!r}: SGLang sends {', '.join(SGLANG_WIRE_DTYPES)}")
+    return SGLANG_WIRE_DTYPES[key]
+
+
+def sglang_sent_dtype(asked: str | None, max_id: int) -> np.dtype:
+    """The dtype SGLang's encoder actually sends for ids up to `max_id` when `asked` is configured: the unsigned
+    one when every id fits it, else int32 (its fallback, so no id is ever wrapped)."""
+    dtype = sglang_wire_dtype(asked)
+    return dtype if dtype.kind != "u" or max_id <= np.iinfo(dtype).max else SGLANG_DTYPE
 
 
 # ---- layers -----------------------------------------------------------------------------------
@@ -162,18 +180,24 @@ def encode_npy(chunks: Iterable[bytes], dtype: np.dtype, shape: tuple[int, ...])
     yield from chunks
 
 
-def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes | memoryview]:
-    """Widen to little-endian int32, SGLang's dtype for `meta_info["routed_experts"]` (one copy per chunk)."""
+def to_int32(chunks: Iterable[bytes], dtype: np.dtype, out: np.dtype = SGLANG_DTYPE) -> Iterator[bytes | memoryview]:
+    """Cast to `out`, SGLang's wire dtype for `meta_info["routed_experts"]`: little-endian int32 unless
+    `SGLANG_ROUTED_EXPERTS_DTYPE` chose a narrower one (one copy per chunk; none when the dtypes agree)."""
     dtype = np.dtype(dtype)
-    if dtype == SGLANG_DTYPE:
+    if dtype == out:
         yield from chunks
         return
     for chunk in chunks:
-        yield as_bytes(np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE))
+        yield as_bytes(np.frombuffer(chunk, dtype=dtype).astype(out))
 
 
 def to_sglang_rows(
-    chunks: Iterable[bytes], dtype: np.dtype, layers: Sequence[int], num_hidden_layers: int, topk: int
+    chunks: Iterable[bytes],
+    dtype: np.dtype,
+    layers: Sequence[int],
+    num_hidden_layers: int,
+    topk: int,
+    out_dtype: np.dtype = SGLANG_DTYPE,
 ) -> Iterator[bytes | memoryview]:
     """SGLang's host-cache layout: int32 rows of `num_hidden_layers` slots, stored layers in place, zeros elsewhere.
 
@@ -182,12 +206,12 @@ def to_sglang_rows(
     """
     dtype = np.dtype(dtype)
     if tuple(layers) == tuple(range(num_hidden_layers)):
-        yield from to_int32(chunks, dtype)
+        yield from to_int32(chunks, dtype, out_dtype)
         return
     index = np.asarray(layers, dtype=np.intp)
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, len(layers), topk)
-        out = np.zeros((rows.shape[0], num_hidden_layers, topk), dtype=SGLANG_DTYPE)
+        out = np.zeros((rows.shape[0], num_hidden_layers, topk), dtype=out_dtype)
         out[:, index, :] = rows
         yield as_bytes(out)
 
@@ -249,21 +273,23 @@ def encode(
     dtype: np.dtype,
     shape: tuple[int, int, int],
     head: dict[str, Any] | None = None,
+    wire: np.dtype = SGLANG_DTYPE,
 ) -> Iterator[bytes]:
-    """Dispatch to the encoder for `fmt`; `shape` is `(rows, layers, topk)` of what `chunks` hold."""
+    """Dispatch to the encoder for `fmt`; `shape` is `(rows, layers, topk)` of what `chunks` hold; `wire` is
+    `sglang_b64`'s dtype."""
     dtype = np.dtype(dtype)
     if fmt == "raw":
         return iter(chunks)
     if fmt == "npy":
         return encode_npy(chunks, dtype, shape)
     if fmt == "sglang_b64":
-        return encode_b64(to_int32(chunks, dtype))
+        return encode_b64(to_int32(chunks, dtype, wire))
     if fmt == "json":
         return encode_json(chunks, dtype, shape, head or {})
     raise ValueError(f"format={fmt!r}: one of {', '.join(FORMATS)}")
 
 
-def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int]) -> int | None:
+def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int], wire: np.dtype = SGLANG_DTYPE) -> int | None:
     """Exact body size when it is known before encoding (all but `json`)."""
     n = int(np.prod(shape))
     if fmt == "raw":
@@ -271,10 +297,10 @@ def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int]) -> int |
     if fmt == "npy":
         return len(npy_header(dtype, shape)) + n * np.dtype(dtype).itemsize
     if fmt == "sglang_b64":
-        return b64_length(n * SGLANG_DTYPE.itemsize)
+        return b64_length(n * wire.itemsize)
     return None
 
 
-def payload_dtype(fmt: str, dtype: str) -> str:
-    """The dtype of the numbers a response carries (SGLang's base64 is always int32)."""
-    return "int32" if fmt == "sglang_b64" else dtype
+def payload_dtype(fmt: str, dtype: str, wire: np.dtype = SGLANG_DTYPE) -> str:
+    """The dtype of the numbers a response carries (SGLang's base64: int32, or the narrower wire asked for)."""
+    return wire.name if fmt == "sglang_b64" else dtype

@@ -315,7 +315,7 @@ class Store:
             event = self._event(rid)
             meta = self.lookup(rid)
             remaining = deadline - self.deadline_clock()
-            if done(meta) or remaining <= 0 or (meta is None and self.gone_reason(rid)):
+            if done(meta) or remaining <= 0 or (meta is None and self.expired(rid)):
                 return meta
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), min(remaining, self.settings.rescan_s))
