@@ -8,13 +8,14 @@ The work lives in one module per idea: `fetch` (a whole record), `stream` (rows 
 in memory; every error is JSON `{"error": code, "detail": text}`.
 """
 
+import difflib
 import functools
 import hmac
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import Depends, FastAPI, Query, Request, Security
@@ -63,6 +64,34 @@ async def authorized(request: Request, creds: Annotated[HTTPAuthorizationCredent
 
 async def open_access() -> None:
     """Without a token the API is open, and the schema says so (no security, no 401)."""
+
+
+def _query_names(route: Any) -> frozenset[str]:
+    """The query parameters a route declares (by their public names, e.g. `format`)."""
+    names: set[str] = set()
+    pending = [route.dependant]
+    while pending:  # the route's own parameters and those of its dependencies
+        dependant = pending.pop()
+        names.update(p.alias for p in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    return frozenset(names)
+
+
+async def known_query(request: Request) -> None:
+    """A query parameter the route does not take is a 422 naming it: `?fromat=json` must not answer npy."""
+    route = request.scope.get("route")
+    if route is None or not request.query_params:
+        return
+    allowed = _query_names(route)
+    unknown = sorted(set(request.query_params) - allowed)
+    if not unknown:
+        return
+    hints = [
+        f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, allowed, 1)) else name
+        for name in unknown
+    ]
+    takes = ", ".join(sorted(allowed)) or "none"
+    raise ApiError(422, "unknown_parameter", f"unknown query parameter {', '.join(hints)}; this route takes: {takes}")
 
 
 Rid = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RID_CHARS)]
@@ -142,6 +171,14 @@ async def get_record(
     clamp: Annotated[
         bool, Query(description="Cut `start`/`end` to the rows the record holds instead of answering 416.")
     ] = False,
+    sglang_dtype: Annotated[
+        Literal["int32", "uint16", "uint8"] | None,
+        Query(
+            description="`format=sglang_b64` only: encode as SGLang does under `SGLANG_ROUTED_EXPERTS_DTYPE` (the "
+            "narrower dtype when every id fits, else int32); `X-R3-Dtype` names the one sent, as SGLang's "
+            '`meta_info["routed_experts_dtype"]` does. Default: int32, every SGLang release\'s payload.'
+        ),
+    ] = None,
 ) -> Response:
     fetch = metrics.fetch("frames" if stream else fmt)
     try:
@@ -151,11 +188,13 @@ async def get_record(
             items = formats.parse_layers(layers) if layers is not None else None
         except ValueError as exc:
             raise ApiError(422, "invalid_layers", str(exc)) from None
+        if sglang_dtype is not None and (stream or fmt != "sglang_b64"):
+            raise ApiError(422, "invalid_parameter", "sglang_dtype applies to format=sglang_b64 only")
         if stream:
             if clamp:
                 raise ApiError(422, "invalid_parameter", "clamp applies to whole fetches; a stream waits for its rows")
             return await stream_record(store, rid, items, start, end, wait, fetch)
-        return await fetch_record(store, rid, fmt, items, start, end, wait, clamp, fetch)
+        return await fetch_record(store, rid, fmt, items, start, end, wait, clamp, fetch, sglang_dtype)
     except Exception as exc:  # an answer before the headers: count it here (bodies count themselves)
         if isinstance(exc, ApiError):
             fetch.count(exc.status, error=exc.code)
@@ -169,8 +208,9 @@ async def get_record(
 async def delete_record(rid: str, store: StoreDep) -> Response:
     if not rid or len(rid) > MAX_RID_CHARS:
         raise ApiError(422, "invalid_rid", f"rid must be 1 … {MAX_RID_CHARS} characters")
-    if not store.delete(rid):
-        raise ApiError(404, "not_found", f"no record {rid!r}")
+    if not store.delete(rid):  # 404 either way, so a repeated ack stays harmless (`ack(missing_ok=True)`)
+        detail = "it was already acknowledged" if store.gone_reason(rid) == "acknowledged" else "no such record"
+        raise ApiError(404, "not_found", f"no record {rid!r}: {detail}")
     return Response(status_code=204)
 
 
@@ -226,7 +266,7 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
     """Every route of Contract 2, with this app's auth and limits in its validation and schema."""
     token = bool(settings.auth_token)
     auth_errors = (401,) if token else ()
-    auth = [Security(authorized)] if token else [Depends(open_access)]
+    auth = [Security(authorized) if token else Depends(open_access), Depends(known_query)]
 
     def guarded(path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         app.add_api_route(path, endpoint, dependencies=auth, **kwargs)
@@ -291,7 +331,7 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         engines,
         methods=["GET"],
         response_model=Engines,
-        responses=errors(*auth_errors),
+        responses=errors(*auth_errors, 422),
         summary="Engine budget and occupancy",
     )
     app.add_api_route("/healthz", healthz, methods=["GET"], response_model=Health, summary="Liveness")

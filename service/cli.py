@@ -20,21 +20,24 @@ from typing import Any
 from service.settings import Settings
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+FORMATS = ("npy", "raw", "json", "sglang_b64")  # service.formats.FORMATS, without importing numpy for --help
 
 
 # ---- settings flags -----------------------------------------------------------------------------------
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One `--kebab-name` flag per `Settings` field; values are validated by `Settings` itself."""
-    group = parser.add_argument_group("settings (also R3_<NAME> in the environment)")
+def _add_settings_flags(parser: argparse.ArgumentParser, shown: dict[str, object] | None = None) -> None:
+    """One `--kebab-name` flag per `Settings` field; values are validated by `Settings` itself. `shown`: the
+    defaults this command uses instead of the fields' own (the demo's temp spool and short TTL)."""
+    group = parser.add_argument_group("settings (also R3_<NAME> in the environment; a flag wins)")
     for name, field in Settings.model_fields.items():
+        default = (shown or {}).get(name, field.default)
         group.add_argument(
             f"--{name.replace('_', '-')}",
             dest=f"setting_{name}",
             metavar=name.upper(),
             default=None,
-            help=field.description or f"R3_{name.upper()} (default {field.default})",
+            help=f"{(field.description or '').rstrip('.')} (default: {default or 'none'}; R3_{name.upper()})",
         )
 
 
@@ -138,6 +141,11 @@ def _shown_path(path: str) -> str:
         return path
 
 
+DEMO_TTL_S = 120.0
+"""The demo's record TTL (unless --ttl-s or R3_TTL_S says otherwise): at the demo's pace a few hundred records
+live at once, well under `--max-live`, so records keep coming for as long as it runs."""
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from service.demo import DemoConfig, DemoEngine
     from service.spool import Spool
@@ -148,6 +156,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         temp_dir = tempfile.mkdtemp(prefix="r3-demo-", dir=shm)
         overrides["spool_dir"] = temp_dir
+    if args.setting_ttl_s is None and "R3_TTL_S" not in os.environ:
+        overrides["ttl_s"] = DEMO_TTL_S  # the oldest records expire, so the demo engine never stops producing
     settings = _settings(args, **overrides)
     pace = dict(max_live=args.max_live, max_records=args.max_records, step_s=args.step_ms / 1000)
     cfg = DemoConfig(**pace, seed=args.seed)
@@ -168,17 +178,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from service.client import R3Error, RoutedExpertsClient
+    from service.client import RoutedExpertsClient
 
     token = args.token or os.environ.get("R3_AUTH_TOKEN") or None
     layers = args.layers or None  # the server's syntax: indices and inclusive ranges (0-15)
-    query = {"start": args.start, "end": args.end, "layers": layers, "wait": args.wait}
-    try:
-        with RoutedExpertsClient(args.url, token=token, timeout=args.timeout) as client:
-            body = client.fetch_bytes(args.rid, args.format, **query)
-    except R3Error as exc:
-        print(f"r3-sidecar fetch: {type(exc).__name__} (HTTP {exc.status}): {exc}", file=sys.stderr)
-        return 1
+    query = {"start": args.start, "end": args.end, "layers": layers, "wait": args.wait, "clamp": args.clamp}
+    with RoutedExpertsClient(args.url, token=token, timeout=args.timeout) as client:
+        body = client.fetch_bytes(args.rid, args.format, **query)
     if args.out and args.out != "-":
         Path(args.out).write_bytes(body)
         print(f"{args.rid}: {len(body)} bytes of {args.format} → {args.out}", file=sys.stderr)
@@ -193,6 +199,13 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             summary = f"shape {array.shape} dtype {array.dtype}"
         print(f"{args.rid}: {summary} (use --out FILE to save it)")
     return 0
+
+
+def one_line(command: str, exc: Exception) -> str:
+    """A failure as the one line a person reads: which command, what kind, what the sidecar or the OS said."""
+    status = getattr(exc, "status", None)
+    kind = type(exc).__name__ + (f" (HTTP {status})" if status is not None else "")
+    return f"r3-sidecar {command}: {kind}: {exc}"
 
 
 def _to_stdout(data: bytes) -> int:
@@ -217,35 +230,70 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the spool over HTTP (GET /routed_experts/<rid>, /metrics)")
     _add_settings_flags(serve)
     serve.add_argument(
-        "--fd", type=int, default=None, help="serve on this already-listening socket (inherited) instead of host:port"
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this already-listening socket (inherited) instead of host:port (default: none)",
     )
     serve.set_defaults(func=cmd_serve)
 
-    demo = sub.add_parser("demo", help="serve with the built-in demo engine writing records (temp spool)")
-    _add_settings_flags(demo)
-    demo.add_argument("--max-live", type=int, default=64, help="stop creating records while this many exist")
-    demo.add_argument("--max-records", type=int, default=None, help="create at most this many records")
-    demo.add_argument("--step-ms", type=float, default=30.0, help="decode step period (one row per request)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser(
+        "demo",
+        help="serve with the built-in demo engine writing records (temp spool; records expire after "
+        f"{DEMO_TTL_S:g} s unless --ttl-s says otherwise)",
+    )
+    _add_settings_flags(demo, {"spool_dir": "a new temporary directory, removed at exit", "ttl_s": DEMO_TTL_S})
+    demo.add_argument(
+        "--max-live", type=int, default=1024, help="pause creating records while this many exist (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--max-records", type=int, default=None, help="create at most this many records (default: no limit)"
+    )
+    demo.add_argument(
+        "--step-ms", type=float, default=30.0, help="decode step period, one row per request (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="seed of the simulated router and traffic (default: %(default)s)"
+    )
     demo.set_defaults(func=cmd_demo)
 
     fetch = sub.add_parser("fetch", help="fetch one record")
-    fetch.add_argument("rid")
-    fetch.add_argument("--url", default=os.environ.get("R3_SIDECAR_URL", DEFAULT_URL))
-    fetch.add_argument("--format", default="npy", choices=("npy", "raw", "json", "sglang_b64"))
-    fetch.add_argument("--out", help="write the body here ('-' for stdout)")
-    fetch.add_argument("--start", type=int)
-    fetch.add_argument("--end", type=int)
-    fetch.add_argument("--layers", help="comma list of model layer indices and inclusive ranges, e.g. 0-15")
-    fetch.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the record to be final")
-    fetch.add_argument("--token", help="bearer token (default: R3_AUTH_TOKEN)")
-    fetch.add_argument("--timeout", type=float, default=30.0)
+    fetch.add_argument("rid", help="the record's rid (the engine request's id)")
+    fetch.add_argument(
+        "--url",
+        default=os.environ.get("R3_SIDECAR_URL", DEFAULT_URL),
+        help="the sidecar (default: R3_SIDECAR_URL, else %(default)s)",
+    )
+    fetch.add_argument(
+        "--format", default="npy", choices=FORMATS, help="body format: %(choices)s (default: %(default)s)"
+    )
+    fetch.add_argument("--out", default=None, help="write the body here, '-' for stdout (default: print a summary)")
+    fetch.add_argument("--start", type=int, default=None, help="first token position (default: the record's start)")
+    fetch.add_argument("--end", type=int, default=None, help="one past the last token position (default: its end)")
+    fetch.add_argument(
+        "--layers", default=None, help="model layer indices and inclusive ranges, e.g. 0,1 or 0-15 (default: all)"
+    )
+    fetch.add_argument(
+        "--clamp", action="store_true", help="cut --start/--end to the rows that exist instead of a 416 (default: off)"
+    )
+    fetch.add_argument(
+        "--wait", type=float, default=0.0, help="seconds to wait for the record to be final (default: %(default)s)"
+    )
+    fetch.add_argument("--token", default=None, help="bearer token (default: R3_AUTH_TOKEN, else none)")
+    fetch.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds an answer may take, on top of --wait (default: %(default)s)",
+    )
     fetch.set_defaults(func=cmd_fetch)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
+
+    from service.client_errors import R3Error
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -254,6 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"r3-sidecar {args.command}: invalid setting\n{exc}", file=sys.stderr)
         return 2
+    except (R3Error, OSError) as exc:  # the sidecar's answer, a connection, a file: one line, never a traceback
+        print(one_line(args.command, exc), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -5,19 +5,27 @@ Both clients and `RoutedExpertsRef` raise these; `error_for` maps a status and i
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
+import httpx
 import orjson
 
 __all__ = [
     "BadRequest",
+    "ConnectTimedOut",
+    "ConnectionLost",
+    "ConnectionRefused",
+    "HostNotFound",
     "NotReady",
     "R3Error",
     "RangeNotSatisfiable",
+    "ReadTimedOut",
     "RecordGone",
     "RecordNotFound",
     "RecordRestarted",
     "ServerError",
+    "SidecarUnreachable",
     "Unauthorized",
     "error_for",
 ]
@@ -104,6 +112,82 @@ _BY_STATUS: dict[int, type[R3Error]] = {
     410: RecordGone,
     416: RangeNotSatisfiable,
 }
+
+
+class SidecarUnreachable(R3Error):
+    """No whole answer came back: the sidecar could not be reached, or the connection failed. `url` is the request's;
+    the message says what to do. Each subclass is also the httpx exception it replaces (`except httpx.ConnectError`
+    still works), and the client retries the same ones as before (connection failures, not read timeouts)."""
+
+    def __init__(self, detail: str, *, url: str, rid: str | None = None) -> None:
+        super().__init__(detail, rid=rid)
+        self.url = url
+
+
+class ConnectionRefused(SidecarUnreachable, httpx.ConnectError):
+    """Nothing listens at the URL's host and port."""
+
+
+class HostNotFound(SidecarUnreachable, httpx.ConnectError):
+    """The URL's host name does not resolve (DNS)."""
+
+
+class ConnectTimedOut(SidecarUnreachable, httpx.ConnectTimeout):
+    """The connection was not accepted in time (a wrong address, a firewall, a network policy)."""
+
+
+class ReadTimedOut(SidecarUnreachable, httpx.ReadTimeout):
+    """Connected, but the answer did not come in time."""
+
+
+class ConnectionLost(SidecarUnreachable, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+    """The connection failed part way (the sidecar restarted, or cut an answer it could not finish): each httpx
+    exception it stands for still catches it."""
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether `exc` or anything in its cause chain is a `kind` (httpx wraps httpcore, which wraps the OSError)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kind):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def unreachable(exc: httpx.TransportError, url: str, *, timeout: float, rid: str | None = None) -> R3Error:
+    """The `R3Error` for a transport failure of a request to `url`: what happened, and what to do about it."""
+    if isinstance(exc, R3Error):
+        return exc
+    why = str(exc) or type(exc).__name__
+    serve = "start one there (`r3-sidecar serve`, or `r3-sidecar demo` to try) or fix the URL (R3_SIDECAR_URL)"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ConnectTimedOut(
+            f"{url}: no connection within {timeout:g} s ({why}); check the host and port, and that no firewall "
+            "or network policy drops the traffic",
+            url=url,
+            rid=rid,
+        )
+    if isinstance(exc, httpx.ConnectError):
+        if _caused_by(exc, socket.gaierror) or "name or service not known" in why.lower():
+            return HostNotFound(f"{url}: the host name does not resolve ({why}); check the URL", url=url, rid=rid)
+        if _caused_by(exc, ConnectionRefusedError) or "refused" in why.lower():
+            return ConnectionRefused(f"{url}: connection refused, no sidecar listens there; {serve}", url=url, rid=rid)
+        return ConnectionRefused(f"{url}: cannot connect ({why}); {serve}", url=url, rid=rid)
+    if isinstance(exc, httpx.TimeoutException):
+        return ReadTimedOut(
+            f"{url}: no answer within {timeout:g} s ({why}); give the client a longer timeout, or fetch with "
+            "wait= / stream() for a record that is still being written",
+            url=url,
+            rid=rid,
+        )
+    return ConnectionLost(
+        f"{url}: the connection failed before the whole answer ({why}); the client retried; see the sidecar's log",
+        url=url,
+        rid=rid,
+    )
 
 
 def error_for(status: int, body: Any, rid: str | None = None) -> R3Error:

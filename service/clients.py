@@ -126,7 +126,7 @@ class RoutedExpertsClient(_Base):
                         yield from state.blocks(decoder, chunk)
                         if state.done:
                             return
-                raise httpx.RemoteProtocolError("stream ended before the record was final")
+                raise req.stream_ended(self._config, state)
             except req.STREAM_RETRYABLE:
                 delay = state.failed()
                 if delay is None:
@@ -237,7 +237,7 @@ class AsyncRoutedExpertsClient(_Base):
                             yield block
                         if state.done:
                             return
-                raise httpx.RemoteProtocolError("stream ended before the record was final")
+                raise req.stream_ended(self._config, state)
             except req.STREAM_RETRYABLE:
                 delay = state.failed()
                 if delay is None:

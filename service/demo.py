@@ -6,6 +6,10 @@ through a seeded router (shapes of Qwen3-30B-A3B by default: 48 MoE layers, 128 
 `DemoConfig.deepseek_v3_like()` is a dense+MoE model: 61 layers, the first 3 dense, 256 experts, top-8).
 Some records stream row by row (prompt rows at once, then one row per decode step); the rest are written
 whole when they finish, as the extension does when live rows are off; a few are aborted part way.
+
+It runs for as long as the demo does: the sidecar's retention expires the oldest records (`r3-sidecar demo`
+sets a short TTL), and the first `keep` rids, which README's and the banner's commands name, are written
+again whenever they leave the spool (acknowledged or expired), so those commands work on every run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from service.engine_report import BudgetEntry, EngineReport, OccupancyEntry, WriterCounters
+from service.record_meta import safe_name
 from service.record_writer import RecordWriter
 from service.spool import Spool
 
@@ -37,6 +42,7 @@ class DemoConfig:
     hidden: int = 64
     concurrency: int = 4
     max_live: int = 64
+    keep: int = 4  # the first `keep` rids are written again whenever they leave the spool
     max_records: int | None = None
     step_s: float = 0.03
     prompt_len: tuple[int, int] = (32, 512)
@@ -75,6 +81,7 @@ class DemoConfig:
             engine="demo-dsv3/dp0",
             rid_prefix="dsv3",
             seed=1,
+            keep=2,
         )
         return cls(**{**shape, **overrides})
 
@@ -129,7 +136,8 @@ class DemoEngine:
     """Simulated decode loop on a thread: admits requests, routes their tokens, writes their rows.
 
     Bounded: stops admitting while `max_live` records sit in the spool (the sidecar's TTL and trainers'
-    acks free them) and, when `max_records` is set, after that many records.
+    acks free them) and, when `max_records` is set, after that many records. The first `keep` rids come back:
+    one that left the spool is written again, whole, in the next step.
     """
 
     def __init__(self, spool: Spool, cfg: DemoConfig | None = None) -> None:
@@ -141,6 +149,7 @@ class DemoEngine:
         self._thread: threading.Thread | None = None
         self._active: list[_Request] = []
         self.created = 0
+        self.rewritten = 0
         self.finished = 0
         self.aborted = 0
         self._peak_tokens = 0
@@ -201,8 +210,9 @@ class DemoEngine:
 
     def _admit(self) -> int:
         cfg = self.cfg
-        tokens = 0
-        live = len(self.spool.record_names())
+        names = self.spool.record_names()
+        tokens = self._restore_kept(set(names))
+        live = len(names)
         while (
             len(self._active) < cfg.concurrency
             and live < cfg.max_live
@@ -215,15 +225,7 @@ class DemoEngine:
             decode_steps = output_len - 1
             aborted = rng.random() < cfg.abort_fraction
             req = _Request(
-                writer=self.spool.writer(
-                    f"{cfg.rid_prefix}-{self.created:06d}",
-                    num_experts=cfg.num_experts,
-                    topk=cfg.topk,
-                    layers=cfg.layers,
-                    prompt_len=prompt_len,
-                    engine=cfg.engine,
-                    num_hidden_layers=cfg.model_layers,
-                ),
+                writer=self._writer(self.rid(self.created), prompt_len),
                 prompt_len=prompt_len,
                 decode_steps=decode_steps,
                 streamed=bool(rng.random() < cfg.stream_fraction),
@@ -234,6 +236,38 @@ class DemoEngine:
             self.created += 1
             live += 1
             tokens += prompt_len
+        return tokens
+
+    def rid(self, index: int) -> str:
+        return f"{self.cfg.rid_prefix}-{index:06d}"
+
+    def _writer(self, rid: str, prompt_len: int) -> RecordWriter:
+        cfg = self.cfg
+        return self.spool.writer(
+            rid,
+            num_experts=cfg.num_experts,
+            topk=cfg.topk,
+            layers=cfg.layers,
+            prompt_len=prompt_len,
+            engine=cfg.engine,
+            num_hidden_layers=cfg.model_layers,
+        )
+
+    def _restore_kept(self, names: set[str]) -> int:
+        """Write again, whole and final at once, each kept rid (already created once) that left the spool."""
+        cfg, rng, tokens = self.cfg, self._rng, 0
+        open_rids = {req.writer.meta.rid for req in self._active}
+        for index in range(min(cfg.keep, self.created)):
+            rid = self.rid(index)
+            if safe_name(rid) in names or rid in open_rids:
+                continue
+            prompt_len = int(rng.integers(cfg.prompt_len[0], cfg.prompt_len[1] + 1))
+            output_len = int(rng.integers(cfg.output_len[0], cfg.output_len[1] + 1))
+            writer = self._writer(rid, prompt_len)
+            writer.append(self.router.route(self._hidden(prompt_len + output_len - 1)), publish=False)
+            writer.finalize("ok")
+            self.rewritten += 1
+            tokens += prompt_len + output_len - 1
         return tokens
 
     def _hidden(self, tokens: int) -> np.ndarray:

@@ -119,19 +119,21 @@ class DeliveryMode:
     mode: str
     configured_mode: str
     inline_kept: str | None = None  # why SGLang's inline payload is kept although sidecar mode was asked for
+    front_door: str | None = None  # a front end the hooks cannot reach (SGLANG_RUST_SERVER): what still works
 
     @classmethod
     def from_dict(cls, obj: Any) -> DeliveryMode:
         if not isinstance(obj, dict):
             raise EngineReportError(f"delivery={obj!r} (an object)")
         mode, configured = _text(obj, "mode", "delivery"), _text(obj, "configured_mode", "delivery")
-        inline_kept = obj.get("inline_kept")
-        if inline_kept is not None and not isinstance(inline_kept, str):
-            raise EngineReportError(f"delivery.inline_kept={inline_kept!r}")
-        return cls(mode, configured, inline_kept)
+        for key in ("inline_kept", "front_door"):
+            if obj.get(key) is not None and not isinstance(obj[key], str):
+                raise EngineReportError(f"delivery.{key}={obj[key]!r}")
+        return cls(mode, configured, obj.get("inline_kept"), obj.get("front_door"))
 
     def to_dict(self) -> dict[str, str | None]:
-        return {"mode": self.mode, "configured_mode": self.configured_mode, "inline_kept": self.inline_kept}
+        out = {"mode": self.mode, "configured_mode": self.configured_mode, "inline_kept": self.inline_kept}
+        return out | ({"front_door": self.front_door} if self.front_door is not None else {})
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from service import formats
 from service.metrics import Fetch
+from service.record_meta import RecordMeta
 from service.records import (
     CountedResponse,
     counted,
@@ -36,8 +37,11 @@ async def fetch_record(
     wait: float,
     clamp: bool,
     fetch: Fetch,
+    sglang_dtype: str | None = None,
 ) -> Response:
-    """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not."""
+    """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not.
+
+    `sglang_dtype` (`sglang_b64` only): the `SGLANG_ROUTED_EXPERTS_DTYPE` to encode as, SGLang's way."""
     meta = await fetch.wait(store.wait_final(rid, wait)) if wait > 0 else store.lookup(rid)
     if meta is None:
         raise missing(store, rid)
@@ -54,20 +58,39 @@ async def fetch_record(
     row_lo, row_hi = lo - meta.start, hi - meta.start
     bin_file = open_bin(store, meta, row_hi)
     dtype = np.dtype(meta.dtype)
+    wire = sglang_wire(store, meta, sglang_dtype, row_lo, row_hi, slots)
     chunks = row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file)
     if sglang:
         shape = (row_hi - row_lo, width, meta.topk)
         out_layers = list(range(width))
-        body = formats.encode_b64(formats.to_sglang_rows(chunks, dtype, meta.layers, width, meta.topk))
+        body = formats.encode_b64(formats.to_sglang_rows(chunks, dtype, meta.layers, width, meta.topk, wire))
     else:
         shape = (row_hi - row_lo, len(out_layers), meta.topk)
         head = {"rid": rid, "dtype": meta.dtype, "shape": list(shape), "start": lo, "layers": out_layers}
-        body = formats.encode(fmt, chunks, dtype=dtype, shape=shape, head=head)
-    headers = ok_headers(meta, formats.payload_dtype(fmt, meta.dtype), shape, lo, out_layers, final=True)
+        body = formats.encode(fmt, chunks, dtype=dtype, shape=shape, head=head, wire=wire)
+    headers = ok_headers(meta, formats.payload_dtype(fmt, meta.dtype, wire), shape, lo, out_layers, final=True)
     if clamp:
         headers["X-R3-Clamped"] = "true" if clamped else "false"
-    length = formats.body_length(fmt, dtype, shape)
+    length = formats.body_length(fmt, dtype, shape, wire)
     if length is not None:
         headers["Content-Length"] = str(length)
     body = counted(body, fetch, ok=(200, meta.status), bin_file=bin_file)
     return CountedResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)
+
+
+def sglang_wire(
+    store: Store, meta: RecordMeta, asked: str | None, row_lo: int, row_hi: int, slots: list[int] | None
+) -> np.dtype:
+    """`sglang_b64`'s dtype, decided before the headers as SGLang's encoder decides it: the narrower dtype asked
+    for when every id of the answer fits it, else int32. The record's expert count settles it without reading
+    the rows, except when it exceeds the dtype (then the rows' own largest id does: one more read)."""
+    if asked is None:
+        return formats.SGLANG_DTYPE
+    wire = formats.sglang_sent_dtype(asked, meta.num_experts - 1)
+    if wire == formats.sglang_wire_dtype(asked):
+        return wire
+    top = 0
+    for chunk in row_chunks(store, meta, row_lo, row_hi, slots):
+        if len(chunk):
+            top = max(top, int(np.frombuffer(chunk, dtype=meta.dtype).max()))
+    return formats.sglang_sent_dtype(asked, top)

@@ -33,6 +33,24 @@ MEDIA_TYPES: dict[str, str] = {
     "sglang_b64": "text/plain; charset=utf-8",
 }
 SGLANG_DTYPE = np.dtype("<i4")
+SGLANG_WIRE_DTYPES: dict[str, np.dtype] = {"int32": SGLANG_DTYPE, "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+"""SGLang's `SGLANG_ROUTED_EXPERTS_DTYPE` choices (main, after 0.5.23): `meta_info["routed_experts_dtype"]` names
+the one a payload was sent in; a payload without it is int32 (every release up to 0.5.23)."""
+
+
+def sglang_wire_dtype(name: str | None) -> np.dtype:
+    """The numpy dtype of an SGLang payload whose `routed_experts_dtype` is `name` (None: int32)."""
+    key = "int32" if name is None else str(name).strip().lower()
+    if key not in SGLANG_WIRE_DTYPES:
+        raise ValueError(f"routed_experts_dtype={name!r}: SGLang sends {', '.join(SGLANG_WIRE_DTYPES)}")
+    return SGLANG_WIRE_DTYPES[key]
+
+
+def sglang_sent_dtype(asked: str | None, max_id: int) -> np.dtype:
+    """The dtype SGLang's encoder actually sends for ids up to `max_id` when `asked` is configured: the unsigned
+    one when every id fits it, else int32 (its fallback, so no id is ever wrapped)."""
+    dtype = sglang_wire_dtype(asked)
+    return dtype if dtype.kind != "u" or max_id <= np.iinfo(dtype).max else SGLANG_DTYPE
 
 
 # ---- layers -----------------------------------------------------------------------------------
@@ -63,16 +81,28 @@ def parse_layers(text: str) -> list[LayerItem]:
     return items
 
 
-def resolve_layers(record_layers: Sequence[int], items: Sequence[LayerItem]) -> list[int]:
+def resolve_layers(
+    record_layers: Sequence[int], items: Sequence[LayerItem], num_hidden_layers: int | None = None
+) -> list[int]:
     """The model layers a query names in a record: each index as given, each range as the stored layers inside it.
 
     An index must be a layer the record holds (a typo must not pass silently); a range may hold none (a pipeline
-    stage of dense layers only gets an empty answer). Raises ValueError naming what is wrong.
+    stage of dense layers only gets an empty answer) but must start inside the model: `100-200` on a 48-layer model
+    names another model, not an empty stage (`40-63`, a last stage split evenly, keeps layers 40-47). The model's
+    layers are `num_hidden_layers` when the record says so, else those up to its last stored one. Raises
+    ValueError naming what is wrong.
     """
     held = set(record_layers)
     missing = [x for x in items if isinstance(x, int) and x not in held]
     if missing:
         raise ValueError(f"layers {missing} are not in this record (it holds {_layer_text(record_layers)})")
+    model = num_hidden_layers if num_hidden_layers is not None else max(record_layers, default=-1) + 1
+    outside = [x for x in items if isinstance(x, tuple) and x[0] >= model]
+    if outside:
+        raise ValueError(
+            f"layers {format_layer_items(outside)} lie outside the model's layers 0-{model - 1} "
+            f"(this record holds {_layer_text(record_layers)})"
+        )
     out: list[int] = []
     for item in items:
         out.extend([item] if isinstance(item, int) else [x for x in record_layers if item[0] <= x <= item[1]])
@@ -112,6 +142,11 @@ def layer_slots(record_layers: Sequence[int], wanted: Sequence[int] | None) -> l
     return None if slots == list(range(len(record_layers))) else slots
 
 
+def as_bytes(array: np.ndarray) -> memoryview | bytes:
+    """A C-contiguous array's bytes without a copy (`memoryview.cast` refuses a shape with a zero in it)."""
+    return array.data.cast("B") if array.size else b""
+
+
 def select_layers(
     chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, slots: list[int] | None
 ) -> Iterator[bytes]:
@@ -126,7 +161,7 @@ def select_layers(
     )
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
-        yield np.ascontiguousarray(rows[:, index, :]).data.cast("B")
+        yield as_bytes(np.ascontiguousarray(rows[:, index, :]))
 
 
 # ---- encoders ---------------------------------------------------------------------------------
@@ -145,18 +180,24 @@ def encode_npy(chunks: Iterable[bytes], dtype: np.dtype, shape: tuple[int, ...])
     yield from chunks
 
 
-def to_int32(chunks: Iterable[bytes], dtype: np.dtype) -> Iterator[bytes | memoryview]:
-    """Widen to little-endian int32, SGLang's dtype for `meta_info["routed_experts"]` (one copy per chunk)."""
+def to_int32(chunks: Iterable[bytes], dtype: np.dtype, out: np.dtype = SGLANG_DTYPE) -> Iterator[bytes | memoryview]:
+    """Cast to `out`, SGLang's wire dtype for `meta_info["routed_experts"]`: little-endian int32 unless
+    `SGLANG_ROUTED_EXPERTS_DTYPE` chose a narrower one (one copy per chunk; none when the dtypes agree)."""
     dtype = np.dtype(dtype)
-    if dtype == SGLANG_DTYPE:
+    if dtype == out:
         yield from chunks
         return
     for chunk in chunks:
-        yield np.frombuffer(chunk, dtype=dtype).astype(SGLANG_DTYPE).data.cast("B")
+        yield as_bytes(np.frombuffer(chunk, dtype=dtype).astype(out))
 
 
 def to_sglang_rows(
-    chunks: Iterable[bytes], dtype: np.dtype, layers: Sequence[int], num_hidden_layers: int, topk: int
+    chunks: Iterable[bytes],
+    dtype: np.dtype,
+    layers: Sequence[int],
+    num_hidden_layers: int,
+    topk: int,
+    out_dtype: np.dtype = SGLANG_DTYPE,
 ) -> Iterator[bytes | memoryview]:
     """SGLang's host-cache layout: int32 rows of `num_hidden_layers` slots, stored layers in place, zeros elsewhere.
 
@@ -165,14 +206,14 @@ def to_sglang_rows(
     """
     dtype = np.dtype(dtype)
     if tuple(layers) == tuple(range(num_hidden_layers)):
-        yield from to_int32(chunks, dtype)
+        yield from to_int32(chunks, dtype, out_dtype)
         return
     index = np.asarray(layers, dtype=np.intp)
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, len(layers), topk)
-        out = np.zeros((rows.shape[0], num_hidden_layers, topk), dtype=SGLANG_DTYPE)
+        out = np.zeros((rows.shape[0], num_hidden_layers, topk), dtype=out_dtype)
         out[:, index, :] = rows
-        yield out.data.cast("B")
+        yield as_bytes(out)
 
 
 def b64_chunk_rows(rows: int) -> int:
@@ -202,10 +243,18 @@ def b64_length(nbytes: int) -> int:
 
 
 def encode_json(
-    chunks: Iterable[bytes], dtype: np.dtype, num_layers: int, topk: int, head: dict[str, Any]
+    chunks: Iterable[bytes], dtype: np.dtype, shape: tuple[int, int, int], head: dict[str, Any]
 ) -> Iterator[bytes]:
-    """`{...head, "data": [[[e, …], …], …]}`, streamed row chunk by row chunk (for debugging)."""
+    """`{...head, "data": [[[e, …], …], …]}`, streamed row chunk by row chunk (for debugging).
+
+    Rows of no layers carry no bytes, so their count comes from `shape`: each is an empty list.
+    """
     yield orjson.dumps(head)[:-1] + (b',"data":[' if head else b'"data":[')
+    rows_count, num_layers, topk = shape
+    if num_layers * topk == 0:
+        yield b",".join([b"[]"] * rows_count)
+        yield b"]}"
+        return
     first = True
     for chunk in chunks:
         rows = np.frombuffer(chunk, dtype=dtype).reshape(-1, num_layers, topk)
@@ -224,21 +273,23 @@ def encode(
     dtype: np.dtype,
     shape: tuple[int, int, int],
     head: dict[str, Any] | None = None,
+    wire: np.dtype = SGLANG_DTYPE,
 ) -> Iterator[bytes]:
-    """Dispatch to the encoder for `fmt`; `shape` is `(rows, layers, topk)` of what `chunks` hold."""
+    """Dispatch to the encoder for `fmt`; `shape` is `(rows, layers, topk)` of what `chunks` hold; `wire` is
+    `sglang_b64`'s dtype."""
     dtype = np.dtype(dtype)
     if fmt == "raw":
         return iter(chunks)
     if fmt == "npy":
         return encode_npy(chunks, dtype, shape)
     if fmt == "sglang_b64":
-        return encode_b64(to_int32(chunks, dtype))
+        return encode_b64(to_int32(chunks, dtype, wire))
     if fmt == "json":
-        return encode_json(chunks, dtype, shape[1], shape[2], head or {})
+        return encode_json(chunks, dtype, shape, head or {})
     raise ValueError(f"format={fmt!r}: one of {', '.join(FORMATS)}")
 
 
-def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int]) -> int | None:
+def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int], wire: np.dtype = SGLANG_DTYPE) -> int | None:
     """Exact body size when it is known before encoding (all but `json`)."""
     n = int(np.prod(shape))
     if fmt == "raw":
@@ -246,10 +297,10 @@ def body_length(fmt: str, dtype: np.dtype, shape: tuple[int, int, int]) -> int |
     if fmt == "npy":
         return len(npy_header(dtype, shape)) + n * np.dtype(dtype).itemsize
     if fmt == "sglang_b64":
-        return b64_length(n * SGLANG_DTYPE.itemsize)
+        return b64_length(n * wire.itemsize)
     return None
 
 
-def payload_dtype(fmt: str, dtype: str) -> str:
-    """The dtype of the numbers a response carries (SGLang's base64 is always int32)."""
-    return "int32" if fmt == "sglang_b64" else dtype
+def payload_dtype(fmt: str, dtype: str, wire: np.dtype = SGLANG_DTYPE) -> str:
+    """The dtype of the numbers a response carries (SGLang's base64: int32, or the narrower wire asked for)."""
+    return wire.name if fmt == "sglang_b64" else dtype

@@ -42,9 +42,13 @@ def gone(meta: RecordMeta) -> ApiError:
 
 
 def missing(store: Store, rid: str) -> ApiError:
-    if store.expired(rid):
+    """410 for a record that left (TTL, or a trainer acknowledged it), 404 for one this sidecar never saw."""
+    reason = store.gone_reason(rid)
+    if reason == "expired":
         return ApiError(410, "expired", f"record {rid!r} expired and was deleted")
-    return ApiError(404, "not_found", f"no record {rid!r}")
+    if reason == "acknowledged":
+        return ApiError(410, "acknowledged", f"record {rid!r} was acknowledged (DELETE or ack) and its rows freed")
+    return ApiError(404, "not_found", f"no record {rid!r} (never written here, or gone too long to remember)")
 
 
 def select(meta: RecordMeta, items: list[formats.LayerItem] | None) -> tuple[list[int], list[int] | None]:
@@ -52,7 +56,7 @@ def select(meta: RecordMeta, items: list[formats.LayerItem] | None) -> tuple[lis
     if items is None:
         return list(meta.layers), None
     try:
-        wanted = formats.resolve_layers(meta.layers, items)
+        wanted = formats.resolve_layers(meta.layers, items, meta.sglang_layers)
         return wanted, formats.layer_slots(meta.layers, wanted)
     except ValueError as exc:
         raise ApiError(422, "invalid_layers", str(exc)) from None
@@ -174,9 +178,12 @@ def row_chunks(
 RESTARTED_DETAIL = "the record started over (its request was retracted and recomputed): read it again from its start"
 
 
-def empty_frame(rid: str, status: int, meta: RecordMeta | None, **extra: Any) -> bytes:
-    """Header of a frame without payload (status ≠ 200, or an empty final frame)."""
-    layers = list(meta.layers) if meta else []
+def empty_frame(
+    rid: str, status: int, meta: RecordMeta | None, *, layers: list[int] | None = None, **extra: Any
+) -> bytes:
+    """Header of a frame without payload (status ≠ 200, or an empty final frame); `layers`: the selection's
+    (default: the record's)."""
+    layers = list(layers if layers is not None else meta.layers if meta else [])
     header = {
         "rid": rid,
         "status": status,

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from service.client_errors import RESTARTED_DETAIL, RecordRestarted
+from service.client_errors import RESTARTED_DETAIL, ConnectionLost, RecordRestarted
 from service.results import Frame, FrameDecoder, RoutedExperts
 
 __all__ = ["BatchItem", "BatchRid", "Call", "ClientConfig", "Layers", "Retry", "StreamState", "sends"]
@@ -317,6 +317,12 @@ class StreamState:
         delay = self.retry.delay(self.failures)
         self.failures += 1
         return delay
+
+
+def stream_ended(cfg: ClientConfig, state: StreamState) -> ConnectionLost:
+    """A stream's body that ended before the record's final frame: a dropped connection, resumed like one."""
+    url = cfg.base_url.rstrip("/") + record_path(state.rid)
+    return ConnectionLost(f"{url}: the stream ended before the record was final", url=url, rid=state.rid)
 
 
 def stream_state(rid: str, start: int | None, layers: Layers | None, wait: float, retry: Retry) -> StreamState:

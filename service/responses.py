@@ -18,6 +18,8 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
+from service.formats import sglang_wire_dtype
+
 POINTER_PATH = "/routed_experts/"
 
 
@@ -46,6 +48,7 @@ class Inline:
     kind: str  # "sglang_b64": SGLang's base64 of int32 rows; "npy_b64": vLLM's base64 of a .npy file;
     # "array": an array or tensor (in-process engines)
     data: Any
+    dtype: str | None = None  # SGLang's `routed_experts_dtype` when the response says it (main); None: int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,7 @@ def _sglang_output(item: dict[str, Any], start_len: int) -> Output:
     return Output(
         rid=rid,
         url=url,
-        inline=_inline(inline),
+        inline=_inline(inline, meta.get("routed_experts_dtype")),
         prompt_len=prompt if isinstance(prompt, int) else None,
         rows=rows,
         aborted=isinstance(finish, dict) and finish.get("type") == "abort",
@@ -85,11 +88,11 @@ def _sglang_output(item: dict[str, Any], start_len: int) -> Output:
     )
 
 
-def _inline(value: Any) -> Inline | None:
+def _inline(value: Any, dtype: Any = None) -> Inline | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return Inline("sglang_b64", value) if value else None
+        return Inline("sglang_b64", value, dtype) if value else None
     return Inline("array", value)  # verl's in-process path with skip_tokenizer_init: a tensor
 
 
@@ -116,7 +119,7 @@ def _openai_outputs(n: int, sglext: dict[str, Any], rids: dict[int, str], usage:
     for i in range(n):
         url = urls[i] if i < len(urls) else None
         rid = split_pointer(url)[1] if url else rids.get(i)
-        inline = _inline(sglext.get("routed_experts")) if i == 0 else None  # upstream: the first choice's only
+        inline = _inline(sglext.get("routed_experts"), sglext.get("routed_experts_dtype")) if i == 0 else None
         out.append(Output(rid=rid, url=url, inline=inline, prompt_len=prompt if isinstance(prompt, int) else None))
     return out
 
@@ -264,7 +267,8 @@ def decode_inline(
     num_hidden_layers: int | None,
     topk: int | None,
 ) -> np.ndarray:
-    """The inline rows as `(rows, slots, topk)` in the dtype the engine sent (SGLang: int32, every layer).
+    """The inline rows as `(rows, slots, topk)` in the dtype the engine sent (SGLang: int32, every layer, or the
+    `routed_experts_dtype` its response names: SGLang main's `SGLANG_ROUTED_EXPERTS_DTYPE`, uint8 or uint16).
 
     SGLang's string is flat: its row width comes from `num_hidden_layers` and `topk`, or one of them and the
     row count the response's token counts give. Raises ValueError saying which to pass when neither does.
@@ -272,7 +276,7 @@ def decode_inline(
     if inline.kind == "npy_b64":  # vLLM: the array itself, every layer slot, uint8 or uint16
         return np.load(io.BytesIO(base64.b64decode(inline.data)), allow_pickle=False)
     if inline.kind == "sglang_b64":
-        flat = np.frombuffer(base64.b64decode(inline.data), dtype="<i4")
+        flat = np.frombuffer(base64.b64decode(inline.data), dtype=sglang_wire_dtype(inline.dtype))
     elif inline.kind == "array":
         data = inline.data.numpy() if hasattr(inline.data, "numpy") else inline.data
         array = np.asarray(data)

@@ -15,10 +15,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="R3_", extra="ignore")
 
-    spool_dir: Path = DEFAULT_SPOOL_DIR
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)
-    auth_token: str | None = None
+    spool_dir: Path = Field(DEFAULT_SPOOL_DIR, description="The spool the engines write (a tmpfs directory).")
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    auth_token: str | None = Field(None, description="Bearer token every route but the probes requires.")
     ttl_s: float = Field(900.0, gt=0, description="Seconds a final record is kept before deletion.")
     stale_s: float = Field(300.0, gt=0, description="Seconds without update before a non-final record is aborted.")
     spool_max_bytes: int = Field(0, ge=0, description="Spool capacity; 0 means the file system's size (statvfs).")

@@ -34,7 +34,7 @@ log = logging.getLogger("r3.store")
 Stamp = tuple[int, int, int]
 """(inode, mtime_ns, size) of a metadata file: changes on every atomic replace."""
 
-_EXPIRED_MEMORY = 1 << 16
+_GONE_MEMORY = 1 << 16
 _MIN_TICK_S = 0.02
 
 
@@ -90,7 +90,7 @@ class Store:
         self._bad: dict[str, Stamp | None] = {}
         self._bad_engines: dict[str, Stamp | None] = {}
         self._served_bad: set[tuple[str, str, int, float]] = set()
-        self._expired: OrderedDict[str, float] = OrderedDict()
+        self._gone: OrderedDict[str, str] = OrderedDict()  # rid → why it left: `expired` or `acknowledged`
         self._events: weakref.WeakValueDictionary[str, asyncio.Event] = weakref.WeakValueDictionary()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -207,7 +207,7 @@ class Store:
         if isinstance(result, RecordMeta):
             self._bad.pop(name, None)
             self._entries[name] = Entry(result, stamp)  # type: ignore[arg-type]
-            self._expired.pop(result.rid, None)
+            self._gone.pop(result.rid, None)
             if old is None or old.meta != result:
                 self._notify(result.rid)
             return
@@ -240,7 +240,18 @@ class Store:
 
     def expired(self, rid: str) -> bool:
         """Whether the record was removed by retention (410 rather than 404)."""
-        return rid in self._expired
+        return self._gone.get(rid) == "expired"
+
+    def gone_reason(self, rid: str) -> str | None:
+        """Why a record this sidecar served is no longer here: `expired` (TTL) or `acknowledged` (a trainer's
+        DELETE or ack), or None when it never existed or left too long ago to remember (the last 65,536)."""
+        return self._gone.get(rid)
+
+    def _forget(self, rid: str, reason: str) -> None:
+        self._gone[rid] = reason
+        self._gone.move_to_end(rid)
+        while len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)
 
     def records(self) -> list[RecordMeta]:
         return [entry.meta for entry in self._entries.values()]
@@ -323,9 +334,7 @@ class Store:
         s = self.settings
         if meta.final and now - meta.updated >= s.ttl_s:
             self._remove(meta.rid)
-            self._expired[meta.rid] = now
-            while len(self._expired) > _EXPIRED_MEMORY:
-                self._expired.popitem(last=False)
+            self._forget(meta.rid, "expired")
             self.expired_total += 1
             return None
         if not meta.final and now - meta.updated >= s.stale_s:
@@ -357,6 +366,7 @@ class Store:
         if self.lookup(rid) is None:
             return False
         self._remove(rid)
+        self._forget(rid, "acknowledged")
         self.acked[how] += 1
         return True
 

@@ -147,7 +147,7 @@ async def stream_frames(store: Store, plan: StreamPlan, fetch: Fetch) -> AsyncIt
         if done:  # an aborted record ends like a finished one: a final frame, `record_status` says why
             status = 200 if served(current) or not current.final else 410
             extra = {} if status == 200 else {"error": f"record_{current.status}", "detail": "record ended"}
-            yield empty_frame(rid, status, current, record_status=current.status, **extra)
+            yield empty_frame(rid, status, current, layers=out_layers, record_status=current.status, **extra)
             fetch.count(status, current.status, error=extra.get("error"))
             return
         current = await fetch.wait(

@@ -8,6 +8,10 @@ casting write of the MoE layers, instead of a base64 decode, an int32 array and 
 Plain numpy (`torch.from_numpy` of the result shares its memory); no trainer is imported. Each function's
 docstring names the trainer code it replaces; docs/trainers.md says what was checked against that code.
 `rows` is a `service.client.RoutedExperts` (or anything with `array`, `layers`, `num_hidden_layers`).
+
+`routed_experts_dtype`: where the trainer's SGLang is new enough to send `meta_info["routed_experts_dtype"]`
+(main, `SGLANG_ROUTED_EXPERTS_DTYPE=uint8|uint16`), its decode returns the rows in that dtype (int32 when an id
+does not fit, as SGLang's encoder falls back); pass the field and the adapter builds the same array.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+
+from service.formats import sglang_sent_dtype
 
 
 class Rows(Protocol):
@@ -55,7 +61,13 @@ def full_layers(rows: Rows, dtype: np.dtype | str, num_hidden_layers: int | None
     return out
 
 
-def verl(rows: Rows, num_hidden_layers: int | None = None) -> np.ndarray:
+def wire_dtype(rows: Rows, routed_experts_dtype: str | None) -> np.dtype:
+    """The dtype a trainer's decode of SGLang's payload yields for these rows: int32 without the field."""
+    data = rows.array
+    return sglang_sent_dtype(routed_experts_dtype, int(data.max()) if data.size else 0)
+
+
+def verl(rows: Rows, num_hidden_layers: int | None = None, routed_experts_dtype: str | None = None) -> np.ndarray:
     """verl 0.9.1: `(rows, num_hidden_layers, topk)` int32, dense layers as zeros: what its server decode returns.
 
     Replaces the decode in `SGLangHttpServer.generate` (`verl/workers/rollout/sglang_rollout/
@@ -65,7 +77,7 @@ def verl(rows: Rows, num_hidden_layers: int | None = None) -> np.ndarray:
     `torch.tensor(array, dtype=torch.int16)` copies an int32 array about twice as fast as an int16 one
     (BENCHMARKS.md, "Trainer ingest").
     """
-    return full_layers(rows, np.int32, num_hidden_layers)
+    return full_layers(rows, wire_dtype(rows, routed_experts_dtype), num_hidden_layers)
 
 
 def verl_padded(rows: Rows, total_length: int, num_hidden_layers: int | None = None) -> np.ndarray:
@@ -74,16 +86,16 @@ def verl_padded(rows: Rows, total_length: int, num_hidden_layers: int | None = N
     return out[:total_length]
 
 
-def areal(rows: Rows, num_hidden_layers: int | None = None) -> np.ndarray:
+def areal(rows: Rows, num_hidden_layers: int | None = None, routed_experts_dtype: str | None = None) -> np.ndarray:
     """AReaL 1.0.4: `(rows, num_hidden_layers * topk)` int32, the layer and top-k axes flattened.
 
     Replaces `SGLangBackend.parse_generation_response`'s decode (`areal/engine/sglang_remote.py:101-110`).
     """
-    out = full_layers(rows, np.int32, num_hidden_layers)
+    out = full_layers(rows, wire_dtype(rows, routed_experts_dtype), num_hidden_layers)
     return out.reshape(out.shape[0], -1)
 
 
-def slime(rows: Rows, num_layers: int | None = None) -> np.ndarray:
+def slime(rows: Rows, num_layers: int | None = None, routed_experts_dtype: str | None = None) -> np.ndarray:
     """slime and miles: `(rows, num_layers, topk)` int32, every layer (Megatron's `args.num_layers`).
 
     Replaces `decode_int32_meta_array(meta_info, "routed_experts")` and its reshape in slime's
@@ -91,7 +103,7 @@ def slime(rows: Rows, num_layers: int | None = None) -> np.ndarray:
     `get_routed_experts_from_response` (`miles/rollout/generate_utils/generate_endpoint_utils.py:115-128`,
     31f1ca9). slime splices a continuation after `existing[:routed_experts_start_len]` itself.
     """
-    return full_layers(rows, np.int32, num_layers)
+    return full_layers(rows, wire_dtype(rows, routed_experts_dtype), num_layers)
 
 
 miles = slime

@@ -5,7 +5,9 @@ body's final buffer); the async one runs those reads on its own threads, so the 
 parses a body and the async path is as fast as the blocking one. (The loop reading the sockets itself, with no
 threads, was built and measured: longer loop stalls, since the copying and page faults then run on the loop
 thread; BENCHMARKS.md, "Trainer API".) `https://`, custom httpx transports and
-`stream=true` go through httpx (`httpx.Client` / `httpx.AsyncClient`). Nothing here decides a retry or an error.
+`stream=true` go through httpx (`httpx.Client` / `httpx.AsyncClient`). Nothing here decides a retry; a transport
+failure leaves as the `R3Error` that names the URL and what to do (`service.client_errors.unreachable`), which is
+also the httpx exception the retry policy knows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TypeVar
 
 import httpx
 
-from service.client_errors import error_for, json_or_text
+from service.client_errors import error_for, json_or_text, unreachable
 from service.connections import Connections
 from service.requests import Call, ClientConfig
 from service.results import Frame, FrameDecoder, Reply, read_frames
@@ -50,6 +52,20 @@ class BodyBuffer:
     def done(self) -> bytearray:
         del self.buf[self._filled :]
         return self.buf
+
+
+def _reported(cfg: ClientConfig, call: Call, exc: httpx.TransportError) -> Exception:
+    timeout = cfg.connect_timeout if isinstance(exc, httpx.ConnectTimeout) else cfg.timeout_for(call).read
+    return unreachable(exc, cfg.base_url.rstrip("/") + call.path, timeout=timeout or 0, rid=call.rid)
+
+
+@contextmanager
+def reported(cfg: ClientConfig, call: Call) -> Iterator[None]:
+    """Inside: an httpx transport failure leaves as the `R3Error` saying what happened at which URL."""
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise _reported(cfg, call, exc) from exc
 
 
 def _direct_send(conns: Connections, cfg: ClientConfig, call: Call) -> Reply:
@@ -84,6 +100,10 @@ class SyncTransport:
         self.direct = Connections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
 
     def send(self, call: Call) -> Reply:
+        with reported(self.cfg, call):
+            return self._send(call)
+
+    def _send(self, call: Call) -> Reply:
         if self.direct is not None:
             return _direct_send(self.direct, self.cfg, call)
         with self._open(call) as resp:
@@ -93,18 +113,19 @@ class SyncTransport:
             return Reply(resp.status_code, resp.headers, body.done())
 
     def frames(self, call: Call) -> list[Frame]:
-        if self.direct is not None:
-            return _direct_frames(self.direct, self.cfg, call)
-        decoder, frames = FrameDecoder(), []
-        with self.chunks(call) as chunks:
-            for chunk in chunks:
-                frames += decoder.feed(chunk)
-        return _ended(decoder, frames)
+        with reported(self.cfg, call):
+            if self.direct is not None:
+                return _direct_frames(self.direct, self.cfg, call)
+            decoder, frames = FrameDecoder(), []
+            with self.chunks(call) as chunks:
+                for chunk in chunks:
+                    frames += decoder.feed(chunk)
+            return _ended(decoder, frames)
 
     @contextmanager
     def chunks(self, call: Call) -> Iterator[Iterator[bytes]]:
         """A 200's body as it arrives; any other status raises its error."""
-        with self._open(call) as resp:
+        with reported(self.cfg, call), self._open(call) as resp:
             if resp.status_code != 200:
                 resp.read()
                 raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
@@ -133,6 +154,10 @@ class AsyncTransport:
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="r3-client") if direct else None
 
     async def send(self, call: Call) -> Reply:
+        with reported(self.cfg, call):
+            return await self._send(call)
+
+    async def _send(self, call: Call) -> Reply:
         if self.direct is not None:
             return await self._off_loop(_direct_send, call)
         async with self._open(call) as resp:
@@ -142,21 +167,23 @@ class AsyncTransport:
             return Reply(resp.status_code, resp.headers, body.done())
 
     async def frames(self, call: Call) -> list[Frame]:
-        if self.direct is not None:
-            return await self._off_loop(_direct_frames, call)
-        decoder, frames = FrameDecoder(), []
-        async with self.chunks(call) as chunks:
-            async for chunk in chunks:
-                frames += decoder.feed(chunk)
-        return _ended(decoder, frames)
+        with reported(self.cfg, call):
+            if self.direct is not None:
+                return await self._off_loop(_direct_frames, call)
+            decoder, frames = FrameDecoder(), []
+            async with self.chunks(call) as chunks:
+                async for chunk in chunks:
+                    frames += decoder.feed(chunk)
+            return _ended(decoder, frames)
 
     @asynccontextmanager
     async def chunks(self, call: Call) -> AsyncIterator[AsyncIterator[bytes]]:
-        async with self._open(call) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
-            yield resp.aiter_bytes()
+        with reported(self.cfg, call):
+            async with self._open(call) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
+                yield resp.aiter_bytes()
 
     def _open(self, call: Call) -> httpx.Response:
         return self._http.stream(**self.cfg.stream_args(call))

@@ -17,16 +17,39 @@ from dataclasses import asdict
 
 from engine_ext.sglang.budget import BudgetRow, blocking_rows
 
+NEEDS = (
+    "r3-budget runs where the engine runs: it parses the launch with SGLang's own ServerArgs, so it needs SGLang "
+    "(0.5.12 to 0.5.23) importable, i.e. the engine's environment with r3-sidecar installed beside it. No GPU needed."
+)
+
+
+def _base_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="r3-budget",
+        description="Check an SGLang launch's buffer budget offline: give it the arguments of `sglang serve` "
+        "(e.g. r3-budget --model-path dummy --tp 8 --chunked-prefill-size 8192). Exit 0: fits; 1: a buffer falls "
+        "short that the plugin does not correct; 2: SGLang rejects the arguments.",
+        epilog=NEEDS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--json", action="store_true", dest="r3_json", help="Print JSON (default: a table).")
+    return parser
+
+
+def _without_sglang(argv: list[str]) -> int:
+    """SGLang is not importable: `--help` still explains the command and what it needs; anything else says so."""
+    if {"-h", "--help"} & set(argv):
+        _base_parser().print_help()
+        print("\n(SGLang is not importable here, so its launch arguments are not listed.)")
+        return 0
+    print(f"r3-budget: SGLang is not importable here. {NEEDS}", file=sys.stderr)
+    return 2
+
 
 def _parser():
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(
-        prog="r3-budget",
-        description="Check an SGLang 0.5.23 launch's buffer budget offline (same arguments as `sglang serve`).",
-        allow_abbrev=False,
-    )
-    parser.add_argument("--json", action="store_true", dest="r3_json", help="Print the rows as JSON.")
+    parser = _base_parser()
     ServerArgs.add_cli_args(parser)
     return parser, ServerArgs
 
@@ -68,8 +91,12 @@ def render(rows: Sequence[BudgetRow], file=None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse SGLang server args, resolve them offline, print the budget; 1 when a row blocks the launch."""
-    parser, server_args_cls = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser, server_args_cls = _parser()
+    except ImportError:
+        return _without_sglang(argv)
+    args = parser.parse_args(argv)
     if getattr(args, "device", None) is None:
         args.device = "cpu"
     as_json = args.r3_json

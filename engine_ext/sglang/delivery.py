@@ -43,6 +43,7 @@ class Placement:
     spec_tree: bool  # EAGLE top-k > 1: verify keeps a path through a tree, not the first accept_len rows
     unreachable: str | None  # why responses cannot carry the pointer (`frontdoors.pointer_unreachable`)
     sglang: str  # SGLang's version, for the engine file
+    front_door: str | None = None  # what SGLang's Rust front end leaves working (`frontdoors.rust_server_note`)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Delivery:
         threading.Thread(
             target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
         ).start()
-        if self.mode is not settings.mode and self.publisher:
+        if self.mode is not settings.mode and self.publisher and placement.front_door is None:
             log.warning(
                 "r3-sidecar: %s; requests that ask for routed experts keep SGLang's inline payload (R3_MODE=%s "
                 "acts as mirror: the spool still gets every record)",
@@ -112,7 +113,7 @@ class Delivery:
             ),
             interval_s=settings.telemetry_interval_s,
             sglang=placement.sglang,
-            delivery=frontdoors.delivery_report(settings.mode, placement.unreachable),
+            delivery=frontdoors.delivery_report(settings.mode, placement.unreachable, placement.front_door),
         )
         if self.publisher:  # one engine file per DP group, like the records
             self.telemetry.start()

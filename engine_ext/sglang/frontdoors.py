@@ -24,6 +24,18 @@ MULTI_TOKENIZER = (
     "build the responses, so no pointer can be attached there"
 )
 RUST_SERVER = "SGLANG_RUST_SERVER=1: responses are built outside SGLang's Python tokenizer manager"
+RUST_SERVER_NOTE = (
+    "SGLANG_RUST_SERVER is on: SGLang's HTTP server, tokenizer manager and detokenizer run in Rust, so the "
+    "plugin's front-door hooks never run, and SGLang's Rust egress carries no routed experts either. Still "
+    "works: capture and the spool (every record, served by the sidecar by rid). Does not: routed_experts_url "
+    "pointers and inline rows in responses. Fetch each request's rows by its rid (send your own rid), or "
+    "unset SGLANG_RUST_SERVER for pointers"
+)
+
+
+def rust_server_note(rust_server: bool, mode: Mode) -> str | None:
+    """What works and what does not under SGLang's Rust front end (None: it is off, or the plugin is)."""
+    return RUST_SERVER_NOTE if rust_server and mode is not Mode.OFF else None
 
 
 def pointer_unreachable(*, tokenizer_worker_num: int, rust_server: bool = False) -> str | None:
@@ -52,13 +64,15 @@ def layout_refusal(*, mode: Mode, capture_all: bool, unreachable: str | None) ->
     )
 
 
-def delivery_report(configured: Mode, unreachable: str | None) -> dict[str, str | None]:
-    """The engine file's `delivery` part: the mode asked for, the mode in effect, and why they differ."""
-    return {
+def delivery_report(configured: Mode, unreachable: str | None, front_door: str | None = None) -> dict[str, str | None]:
+    """The engine file's `delivery` part: the mode asked for, the mode in effect, and why they differ;
+    `front_door` (only when set) says what a front end the hooks cannot reach leaves working."""
+    report = {
         "mode": str(effective_mode(configured, unreachable)),
         "configured_mode": str(configured),
         "inline_kept": unreachable if effective_mode(configured, unreachable) is not configured else None,
     }
+    return report | ({"front_door": front_door} if front_door else {})
 
 
 def pointer_rids(rids: list[str], asked: list[bool], refused: frozenset[str]) -> frozenset[str]:

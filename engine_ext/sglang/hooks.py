@@ -516,6 +516,13 @@ def _pointer_unreachable(settings: EngineSettings, tokenizer_worker_num: int | N
     return pointer_unreachable(tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(compat.read("rust_server")))
 
 
+def rust_server_note(settings: EngineSettings) -> str | None:
+    """What still works under SGLang's Rust front end (`SGLANG_RUST_SERVER`), or None when it is off."""
+    from engine_ext.sglang.frontdoors import rust_server_note as note
+
+    return note(bool(compat.read("rust_server")), settings.mode)
+
+
 def budget_table(server_args) -> list:
     """Budget rows of a `ServerArgs` under resolution or resolved (model config read when the path has one)."""
     from engine_ext.sglang.budget import budget_rows
@@ -570,6 +577,7 @@ def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
         spec_tree=_eagle_topk() > 1,
         unreachable=_pointer_unreachable(settings),
         sglang=version("sglang"),
+        front_door=rust_server_note(settings),
     )
     host_cache, allocator = experts.host_cache, processor.token_to_kv_pool_allocator
 

@@ -27,14 +27,15 @@ def r3_sidecar() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
 
 
-@pytest.fixture
-def demo(tmp_path: Path):
+@contextlib.contextmanager
+def running_demo(tmp_path: Path, *flags: str):
+    """`r3-sidecar demo` as a user runs it, on a free port; yields (process, URL, spool) once it is ready."""
     sock = bound_socket()
     port = sock.getsockname()[1]
     sock.close()
     env = {**os.environ, "R3_SPOOL_DIR": str(tmp_path / "spool"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [*r3_sidecar(), "demo", "--host", "127.0.0.1", "--port", str(port), "--step-ms", "20"],
+        [*r3_sidecar(), "demo", "--host", "127.0.0.1", "--port", str(port), *flags],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -57,6 +58,12 @@ def demo(tmp_path: Path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def demo(tmp_path: Path):
+    with running_demo(tmp_path, "--step-ms", "20") as running:
+        yield running
 
 
 def first_finished(client: RoutedExpertsClient) -> RoutedExperts:
@@ -128,3 +135,24 @@ def test_demo_end_to_end(demo) -> None:
     assert proc.returncode == 0, text
     assert f"{url}/routed_experts/demo-000000" in text and "RoutedExpertsClient" in text and "/metrics" in text
     assert "Traceback" not in text
+
+
+def test_the_demo_keeps_producing_and_its_documented_rids_come_back(tmp_path: Path) -> None:
+    """Records keep coming while the oldest expire (410 `expired`), and an acknowledged documented rid is back
+    for the next run of README's block (the first run acknowledges `demo-000000`)."""
+    demo = running_demo(tmp_path, "--step-ms", "5", "--ttl-s", "2", "--max-live", "8")
+    with demo as (_proc, url, _spool), RoutedExpertsClient(url) as client:
+        late = client.get("demo-000012", wait=400)  # past --max-live: the oldest expired to make room
+        assert late.rows > 0
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.get("demo-000005")
+            except RecordGone as gone:
+                assert "expired" in str(gone)
+                break
+            assert time.monotonic() < deadline, "demo-000005 never expired"
+            time.sleep(0.2)
+        for _ in range(2):  # README's block, twice: read, then acknowledge
+            assert client.get("demo-000000", wait=30).rows > 0
+            client.ack("demo-000000", missing_ok=True)  # may have expired (and come back) already

@@ -78,3 +78,35 @@ def test_stop_closes_every_open_record(tmp_path: Path) -> None:
     metas = [spool.read_meta(n) for n in spool.record_names()]
     assert metas and all(m.final and m.status == "aborted" for m in metas)
     assert spool.engine_paths(), "the engine file is written from the first step"
+
+
+def test_the_kept_rids_come_back_whole_after_they_leave(tmp_path: Path) -> None:
+    """README's blocks name demo-000000 … and acknowledge one: it must be there again for the next run."""
+    spool = Spool(tmp_path)
+    cfg = DemoConfig(num_layers=2, concurrency=2, max_live=6, prompt_len=(4, 6), output_len=(2, 3), keep=2)
+    engine = DemoEngine(spool, cfg)
+    for _ in range(20):
+        engine.step()
+    assert {f"demo-{i:06d}" for i in range(6)} <= set(spool.record_names())
+    for rid in ("demo-000000", "demo-000001", "demo-000004"):  # acknowledged (or expired) by the sidecar
+        spool.delete(rid)
+    engine.step()
+    names = set(spool.record_names())
+    assert {"demo-000000", "demo-000001"} <= names and "demo-000004" not in names
+    for rid in ("demo-000000", "demo-000001"):
+        meta = spool.read_meta(rid)
+        assert meta.final and meta.status == "ok" and meta.rows >= meta.prompt_len + 1  # whole at once
+        assert spool.read_array(meta).shape == (meta.rows, 2, 8)
+    assert engine.rewritten == 2
+
+
+def test_it_keeps_producing_while_old_records_leave(tmp_path: Path) -> None:
+    spool = Spool(tmp_path)
+    cfg = DemoConfig(num_layers=2, concurrency=2, max_live=6, prompt_len=(4, 6), output_len=(2, 3), keep=1)
+    engine = DemoEngine(spool, cfg)
+    for _ in range(200):
+        engine.step()
+        for name in sorted(spool.record_names())[1:-4]:  # the oldest leave, as the sidecar's TTL deletes them
+            if spool.read_meta(name).final:
+                spool.delete(name)
+    assert engine.created > 50, "still creating records long after max_live was first reached"

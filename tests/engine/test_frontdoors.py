@@ -15,6 +15,7 @@ from engine_ext.sglang.frontdoors import (
     pointer_rids,
     pointer_unreachable,
     refused_rids,
+    rust_server_note,
     sglext_pointer,
 )
 
@@ -123,3 +124,43 @@ def test_versions_that_build_meta_info_inline_follow_the_same_rule():
     )
     assert got["sidecar"] == [["id", "routed_experts_url"], ["id", "routed_experts"]]
     assert got["mirror"] == [["id", "routed_experts_url"], ["id", "routed_experts", "routed_experts_url"]]
+
+
+def test_the_rust_front_end_is_named_with_what_still_works():
+    """Under SGLANG_RUST_SERVER the front-door hooks never fire: the note says capture and spool work, pointers do
+    not; the engine file carries it (`delivery.front_door`), and the sidecar's parser keeps it."""
+    from service.engine_report import DeliveryMode
+
+    note = rust_server_note(True, Mode.SIDECAR)
+    assert "capture and the spool" in note and "routed_experts_url" in note and "rid" in note
+    assert rust_server_note(False, Mode.SIDECAR) is None and rust_server_note(True, Mode.OFF) is None
+    report = delivery_report(Mode.SIDECAR, pointer_unreachable(tokenizer_worker_num=1, rust_server=True), note)
+    assert report["front_door"] == note and DeliveryMode.from_dict(report).to_dict() == report
+    assert "front_door" not in delivery_report(Mode.SIDECAR, None)  # older readers see the same object
+
+
+def test_plugin_start_detects_sglangs_rust_server_by_sglangs_own_setting():
+    """`register()` in a real SGLang 0.5.23 process: SGLang's own `envs.SGLANG_RUST_SERVER` (an EnvBool) decides,
+    and the warning is logged at start, before any hook could stay silent. One child: SGLang's import is slow."""
+    code = """
+        import logging, os
+        logged = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                logged.append(record.getMessage())
+        logging.getLogger("r3_sidecar").addHandler(Keep())
+        from sglang.srt.environ import envs
+        from engine_ext.core.settings import EngineSettings
+        from engine_ext.sglang import announce_front_door, register
+        register()  # SGLANG_RUST_SERVER=1 from the test's environment
+        seen = {"1": [envs.SGLANG_RUST_SERVER.get(), [m for m in logged if "SGLANG_RUST_SERVER" in m]]}
+        for value in ("true", "0", "no"):
+            os.environ["SGLANG_RUST_SERVER"] = value
+            seen[value] = [envs.SGLANG_RUST_SERVER.get(), announce_front_door(EngineSettings())]
+        emit(seen)
+        """
+    (got,) = run_sglang(code, env={"SGLANG_RUST_SERVER": "1", "R3_SPOOL_DIR": "/tmp/r3-rust-note-test"})
+    on, logged = got["1"]
+    assert on is True and len(logged) == 1 and "capture and the spool" in logged[0] and "pointers" in logged[0]
+    assert got["true"][0] is True and "routed_experts_url" in got["true"][1]
+    assert got["0"] == [False, None] and got["no"] == [False, None]

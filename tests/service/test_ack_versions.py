@@ -42,7 +42,7 @@ def test_ack_by_rids_frees_them_and_lists_the_unknown(spool: Spool, base_url: st
         assert client.ack_many(["a", "b", "nope", "a"]) == {"acked": 2, "missing": ["nope"]}
         assert client.get("c").rows == 6
     assert not spool.meta_path("a").exists() and not spool.meta_path("b").exists()
-    assert httpx.get(f"{base_url}/routed_experts/a").status_code == 404
+    assert httpx.get(f"{base_url}/routed_experts/a").status_code == 410  # acknowledged, not unknown
     assert acked_total(base_url) == {"delete": 0, "rids": 2, "weight_version": 0}
 
 

@@ -242,9 +242,9 @@ def test_ack_frees_the_record(shared_spool: Spool, client: RoutedExpertsClient) 
     put(shared_spool, "acked", rows=3)
     assert client.ack("acked") is True
     assert not shared_spool.meta_path("acked").exists() and not shared_spool.bin_path("acked").exists()
-    with pytest.raises(RecordNotFound):
+    with pytest.raises(RecordGone, match="acknowledged"):  # 410: it left, it did not never exist
         client.get("acked")
-    with pytest.raises(RecordNotFound):
+    with pytest.raises(RecordNotFound, match="already acknowledged"):
         client.ack("acked")
     assert client.ack("acked", missing_ok=True) is False
 

@@ -16,6 +16,7 @@ from helpers import FakeClock, live_app
 from service.api import create_app
 from service.client import (
     AsyncRoutedExpertsClient,
+    ConnectionRefused,
     NotReady,
     RangeNotSatisfiable,
     RecordGone,
@@ -246,4 +247,6 @@ def test_a_batch_that_cannot_connect_raises_in_every_caller_after_the_retries() 
         async with AsyncRoutedExpertsClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01) as ac:
             return await asyncio.gather(*(ac.get(f"r{i}") for i in range(4)), return_exceptions=True)
 
-    assert [type(e) for e in asyncio.run(main())] == [httpx.ConnectError] * 4
+    errors = asyncio.run(main())
+    assert [type(e) for e in errors] == [ConnectionRefused] * 4  # an R3Error naming the URL, still an httpx one
+    assert all(isinstance(e, httpx.ConnectError) and f"127.0.0.1:{port}" in str(e) for e in errors)
