@@ -106,13 +106,13 @@ HOOKS: tuple[Hook, ...] = (
         f"{_OPENAI}.serving_completions.OpenAIServingCompletion._build_completion_response",
         "_around_openai_response",
         AROUND,
-        ("pointer",),
+        ("pointer", "inline"),
     ),
     Hook(
         f"{_OPENAI}.serving_chat.OpenAIServingChat._build_chat_response",
         "_around_openai_response",
         AROUND,
-        ("pointer",),
+        ("pointer", "inline"),
     ),
     Hook(
         f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
@@ -960,6 +960,8 @@ def _with_pointer_model(response_cls: type) -> type:
                 __base__=SglExt,
                 routed_experts_url=(Optional[str], None),  # noqa: UP045 (pydantic field spelling)
                 routed_experts_urls=(Optional[list[Optional[str]]], None),  # noqa: UP045
+                routed_experts_shape=(Optional[list[int]], None),  # noqa: UP045
+                routed_experts_start_len=(Optional[int], None),  # noqa: UP045
             )
             _sglext_models[SglExt] = ext
         cls = create_model(response_cls.__name__, __base__=response_cls, sglext=(Optional[ext], None))  # noqa: UP045
@@ -968,14 +970,19 @@ def _with_pointer_model(response_cls: type) -> type:
 
 
 def _around_openai_response(original, self, request, ret, *args, **kwargs):
-    """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`."""
+    """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`, and the
+    shape and start of the first choice's inline rows (upstream's `sglext.routed_experts`)."""
     response = original(self, request, ret, *args, **kwargs)
     with Contained("openai pointer"):
         from sglang.srt.entrypoints.openai.protocol import SglExt
 
         urls = [(item.get("meta_info") or {}).get("routed_experts_url") for item in ret]
-        pointer = frontdoors.sglext_pointer(urls)
-        if pointer is None or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
+        pointer = frontdoors.sglext_pointer(urls) or {}
+        old = getattr(response, "sglext", None)
+        if old is not None and getattr(old, "routed_experts", None) is not None and ret:
+            first = ret[0].get("meta_info") or {}
+            pointer |= {k: first[k] for k in ("routed_experts_shape", "routed_experts_start_len") if k in first}
+        if not pointer or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
             return response
         cls = _with_pointer_model(type(response))
         ext_cls = _sglext_models[SglExt]

@@ -40,6 +40,12 @@ def test_every_python_block_is_run_or_says_why_not() -> None:
     assert all(doc in DOCS for doc in ("README.md", "docs/trainers.md"))
 
 
+@pytest.mark.parametrize("block", [b for b in ALL if b.info == "no-run"], ids=lambda b: b.id)
+def test_no_run_blocks_are_valid_python(block: Block) -> None:
+    """A framework's code cannot run here, but it must parse (top-level `await`: it sits in an async def there)."""
+    compile(block.code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
 @pytest.fixture(scope="module")
 def demo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     sock = bound_socket()
