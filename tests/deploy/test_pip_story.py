@@ -12,6 +12,7 @@ accept (SGLang's own pins stay satisfiable).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -34,11 +35,13 @@ ENGINE_PACKAGES = {"sglang", "torch", "flashinfer-python", "sgl-kernel", "sglang
 def pip_report(*args: str, python: Path | None = None) -> dict:
     """`pip install --dry-run --report -` with `args`; the resolver's plan as JSON."""
     target = ["--python", str(python)] if python else []
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the venv sees only what is installed in it
     done = subprocess.run(
         [sys.executable, "-m", "pip", *target, "install", "--dry-run", "-q", "--report", "-", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
