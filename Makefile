@@ -1,20 +1,51 @@
-# One virtual environment (.venv) for everything: the service, the SGLang 0.5.23 CPU stack the engine
-# tests run against, and the dev tools. `make demo` and `make test` build it on first use.
+# One virtual environment (.venv) for the tests: the service, the SGLang 0.5.23 CPU stack the engine tests run
+# against, and the dev tools; `make test` builds it on first use. `make demo` and `make serve` need only the
+# service: a slim venv of their own (.venv-demo, the base dependencies).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+DEMO := .venv-demo
+DEMO_BIN := $(DEMO)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
+.PHONY: demo demo-sglang serve wheel test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-demo env-service env-ray env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
 
-demo: env-service ## serve the sidecar fed by the built-in demo engine
-	$(BIN)/r3-sidecar demo
+demo: env-demo ## serve the sidecar fed by the built-in demo engine
+	$(DEMO_BIN)/r3-sidecar demo
 
 demo-sglang: env ## the real path: SGLang 0.5.23 on CPU with the plugin, its sidecar, a few requests
 	$(BIN)/python tests/e2e/demo_sglang.py
 
-serve: env-service
-	$(BIN)/r3-sidecar serve
+serve: env-demo
+	$(DEMO_BIN)/r3-sidecar serve
+
+wheel: env-demo ## dist/r3_sidecar-<version>-py3-none-any.whl: `pip install 'dist/<it>[engine]'` beside SGLang
+	$(DEMO_BIN)/python -m pip wheel -q --no-deps --wheel-dir dist .
+	@ls dist/r3_sidecar-*.whl
+
+# $(call fresh_venv,DIR): a venv at DIR made by a Python >= 3.11. A venv some other Python made (an older `PY`,
+# or one that no longer runs) is removed first; a `PY` that cannot make a usable one is refused before anything
+# is created, with the fix.
+PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
+define fresh_venv
+@if [ -e $(1)/bin/python ] && ! $(1)/bin/python -c '$(PY_OK)' 2>/dev/null; then \
+  echo "r3-sidecar: $(1) was made by $$($(1)/bin/python -V 2>&1 || echo a Python that no longer runs), not 3.11+: removing it"; \
+  rm -rf $(1); fi
+@test -x $(1)/bin/python || $(PY) -c '$(PY_OK)' 2>/dev/null || { \
+  echo "r3-sidecar needs Python >= 3.11; PY=$(PY) is $$($(PY) -V 2>&1 || echo missing). Run: make $(or $(MAKECMDGOALS),demo) PY=python3.11 (or newer)"; \
+  exit 1; }
+test -x $(1)/bin/python || $(PY) -m venv $(1)
+endef
+
+env-demo: $(DEMO)/.demo-stamp
+
+# The service and its base dependencies only (no dev tools, no SGLang); `du -sh .venv-demo` measures it.
+$(DEMO)/.demo-stamp: pyproject.toml
+	$(call fresh_venv,$(DEMO))
+	@echo "r3-sidecar: building $(DEMO) for the demo (first run only; the service's dependencies, no engine)"
+	$(DEMO_BIN)/python -m pip install -q --upgrade pip
+	$(DEMO_BIN)/python -m pip install -q -e .
+	touch $@
 
 test: env env-ray trainers env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
@@ -50,8 +81,8 @@ env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
 env-ray: $(VENV)/.ray-stamp
 
 $(VENV)/.service-stamp: pyproject.toml
+	$(call fresh_venv,$(VENV))
 	@echo "r3-sidecar: building $(VENV) for the service (first run only; pip is quiet for about a minute)"
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
@@ -153,4 +184,4 @@ $(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirem
 	$(call sglang_overlay,$(SGLANG_0512),0.5.12)
 
 clean:
-	rm -rf $(VENV) $(TRAINERS) $(VVENV) .venv-sglang-* .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(DEMO) $(TRAINERS) $(VVENV) .venv-sglang-* .pytest_cache .ruff_cache .hypothesis dist

@@ -1,4 +1,4 @@
-"""Trainer-side client for the sidecar's HTTP API (DESIGN.md, Contracts 2 and 4): the import path trainers use.
+"""Trainer-side client for the sidecar's HTTP API (docs/design.md, Contracts 2 and 4): the import path trainers use.
 
 `RoutedExpertsRef.from_response(resp)` turns an engine response into refs that fetch their rows (inline or
 through the sidecar); `RoutedExpertsClient(url).get(rid)` is the direct call. The blocking and the asyncio

@@ -1,4 +1,4 @@
-"""The trainer client's errors: one exception class per HTTP status the sidecar answers (DESIGN.md, Contract 2).
+"""The trainer client's errors: one exception class per HTTP status the sidecar answers (docs/design.md, Contract 2).
 
 Both clients and `RoutedExpertsRef` raise these; `error_for` maps a status and its JSON body to one.
 """

@@ -44,9 +44,10 @@ _OFF_LOOP_BYTES = 1 << 20
 class RoutedExpertsRef:
     """Where one output's routed experts are: inline in the response, or at `url` (the sidecar's pointer).
 
-    `start_len` is the request's `routed_experts_start_len` (row 0 is token `start_len`); `num_hidden_layers`
-    and `topk` are the model's, needed only to shape SGLang's flat inline string when the response's token
-    counts do not say the row count.
+    `start_len` is the request's `routed_experts_start_len` (row 0 is token `start_len`; the response's own
+    `routed_experts_start_len` when it says one); `num_hidden_layers` and `topk` are the model's, needed only to
+    shape SGLang's flat inline string when the response says no `routed_experts_shape` (an engine without the
+    plugin) and its token counts do not say the row count.
     """
 
     rid: str | None
@@ -73,14 +74,16 @@ class RoutedExpertsRef:
 
         `resp`: a `/generate` dict or batch list (or one request's stream chunks), an OpenAI completion or chat
         response (one ref per choice, `n > 1` included), its stream chunks or SSE text, or an offline
-        `Engine.generate` result. `start_len`: the `routed_experts_start_len` the request was sent with.
+        `Engine.generate` result. `start_len`: the `routed_experts_start_len` the request was sent with (a
+        response that says its inline rows' shape and start, as the plugin's do, needs neither it nor the
+        model's numbers).
         """
         return [
             cls(
                 rid=o.rid,
                 url=o.url,
                 inline=o.inline,
-                start_len=start_len,
+                start_len=o.start if o.start is not None else start_len,
                 prompt_len=o.prompt_len,
                 rows=o.rows,
                 aborted=o.aborted,

@@ -49,6 +49,8 @@ class Inline:
     # "array": an array or tensor (in-process engines)
     data: Any
     dtype: str | None = None  # SGLang's `routed_experts_dtype` when the response says it (main); None: int32
+    shape: tuple[int, int, int] | None = None  # (rows, slots, topk) when the response says it (the plugin's
+    # `routed_experts_shape`): SGLang's flat string then decodes without the model's numbers
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class Output:
     prompt_len: int | None = None
     rows: int | None = None  # rows the inline payload holds, when the response's token counts say
     aborted: bool = False
+    start: int | None = None  # the inline rows' first position, when the response says it (`routed_experts_start_len`)
     weight_version: str | None = None  # SGLang's `meta_info["weight_version"]`: the weights of the last token
 
 
@@ -73,27 +76,38 @@ def _sglang_output(item: dict[str, Any], start_len: int) -> Output:
     rid = meta.get("id")
     if rid is None and url:
         rid = split_pointer(url)[1]
-    inline = meta.get("routed_experts")
+    shape = _said_shape(meta.get("routed_experts_shape"))
+    said_start = meta.get("routed_experts_start_len")
+    start = said_start if shape is not None and isinstance(said_start, int) else None
+    start_len = start if start is not None else start_len
     prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
     rows = prompt + completion - 1 - start_len if isinstance(prompt, int) and isinstance(completion, int) else None
     finish = meta.get("finish_reason")
     return Output(
         rid=rid,
         url=url,
-        inline=_inline(inline, meta.get("routed_experts_dtype")),
+        inline=_inline(meta.get("routed_experts"), shape, meta.get("routed_experts_dtype")),
         prompt_len=prompt if isinstance(prompt, int) else None,
-        rows=rows,
+        rows=shape[0] if shape is not None else rows,
         aborted=isinstance(finish, dict) and finish.get("type") == "abort",
+        start=start,
         weight_version=meta.get("weight_version"),
     )
 
 
-def _inline(value: Any, dtype: Any = None) -> Inline | None:
+def _said_shape(value: Any) -> tuple[int, int, int] | None:
+    """The plugin's `routed_experts_shape` (`[rows, num_hidden_layers, topk]`), when well formed."""
+    if isinstance(value, list | tuple) and len(value) == 3 and all(isinstance(x, int) and x >= 0 for x in value):
+        return (value[0], value[1], value[2])
+    return None
+
+
+def _inline(value: Any, shape: tuple[int, int, int] | None = None, dtype: Any = None) -> Inline | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return Inline("sglang_b64", value, dtype) if value else None
-    return Inline("array", value)  # verl's in-process path with skip_tokenizer_init: a tensor
+        return Inline("sglang_b64", value, dtype, shape) if value else None
+    return Inline("array", value, shape=shape)  # verl's in-process path with skip_tokenizer_init: a tensor
 
 
 def parse_sglang_generate(resp: Any, start_len: int) -> list[Output] | None:
@@ -119,8 +133,19 @@ def _openai_outputs(n: int, sglext: dict[str, Any], rids: dict[int, str], usage:
     for i in range(n):
         url = urls[i] if i < len(urls) else None
         rid = split_pointer(url)[1] if url else rids.get(i)
-        inline = _inline(sglext.get("routed_experts"), sglext.get("routed_experts_dtype")) if i == 0 else None
-        out.append(Output(rid=rid, url=url, inline=inline, prompt_len=prompt if isinstance(prompt, int) else None))
+        shape = _said_shape(sglext.get("routed_experts_shape")) if i == 0 else None
+        inline = _inline(sglext.get("routed_experts"), shape, sglext.get("routed_experts_dtype")) if i == 0 else None
+        start = sglext.get("routed_experts_start_len") if shape is not None else None
+        out.append(
+            Output(
+                rid=rid,
+                url=url,
+                inline=inline,
+                prompt_len=prompt if isinstance(prompt, int) else None,
+                rows=shape[0] if shape is not None else None,
+                start=start if isinstance(start, int) else None,
+            )
+        )
     return out
 
 
@@ -270,11 +295,14 @@ def decode_inline(
     """The inline rows as `(rows, slots, topk)` in the dtype the engine sent (SGLang: int32, every layer, or the
     `routed_experts_dtype` its response names: SGLang main's `SGLANG_ROUTED_EXPERTS_DTYPE`, uint8 or uint16).
 
-    SGLang's string is flat: its row width comes from `num_hidden_layers` and `topk`, or one of them and the
-    row count the response's token counts give. Raises ValueError saying which to pass when neither does.
+    SGLang's string is flat: its shape is the response's `routed_experts_shape` when it says one (the plugin's
+    responses do), else its row width comes from `num_hidden_layers` and `topk`, or one of them and the row
+    count the response's token counts give. Raises ValueError saying which to pass when none does.
     """
     if inline.kind == "npy_b64":  # vLLM: the array itself, every layer slot, uint8 or uint16
         return np.load(io.BytesIO(base64.b64decode(inline.data)), allow_pickle=False)
+    if inline.shape is not None:  # the response said the shape: the model's numbers are not needed
+        rows, num_hidden_layers, topk = inline.shape
     if inline.kind == "sglang_b64":
         flat = np.frombuffer(base64.b64decode(inline.data), dtype=sglang_wire_dtype(inline.dtype))
     elif inline.kind == "array":

@@ -11,7 +11,7 @@ DEFAULT_SPOOL_DIR = Path("/dev/shm/r3-spool")
 
 
 class Settings(BaseSettings):
-    """What the sidecar reads once at start (DESIGN.md, Contract 2)."""
+    """What the sidecar reads once at start (docs/design.md, Contract 2)."""
 
     model_config = SettingsConfigDict(env_prefix="R3_", extra="ignore")
 

@@ -1,4 +1,4 @@
-"""The spool contract, v1 (DESIGN.md, Contract 1): the one place that knows its names and formats.
+"""The spool contract, v1 (docs/design.md, Contract 1): the one place that knows its names and formats.
 
 The engine extension writes records through `RecordWriter`; the sidecar reads them with `Spool`.
 Both sides meet only here, so a change to the contract is a change to this module alone.

@@ -6,7 +6,8 @@ Starting from the spool's `uint8` MoE-only rows, the trainer's array is one zero
 casting write of the MoE layers, instead of a base64 decode, an int32 array and the trainer's own cast.
 
 Plain numpy (`torch.from_numpy` of the result shares its memory); no trainer is imported. Each function's
-docstring names the trainer code it replaces; docs/trainers.md says what was checked against that code.
+docstring names the trainer code it replaces; each trainer's page (docs/trainers/) says what was checked
+against that code.
 `rows` is a `service.client.RoutedExperts` (or anything with `array`, `layers`, `num_hidden_layers`).
 
 `routed_experts_dtype`: where the trainer's SGLang is new enough to send `meta_info["routed_experts_dtype"]`

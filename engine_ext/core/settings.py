@@ -1,4 +1,4 @@
-"""Engine-side configuration: the `R3_*` variables of DESIGN.md, read once per process."""
+"""Engine-side configuration: the `R3_*` variables of README.md's engine table, read once per process."""
 
 from __future__ import annotations
 

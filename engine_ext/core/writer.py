@@ -1,6 +1,6 @@
 """The spool writer: the scheduler thread reserves bytes and hands rows to one bounded background thread.
 
-Why: the scheduler must never wait on I/O or on a full queue (DESIGN.md, "Nothing lost"). Everything the
+Why: the scheduler must never wait on I/O or on a full queue (docs/design.md, "Nothing lost"). Everything the
 scheduler thread calls here (`reserve`, `submit`, `release`, `note_undelivered`) touches in-memory counters
 under a lock held for a few arithmetic operations; files are written only by the writer thread, through
 `service.spool` (the one definition of the spool contract). A refused reservation (spool full, queue

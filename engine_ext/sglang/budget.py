@@ -106,7 +106,7 @@ class BudgetRow:
         return not self.ok and not self.corrected
 
     def as_contract(self) -> dict[str, Any]:
-        """The engine file's `budget` entry (DESIGN.md contract 1)."""
+        """The engine file's `budget` entry (docs/design.md, Contract 1)."""
         return {k: v for k, v in asdict(self).items() if k in ("buffer", "unit", "capacity", "demand", "ok", "formula")}
 
 

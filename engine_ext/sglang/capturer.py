@@ -67,7 +67,8 @@ class CaptureLimits:
 
 
 def device_rows(limits: CaptureLimits, num_dp_ranks: int) -> int:
-    """Rows of the routed-experts device cache: `N · max(P, graph_max_bs · w)` (DESIGN.md).
+    """Rows of the routed-experts device cache: `N · max(P, graph_max_bs · w)` (docs/design.md, "Capture
+    buffer sizing").
 
     `num_dp_ranks` is N when the MoE sees the DP-gathered batch, 1 when each rank's tokens stay local.
     """
@@ -167,7 +168,7 @@ class Occupancy:
             return self._peaks[0][1] if self._peaks else 0
 
     def snapshot(self) -> dict:
-        """`{"buffer", "capacity", "peak", "window_s"}`: one entry of DESIGN.md's engine-file `occupancy` list."""
+        """`{"buffer", "capacity", "peak", "window_s"}`: one entry of the engine file's `occupancy` (Contract 1)."""
         return {"buffer": self.buffer, "capacity": self.capacity, "peak": self.peak(), "window_s": self.window_s}
 
 

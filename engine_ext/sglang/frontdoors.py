@@ -7,6 +7,8 @@
 - Where it cannot (`pointer_unreachable`: SGLang does not load plugins in its multi-tokenizer HTTP
   workers, nor do those workers have a hook point), sidecar mode keeps SGLang's inline payload, as mirror
   mode does (`effective_mode`): the trainer gets its rows inline, and the spool still gets the record.
+- Wherever the rows go inline (mirror mode, a refused spool, the layouts above), the response also says their
+  shape and start (`inline_shape`), so a trainer decodes SGLang's flat string without the model's numbers.
 - Where neither can work (`layout_refusal`: capture-all for requests that do not ask, when no pointer can
   reach them) the launch is refused under `R3_BUDGET=enforce`, naming the setting to change.
 """
@@ -95,6 +97,26 @@ def refused_rids(rids: list[str], asked: list[bool], inline: list[object] | None
         for i, (rid, wants) in enumerate(zip(rids, asked, strict=True))
         if wants and i < len(inline) and inline[i] is not None
     )
+
+
+def inline_shape(payload: object, *, num_hidden_layers: int, topk: int, start_len: int) -> dict[str, object] | None:
+    """`meta_info`'s `routed_experts_shape` (`[rows, num_hidden_layers, topk]`) and `routed_experts_start_len` for
+    an output that carries SGLang's inline rows (its base64 string, or the tensor of `skip_tokenizer_init`).
+
+    SGLang's string is int32 rows of `num_hidden_layers * topk` values, flat: without these a trainer must know
+    the model to shape it. None when there are no rows, or their size does not divide into that row width.
+    """
+    width = num_hidden_layers * topk
+    if payload is None or (isinstance(payload, str) and not payload):
+        return None
+    if isinstance(payload, str):
+        nbytes = len(payload) * 3 // 4 - payload[-2:].count("=")
+        values = nbytes // 4 if nbytes % 4 == 0 else -1
+    else:
+        values = int(getattr(payload, "numel", lambda: -1)())
+    if width <= 0 or values <= 0 or values % width:
+        return None
+    return {"routed_experts_shape": [values // width, num_hidden_layers, topk], "routed_experts_start_len": start_len}
 
 
 # ---- the OpenAI-compatible endpoints: `sglext.routed_experts_url(s)` ------------------------------

@@ -91,27 +91,31 @@ HOOKS: tuple[Hook, ...] = (
     ),
     Hook("sglang.srt.state_capturer.base.TopkCaptureOutput.finalize", "_around_finalize", AROUND, ("delivery",)),
     Hook("sglang.srt.managers.scheduler.Scheduler.handle_generate_request", "_around_arrival", AROUND, ("delivery",)),
-    # pointer: `routed_experts_url` in meta_info and in the OpenAI responses' `sglext` (main process)
+    # pointer: `routed_experts_url` in meta_info and in the OpenAI responses' `sglext` (main process);
+    # inline: the shape and start of rows a response carries inline (`frontdoors.inline_shape`)
     Hook(
         "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
         "_around_handle_batch_output",
         AROUND,
-        ("pointer",),
+        ("pointer", "inline"),
     ),
     Hook(
-        "sglang.srt.beam_search.output.try_build_beam_search_out_dict", "_around_build_out_dict", AROUND, ("pointer",)
+        "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
+        "_around_build_out_dict",
+        AROUND,
+        ("pointer", "inline"),
     ),
     Hook(
         f"{_OPENAI}.serving_completions.OpenAIServingCompletion._build_completion_response",
         "_around_openai_response",
         AROUND,
-        ("pointer",),
+        ("pointer", "inline"),
     ),
     Hook(
         f"{_OPENAI}.serving_chat.OpenAIServingChat._build_chat_response",
         "_around_openai_response",
         AROUND,
-        ("pointer",),
+        ("pointer", "inline"),
     ),
     Hook(
         f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
@@ -548,10 +552,10 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
 
     Scheduler process: the `Delivery` of `engine_ext/sglang/delivery.py`, built at the first batch result (other
     processes never build it). Main process: the `routed_experts_url` pointer in `meta_info` and `sglext`
-    when `R3_SIDECAR_URL` is set.
+    when `R3_SIDECAR_URL` is set, and the shape and start of rows a response carries inline.
     """
     PROCESS.configure(settings)
-    _register("delivery", *(("pointer",) if settings.sidecar_url else ()))
+    _register("delivery", "inline", *(("pointer",) if settings.sidecar_url else ()))
 
 
 def _delivery_for(processor) -> Delivery | None:
@@ -869,12 +873,14 @@ def _forward_end_rows(original, self, params: dict):
 # ---- delivery, main process: the pointer ---------------------------------------------------------------
 
 _pointer_rids: ContextVar[frozenset[str] | None] = ContextVar("r3_pointer_rids", default=None)
+_inline_shapes: ContextVar[dict[str, dict] | None] = ContextVar("r3_inline_shapes", default=None)
 PROMISED = Promised()
 
 
 async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs):
     """Note which rids of this batch get a pointer (the meta_info hook has no `self`): those that asked, less
-    those whose rows the spool refused in sidecar mode (`frontdoors.pointer_rids`)."""
+    those whose rows the spool refused in sidecar mode (`frontdoors.pointer_rids`); and the shape and start of
+    each output's inline rows (`frontdoors.inline_shape`)."""
     settings = PROCESS.settings
     states, rids = self.rid_to_state, list(recv_obj.rids)
     asked = [
@@ -889,15 +895,36 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
     if settings is not None and settings.sidecar_url:  # their `error` records, for the shutdown wait
         for rid in refused:
             PROMISED.add(rid)
-    token = _pointer_rids.set(wanted)
+    shapes = _inline_shapes_of(self, list(recv_obj.rids), getattr(recv_obj, "routed_experts", None))
+    token, shapes_token = _pointer_rids.set(wanted), _inline_shapes.set(shapes)
     try:
         return await original(self, recv_obj, *args, **kwargs)
     finally:
         _pointer_rids.reset(token)
+        _inline_shapes.reset(shapes_token)
+
+
+def _inline_shapes_of(manager, rids: list[str], inline: list | None) -> dict[str, dict]:
+    """rid → `meta_info` fields saying the shape and start of the rows this batch carries inline for it."""
+    if not inline:
+        return {}
+    hf = manager.model_config.hf_text_config
+    layers, topk = int(hf.num_hidden_layers), int(getattr(hf, "num_experts_per_tok", 0) or 0)
+    shapes = {}
+    for rid, payload in zip(rids, inline, strict=False):
+        state = manager.rid_to_state.get(rid)
+        start = getattr(state.obj, "routed_experts_start_len", 0) if state is not None else 0
+        fields = frontdoors.inline_shape(
+            payload, num_hidden_layers=layers, topk=topk, start_len=start if isinstance(start, int) else 0
+        )
+        if fields:
+            shapes[rid] = fields
+    return shapes
 
 
 def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
-    """Runs once per output right after `meta_info` is complete: add `routed_experts_url`."""
+    """Runs once per output right after `meta_info` is complete: add `routed_experts_url`, and the shape and
+    start of inline rows."""
     from engine_ext.core.records import routed_experts_url
 
     settings = PROCESS.settings
@@ -906,27 +933,33 @@ def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
     if settings is not None and settings.sidecar_url and wanted is not None and rid in wanted:
         meta_info["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
         PROMISED.add(rid)
+    shape = (_inline_shapes.get() or {}).get(rid) if rid is not None else None
+    if shape and meta_info.get("routed_experts") is not None:
+        meta_info.update(shape)
     return original(recv_obj, i, meta_info, *args, **kwargs)
 
 
 async def _around_wait_one_response(original, self, obj, *args, **kwargs):
     """Where meta_info is built inline (≤ 0.5.16): add `routed_experts_url` to each response of a request that
-    asked, less those whose rows the spool refused in sidecar mode (they still carry the inline payload)."""
+    asked, less those whose rows the spool refused in sidecar mode (they still carry the inline payload); and
+    the shape and start of inline rows."""
     from engine_ext.core.records import routed_experts_url
 
     settings = PROCESS.settings
     asked = settings is not None and bool(settings.sidecar_url)
     asked = asked and (settings.capture_all or bool(getattr(obj, "return_routed_experts", False)))
     async for out in original(self, obj, *args, **kwargs):
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        rid = meta.get("id") if isinstance(meta, dict) else None
         if asked:
-            meta = out.get("meta_info") if isinstance(out, dict) else None
-            rid = meta.get("id") if isinstance(meta, dict) else None
             inline = [meta.get("routed_experts")] if isinstance(meta, dict) else None
             refused = rid is not None and rid in frontdoors.refused_rids([rid], [True], inline, settings.mode)
             if rid is not None and not refused:
                 meta["routed_experts_url"] = routed_experts_url(settings.sidecar_url, rid)
             if rid is not None:  # a pointer's record, or the refused rows' `error` record
                 PROMISED.add(rid)
+        if rid is not None and meta.get("routed_experts") is not None:
+            meta.update(_inline_shapes_of(self, [rid], [meta["routed_experts"]]).get(rid) or {})
         yield out
 
 
@@ -960,6 +993,8 @@ def _with_pointer_model(response_cls: type) -> type:
                 __base__=SglExt,
                 routed_experts_url=(Optional[str], None),  # noqa: UP045 (pydantic field spelling)
                 routed_experts_urls=(Optional[list[Optional[str]]], None),  # noqa: UP045
+                routed_experts_shape=(Optional[list[int]], None),  # noqa: UP045
+                routed_experts_start_len=(Optional[int], None),  # noqa: UP045
             )
             _sglext_models[SglExt] = ext
         cls = create_model(response_cls.__name__, __base__=response_cls, sglext=(Optional[ext], None))  # noqa: UP045
@@ -968,13 +1003,18 @@ def _with_pointer_model(response_cls: type) -> type:
 
 
 def _around_openai_response(original, self, request, ret, *args, **kwargs):
-    """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`."""
+    """Non-streaming `/v1/completions`, `/v1/chat/completions`: copy the choices' pointers into `sglext`, and the
+    shape and start of the first choice's inline rows (upstream's `sglext.routed_experts`)."""
     response = original(self, request, ret, *args, **kwargs)
     from sglang.srt.entrypoints.openai.protocol import SglExt
 
     urls = [(item.get("meta_info") or {}).get("routed_experts_url") for item in ret]
-    pointer = frontdoors.sglext_pointer(urls)
-    if pointer is None or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
+    pointer = frontdoors.sglext_pointer(urls) or {}
+    old = getattr(response, "sglext", None)
+    if old is not None and getattr(old, "routed_experts", None) is not None and ret:
+        first = ret[0].get("meta_info") or {}
+        pointer |= {k: first[k] for k in ("routed_experts_shape", "routed_experts_start_len") if k in first}
+    if not pointer or not hasattr(response, "sglext"):  # an ORJSONResponse (e.g. return_meta_info)
         return response
     cls = _with_pointer_model(type(response))
     ext_cls = _sglext_models[SglExt]

@@ -1,14 +1,18 @@
-"""`pip install 'r3-sidecar[engine]'` next to each supported SGLang changes neither SGLang, torch nor FlashInfer.
+"""README's install, `r3-sidecar[engine]` next to each supported SGLang, changes neither SGLang, torch nor FlashInfer.
 
 pip's own resolver answers, in a bare venv per version holding that SGLang's published metadata (PyPI's
 PEP 658 metadata of the real release, fetched by pip): our requirements as pip builds them from this
 checkout, the `engine` extra's applied in that venv with `--dry-run --report`, must install nothing. The
-`engine-fresh` extra in verl's 0.5.12 venv shows the check can fail: it would replace SGLang.
+`engine-fresh` extra in verl's 0.5.12 venv shows the check can fail: it would replace SGLang. Each of README's
+three forms (a checkout, a git URL, the wheel `make wheel` builds) is resolved there too: it brings the plugin and
+its base dependencies, no engine package, and every base dependency it shares with that SGLang has a version both
+accept (SGLang's own pins stay satisfiable).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +21,8 @@ from pathlib import Path
 import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from engine_ext.sglang.versions import supported
 
@@ -29,11 +35,13 @@ ENGINE_PACKAGES = {"sglang", "torch", "flashinfer-python", "sgl-kernel", "sglang
 def pip_report(*args: str, python: Path | None = None) -> dict:
     """`pip install --dry-run --report -` with `args`; the resolver's plan as JSON."""
     target = ["--python", str(python)] if python else []
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the venv sees only what is installed in it
     done = subprocess.run(
         [sys.executable, "-m", "pip", *target, "install", "--dry-run", "-q", "--report", "-", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
@@ -99,3 +107,64 @@ def test_the_fresh_extra_would_replace_verls_sglang(our_requirements, tmp_path):
     plan = pip_report("--no-deps", *extra(our_requirements, "engine-fresh"), python=python)
     installed = {p["metadata"]["name"]: p["metadata"]["version"] for p in plan["install"]}
     assert installed.get("sglang") == "0.5.23"
+
+
+@pytest.fixture(scope="module")
+def install_forms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """README's three forms of `r3-sidecar[engine]`: this checkout, a git URL (a clone of its HEAD, over file://),
+    and the wheel `make wheel` builds (the same `pip wheel --no-deps`)."""
+    root = tmp_path_factory.mktemp("forms")
+    dist = root / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), str(REPO)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = dist.glob("r3_sidecar-*.whl")
+    clone = root / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    return {
+        "checkout": f"{REPO}[engine]",
+        "git": f"r3-sidecar[engine] @ git+file://{clone}",
+        "wheel": f"{wheel}[engine]",
+    }
+
+
+def compatible(ours: SpecifierSet, theirs: SpecifierSet) -> bool:
+    """Whether some version satisfies both: tried at every version either names, and just past each."""
+    named = {Version(spec.version.replace("*", "0")) for spec in (*ours, *theirs)}
+    candidates = named | {Version(f"{v}.post1") for v in named} | {Version("0"), Version("999")}
+    return any(ours.contains(v, prereleases=True) and theirs.contains(v, prereleases=True) for v in candidates)
+
+
+def sglang_requirements(version: str) -> dict[str, SpecifierSet]:
+    """SGLang `version`'s unconditional requirements as published (PyPI's metadata), by name."""
+    (meta,) = pip_report("--no-deps", "--ignore-installed", f"sglang=={version}")["install"]
+    reqs = [Requirement(r) for r in meta["metadata"].get("requires_dist", [])]
+    env = default_environment() | {"extra": ""}
+    return {r.name.lower(): r.specifier for r in reqs if r.marker is None or r.marker.evaluate(env)}
+
+
+@pytest.mark.parametrize("version", supported())
+def test_readmes_install_forms_beside_each_sglang_move_no_pin(version, install_forms, our_requirements, tmp_path):
+    python = venv_with_sglang(tmp_path / "venv", version)
+    for form, spec in install_forms.items():
+        plan = pip_report("--no-deps", spec, python=python)
+        assert [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan["install"]] == [
+            ("r3-sidecar", "0.1.0")
+        ], form
+        assert plan["install"][0]["requested_extras"] == ["engine"], form
+    theirs = sglang_requirements(version)
+    for req in map(Requirement, extra(our_requirements, None)):
+        if req.name.lower() in theirs:
+            assert compatible(req.specifier, theirs[req.name.lower()]), (req, theirs[req.name.lower()])
+
+
+def test_the_demo_installs_no_dev_tool_and_no_engine(tmp_path):
+    """`make demo`'s venv (`pip install -e .`): the service's dependencies only (the dev extras made it 869 MB)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
+    plan = pip_report("-e", str(REPO), python=tmp_path / "venv" / "bin" / "python")
+    names = {p["metadata"]["name"].lower() for p in plan["install"]}
+    assert "r3-sidecar" in names and "fastapi" in names
+    dev = {"helm-python-sdk", "kubernetes-validate", "atheris", "matplotlib", "pytest", "hypothesis", "ruff"}
+    assert not names & (dev | ENGINE_PACKAGES), sorted(names & (dev | ENGINE_PACKAGES))

@@ -132,6 +132,7 @@ def with_refs(stack: Stack, resp: object, answers: list[dict]) -> list[dict]:
         if answer.get("rid"):
             assert ref.record_rid == answer["rid"], (ref, answer)
         answer["ref"] = ref
+    answers[0]["bare"] = RoutedExpertsRef.from_response(resp)[0]  # as the trainer recipes call it: no model numbers
     return answers
 
 
@@ -232,6 +233,21 @@ def test_mirror_every_door_returns_inline_rows_and_a_pointer_to_the_same_rows(mi
             assert answer["url"] and answer["url"].startswith(stack.sidecar_url), (name, i)
             pointed = rows_of(stack, answer | {"inline": None})
             assert np.array_equal(pointed, inline), (name, i)  # greedy: every choice routed the same tokens
+
+
+# the doors whose inline rows say their shape and start (OpenAI streams: SGLang's own sglext chunk, not yet)
+SAYS_SHAPE = ("generate", "generate_stream", "completions", "chat", "chat_n2")
+
+
+def test_mirror_inline_rows_decode_without_the_models_numbers(mirror):
+    """`RoutedExpertsRef.from_response(resp)[0].fetch()`, as the recipes write it: the plugin's front doors put
+    `routed_experts_shape` and `routed_experts_start_len` beside SGLang's flat string."""
+    stack = mirror["stack"]
+    for name in SAYS_SHAPE:
+        answer = mirror["answers"][name][0]
+        r = answer["bare"].fetch()
+        assert r.array.shape[1:] == (stack.num_hidden_layers, stack.topk) and r.start == 0, name
+        assert np.array_equal(r.array, rows_of(stack, answer)), name
 
 
 def test_refs_of_every_door_fetch_the_same_rows(mirror, sidecar):

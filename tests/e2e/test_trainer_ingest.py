@@ -174,7 +174,7 @@ class _Server:
 
     Its body is `SGLangHttpServer.generate` reduced to what the loop reads (`rid`, `max_tokens` →
     `max_new_tokens`, `return_routed_experts`; TokenOutput of output ids, routed experts, finish type), with
-    the routed-experts lines replaced as docs/trainers.md says: the response's pointer, fetched, through
+    the routed-experts lines replaced as the verl and AReaL pages say: the response's pointer, fetched, through
     `service.trainers.verl`. The first call is aborted once it has produced tokens, as a weight update does.
     """
 

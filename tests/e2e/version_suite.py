@@ -21,6 +21,9 @@ import numpy as np
 import pytest
 from sglang_server import GLM, Config, Stack
 
+from service import trainers
+from service.client import RoutedExpertsRef
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -234,6 +237,23 @@ def test_a_resumed_partial_rollout_splices_from_sglang_own_parts(mirror):
     dtype = head.headers["X-R3-Dtype"]
     spliced = np.concatenate([np.frombuffer(head.content, dtype), np.frombuffer(tail.content, dtype)])
     assert np.array_equal(spliced, np.concatenate([head_rows[:start], tail_rows]).astype(dtype).reshape(-1))
+
+
+def test_the_trainer_line_decodes_every_delivery_mode_without_the_models_numbers(upstream, mirror, sidecar):
+    """The line of docs/trainers/verl.md on this version (verl 0.9.1 pins 0.5.12): `from_response(resp)[0]` with no
+    model numbers, then `trainers.verl`, gives upstream's rows, from mirror's inline rows (which say their shape
+    and start, a continuation's included) and through sidecar mode's pointer."""
+    for name, (_, extra) in REQUESTS.items():
+        start = extra.get("routed_experts_start_len", 0)
+        want = upstream["stack"].inline_rows(upstream["responses"][name])
+        for side in (mirror, sidecar):
+            response = side["responses"][name]
+            if "routed_experts" in response["meta_info"]:
+                assert response["meta_info"]["routed_experts_shape"] == list(want.shape), name
+                assert response["meta_info"]["routed_experts_start_len"] == start, name
+            r = RoutedExpertsRef.from_response(response)[0].fetch(start=start, wait=30)
+            got = trainers.verl(r, side["stack"].num_hidden_layers)
+            assert got.dtype == np.int32 and np.array_equal(got, want), (side["stack"].config.name, name)
 
 
 def test_sidecar_records_are_upstream_payload_byte_for_byte(upstream, sidecar):

@@ -9,6 +9,7 @@ encoder (tests/engine/test_sglang_layout.py).
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import json
 import pickle
@@ -21,7 +22,7 @@ import pytest
 from helpers import live_server
 
 from engine_ext.core.records import routed_experts_url
-from engine_ext.sglang.frontdoors import PointerStream, sglext_pointer
+from engine_ext.sglang.frontdoors import PointerStream, inline_shape, sglext_pointer
 from service.client import (
     BadRequest,
     R3Error,
@@ -195,6 +196,55 @@ def test_inline_rows_decode_without_a_request(pods) -> None:
     (by_topk,) = RoutedExpertsRef.from_response(resp, start_len=3, topk=TOPK)
     np.testing.assert_array_equal(by_topk.fetch().array, sglang_layout(array))
     assert asyncio.run(ref.afetch(start=4)).start == 4
+
+
+def said(text: str, start: int) -> dict:
+    """The meta_info fields the plugin adds beside inline rows (the engine's own `frontdoors.inline_shape`)."""
+    fields = inline_shape(text, num_hidden_layers=HIDDEN, topk=TOPK, start_len=start)
+    assert fields is not None
+    return fields
+
+
+@pytest.mark.parametrize("pointer", [False, True], ids=["inline-only", "inline+pointer"])
+def test_inline_rows_that_say_their_shape_need_no_model_numbers(pods, pointer: bool) -> None:
+    """Mirror mode (rows and pointer) and a refused spool (rows only): `from_response(resp)[0].fetch()` as written,
+    a continuation (start 9) through the same call, slime's `fetch(start=routed_experts_start_len)` included."""
+    base, spool = pods[0]
+    whole = put(spool, "said-1", 20, seed=5)
+    cont = put(spool, "said-2", 11, start=9, seed=6)
+    dead = "http://127.0.0.1:9"  # nothing listens: a request would fail
+    for rid, array, start, prompt, completion in (("said-1", whole, 0, 8, 13), ("said-2", cont, 9, 15, 6)):
+        text = b64_of(base, rid)
+        resp = generate_response(dead if pointer else None, rid, prompt=prompt, completion=completion, inline=text)
+        resp["meta_info"].update(said(text, start))
+        assert resp["meta_info"]["routed_experts_shape"] == [len(array), HIDDEN, TOPK]
+        r = RoutedExpertsRef.from_response(resp)[0].fetch()
+        assert (r.start, r.rows, r.layers) == (start, len(array), tuple(range(HIDDEN)))
+        np.testing.assert_array_equal(r.array, sglang_layout(array))
+        again = RoutedExpertsRef.from_response(resp)[0].fetch(start=start, wait=60)
+        np.testing.assert_array_equal(again.array, r.array)
+        assert asyncio.run(RoutedExpertsRef.from_response(resp)[0].afetch(start=start)).start == start
+    # the OpenAI doors: the first choice's rows in sglext say the same
+    text = b64_of(base, "said-2")
+    resp = {"id": "said-2", "object": "text_completion", "choices": [{"index": 0, "text": ""}]}
+    resp["sglext"] = {"routed_experts": text, **said(text, 9)}
+    r = RoutedExpertsRef.from_response(resp)[0].fetch(start=9)
+    assert (r.start, r.rows) == (9, len(cont))
+
+
+def test_inline_shape_from_the_engines_payloads() -> None:
+    """The engine side: SGLang's base64 string and the tensor of `skip_tokenizer_init` (any `numel()`)."""
+    rows = np.arange(5 * HIDDEN * TOPK, dtype="<i4")
+    text = base64.b64encode(rows.tobytes()).decode()
+    assert inline_shape(text, num_hidden_layers=HIDDEN, topk=TOPK, start_len=2) == {
+        "routed_experts_shape": [5, HIDDEN, TOPK],
+        "routed_experts_start_len": 2,
+    }
+    torch = pytest.importorskip("torch")
+    tensor = torch.from_numpy(rows.reshape(5, HIDDEN, TOPK))
+    assert inline_shape(tensor, num_hidden_layers=HIDDEN, topk=TOPK, start_len=0)["routed_experts_shape"][0] == 5
+    assert inline_shape("", num_hidden_layers=HIDDEN, topk=TOPK, start_len=0) is None
+    assert inline_shape(text, num_hidden_layers=7, topk=TOPK, start_len=0) is None  # not whole rows: say nothing
 
 
 def test_inline_without_the_model_shape_says_what_to_pass() -> None:

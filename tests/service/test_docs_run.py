@@ -1,13 +1,19 @@
-"""Docs that run: every ```python block of README.md and docs/trainers.md, executed as written against a real
+"""Docs that run: every ```python block of README.md and docs/, executed as written against a real
 `r3-sidecar demo` (a subprocess on a free 127.0.0.1 port, as `make demo` runs it).
 
-Blocks fenced ```python no-run show a framework's own code (names that exist only inside verl, slime, …);
-they are listed, not run. The docs say `http://127.0.0.1:8000` (the demo's default); the test's demo listens on a
-free port, so that one string is replaced by its URL. Nothing else in a block changes.
+Blocks fenced ```python no-run show a framework's own code (names that exist only inside verl, slime, …); they
+are listed, not run, and their first line says why. The docs say `http://127.0.0.1:8000` (the demo's default);
+the test's demo listens on a free port, so that one string is replaced by its URL. Nothing else in a block
+changes, except in the recipes (`tests/docs_blocks.py`): each also runs with its stand-in response replaced by
+the three a real engine gives for the same record: the pointer only (sidecar mode), SGLang's inline rows only (a
+refused spool, several tokenizer workers) and both (mirror mode), the rows saying their shape and start as the
+plugin's front doors write them (`engine_ext.sglang.frontdoors.inline_shape`). The same recipes against a real
+SGLang server's responses: `tests/e2e/test_sglang_plain.py`.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import re
@@ -19,33 +25,49 @@ from pathlib import Path
 
 import httpx
 import pytest
+from docs_blocks import ALL, DOC_URL, DOCS, MODES, RECIPES, REPO, RUNNABLE, Block
 from helpers import bound_socket
 
-REPO = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/trainers.md")
-DOC_URL = "http://127.0.0.1:8000"
-FENCE = re.compile(r"^```(\w[\w-]*)?(?: ([\w-]+))?\n(.*?)^```$", re.S | re.M)
-
-
-def blocks(doc: str) -> list[tuple[str, int, str, str]]:
-    """(doc, line, fence info, code) of every Python block in `doc`."""
-    text = (REPO / doc).read_text()
-    out = []
-    for m in FENCE.finditer(text):
-        if m.group(1) == "python":
-            line = text.count("\n", 0, m.start()) + 2
-            out.append((doc, line, m.group(2) or "", m.group(3)))
-    return out
-
-
-ALL = [b for doc in DOCS for b in blocks(doc)]
-RUNNABLE = [b for b in ALL if b[2] != "no-run"]
+from engine_ext.sglang.frontdoors import inline_shape
 
 
 def test_every_python_block_is_run_or_says_why_not() -> None:
-    unknown = [(doc, line, info) for doc, line, info, _ in ALL if info not in ("", "no-run")]
+    unknown = [(b.id, b.info) for b in ALL if b.info not in ("", "no-run")]
     assert not unknown, f"a python fence is `python` (run in CI) or `python no-run` (a framework's code): {unknown}"
-    assert {doc for doc, *_ in RUNNABLE} == set(DOCS), "each doc has at least one block that runs"
+    silent = [b.id for b in ALL if b.info == "no-run" and not b.code.lstrip().startswith("#")]
+    assert not silent, f"a `python no-run` block starts with a comment saying why it cannot run: {silent}"
+    assert {"README.md", "docs/api.md"} <= {b.doc for b in RUNNABLE}
+    assert len(RECIPES) >= 2, "README's and the trainer pages' recipes hand a response to from_response"
+    assert all(doc in DOCS for doc in ("README.md", "docs/trainers.md"))
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+OUTSIDE = re.compile(r"DESIGN\.md|shared/research|consumers\.md")
+
+
+def test_every_link_names_a_file_in_the_repository() -> None:
+    """Relative links of README.md and docs/ resolve; no file cites a document that is not in the repository."""
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall((REPO / doc).read_text()):
+            if "://" not in target and not ((REPO / doc).parent / target).exists():
+                broken.append((doc, target))
+    assert not broken, broken
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    citing = [
+        path
+        for path in tracked
+        if path.endswith((".py", ".md", ".yaml", ".toml", "Makefile", "Dockerfile"))
+        and path != "tests/service/test_docs_run.py"
+        and OUTSIDE.search((REPO / path).read_text(errors="replace"))
+    ]
+    assert not citing, f"cite a document outside the repository (move what they rely on into docs/design.md): {citing}"
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.info == "no-run"], ids=lambda b: b.id)
+def test_no_run_blocks_are_valid_python(block: Block) -> None:
+    """A framework's code cannot run here, but it must parse (top-level `await`: it sits in an async def there)."""
+    compile(block.code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +105,33 @@ def demo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait()
 
 
-@pytest.mark.parametrize(("doc", "line", "info", "code"), RUNNABLE, ids=[f"{d}:{n}" for d, n, _, _ in RUNNABLE])
-def test_block_runs_as_written(demo_url: str, doc: str, line: int, info: str, code: str) -> None:
-    source = code.replace(DOC_URL, demo_url)
-    exec(compile(source, f"{doc}:{line}", "exec"), {"__name__": "__docs__"})
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+def test_block_runs_as_written(demo_url: str, block: Block) -> None:
+    source = block.code.replace(DOC_URL, demo_url)
+    exec(compile(source, block.id, "exec"), {"__name__": "__docs__"})
+
+
+def engine_response(stand_in: dict, mode: str) -> dict:
+    """What an engine with the plugin answers for the stand-in's record in `mode`: its pointer, SGLang's inline
+    rows (the sidecar's `sglang_b64`: byte-identical to SGLang's payload) with their shape and start, or both."""
+    meta = dict(stand_in["meta_info"])
+    if mode != "pointer":
+        got = httpx.get(meta["routed_experts_url"], params={"format": "sglang_b64", "wait": 30}, timeout=40)
+        assert got.status_code == 200, got.text
+        topk = int(got.headers["X-R3-Shape"].split(",")[2])
+        layers, start = int(got.headers["X-R3-Num-Hidden-Layers"]), int(got.headers["X-R3-Start"])
+        said = inline_shape(got.text, num_hidden_layers=layers, topk=topk, start_len=start)
+        assert said is not None
+        meta |= {"routed_experts": got.text, **said}
+    if mode == "inline":
+        del meta["routed_experts_url"]
+    return {"meta_info": meta}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block", RECIPES, ids=[b.id for b in RECIPES])
+def test_recipe_runs_in_every_delivery_mode(demo_url: str, block: Block, mode: str) -> None:
+    stand_in = ast.literal_eval(block.stand_in().replace(DOC_URL, demo_url))
+    source = block.with_response("__response__").replace(DOC_URL, demo_url)
+    env = {"__name__": "__docs__", "__response__": engine_response(stand_in, mode)}
+    exec(compile(source, f"{block.id}[{mode}]", "exec"), env)

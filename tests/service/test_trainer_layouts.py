@@ -1,11 +1,11 @@
-"""docs/trainers.md, checked: each framework's expected array, rebuilt from its documented behaviour, equals what
+"""docs/trainers/, checked: each framework's expected array, rebuilt from its documented behaviour, equals what
 the recipe's replacement code makes from the sidecar (live, over a real socket).
 
-The expected arrays are built here from the descriptions in docs/trainers.md (row count, layer axis, dtype,
+The expected arrays are built here from the descriptions on the trainer pages (row count, layer axis, dtype,
 padding), starting from SGLang's inline payload as SGLang builds it: int32 rows of `num_hidden_layers` slots,
 zero where a layer is dense. Nothing here is taken from the frameworks' code: slime and miles are not on PyPI,
 so their adapters (`service.trainers.slime`, `.miles`) are checked here against their code as read
-(docs/trainers.md cites it). verl's and AReaL's adapters are also run through those frameworks' own ingest code
+(docs/trainers/shared.md cites it). verl's and AReaL's adapters are also run through those frameworks' own ingest code
 on a real SGLang server (tests/e2e/test_trainer_ingest.py).
 """
 
@@ -41,7 +41,7 @@ def int32s(payload: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(payload), dtype=np.int32)
 
 
-# ---- the frameworks' expected arrays, from docs/trainers.md -------------------------------------------------
+# ---- the frameworks' expected arrays, from docs/trainers/ -------------------------------------------------
 
 
 def slime_expected(payload: str, tokens: int, start_len: int, num_layers: int, topk: int, existing=None):
@@ -185,7 +185,7 @@ def test_nemo_rl(sidecar, model: str, valid: int, padded: int, delivered: int) -
     req = Request(spool, rid, model, prompt=30, output=delivered + 1 - 30, seed=5)
     r = client.get(rid)
     dtype, topk = nemo_dtype(req.experts), req.topk
-    # the recipe, as written in docs/trainers.md
+    # the recipe, as written in docs/trainers/nemo-rl.md
     full = np.broadcast_to(np.arange(topk, dtype=dtype), (padded, r.array.shape[1], topk)).copy()
     n = min(r.rows, valid - 1)
     full[:n] = r.array[:n]
