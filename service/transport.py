@@ -165,6 +165,10 @@ class AsyncTransport:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, fn, self.direct, self.cfg, call)
 
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on this transport's threads (same-node reads: a file read must not block the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
     async def aclose(self) -> None:
         await self._http.aclose()
         if self.direct is not None:
