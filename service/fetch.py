@@ -8,6 +8,7 @@ import numpy as np
 from fastapi.responses import JSONResponse, Response
 
 from service import formats
+from service.errors import ApiError
 from service.metrics import Fetch
 from service.records import (
     CountedResponse,
@@ -17,6 +18,7 @@ from service.records import (
     ok_headers,
     open_bin,
     pending_body,
+    replaced,
     row_chunks,
     select,
     served,
@@ -36,8 +38,11 @@ async def fetch_record(
     wait: float,
     clamp: bool,
     fetch: Fetch,
+    tries: int = 3,
 ) -> Response:
-    """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not."""
+    """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not.
+
+    A rid reused between the metadata and the `.bin` (`records.replaced`) is answered again from its new state."""
     meta = await fetch.wait(store.wait_final(rid, wait)) if wait > 0 else store.lookup(rid)
     if meta is None:
         raise missing(store, rid)
@@ -52,7 +57,15 @@ async def fetch_record(
     sglang = fmt == "sglang_b64" and items is None  # SGLang's own payload: every model layer, dense as zeros
     width = sglang_layers(meta) if sglang else 0
     row_lo, row_hi = lo - meta.start, hi - meta.start
-    bin_file = open_bin(store, meta, row_hi)
+    try:
+        bin_file = open_bin(store, meta, row_hi)
+    except ApiError:
+        if tries > 1 and replaced(store, meta):  # its `.bin` was unlinked for the new record's
+            return await fetch_record(store, rid, fmt, items, start, end, 0, clamp, fetch, tries - 1)
+        raise
+    if tries > 1 and replaced(store, meta):
+        bin_file.close()
+        return await fetch_record(store, rid, fmt, items, start, end, 0, clamp, fetch, tries - 1)
     dtype = np.dtype(meta.dtype)
     chunks = row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file)
     if sglang:

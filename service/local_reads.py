@@ -20,6 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 import orjson
 
 from service.client_errors import R3Error
@@ -116,6 +117,9 @@ class LocalReads:
         where = f"{self._conns.host}:{self._conns.port}"
         try:
             status, _, body = self._conns.send("GET", "/v1/node", timeout=self._timeout)
+        except httpx.TimeoutException:  # it accepts and does not answer: not worth a timeout on every read
+            self.on, self.reason = False, "the sidecar did not answer GET /v1/node in time"
+            return None
         except Exception as exc:  # the sidecar is down: the HTTP path reports it; ask again next time
             log.debug("local reads: cannot ask the sidecar at %s (%s)", where, exc)
             return None
