@@ -8,8 +8,10 @@ Inline: the response carries SGLang's payload (built by SGLang 0.5.23's own enco
 - AReaL 1.0.4: its own `SGLangBackend.parse_generation_response` (run, from `.venv-trainers`);
 - slime / miles: base64 → int32 `(rows, num_layers, topk)` (`decode_int32_meta_array` + reshape).
 Ours: the response carries a pointer; `RoutedExpertsRef.from_response(resp)[0].fetch()` (blocking) or
-`await ....afetch()` (asyncio, one event loop) fetches the uint8 rows from a sidecar in its own process on
-loopback, and `service.trainers` builds the same tensor (AReaL's `parse_generation_response`
+`await ....afetch()` (asyncio, one event loop) reads the rows (uint8; uint16 for Kimi-K2) straight from the
+spool, since the sidecar (its own process) is on this node (service.local_reads, the default), and
+`ours HTTP` fetches them from the sidecar on loopback (`R3_LOCAL_READS=0`, what a trainer on another node
+gets); `service.trainers` builds the same tensor (AReaL's `parse_generation_response`
 still runs, on a response without the payload). Both paths start from the response as a dict in hand; the
 `+ JSON` column adds parsing the inline response body, which every trainer that talks HTTP to SGLang pays
 (AReaL, slime, miles; verl in-process does not). Every case checks that all paths give equal tensors. The
@@ -38,7 +40,7 @@ from benchmarks.shapes import SHAPES, inline_layout, routing
 from benchmarks.stats import summary
 from service import trainers
 from service.client import RoutedExperts
-from service.refs import RoutedExpertsRef, aclose_clients, close_clients
+from service.refs import RoutedExpertsRef, SidecarPool, aclose_clients, close_clients
 from service.spool import Spool
 
 TRAINERS = Path(__file__).resolve().parent.parent / ".venv-trainers"
@@ -112,24 +114,33 @@ def write_record(spool: Spool, rid: str, shape, compact: np.ndarray) -> None:
     writer.finalize()
 
 
-def measure(inline, adapter, inline_resp: dict, pointer_resp: dict, reps: int, loop) -> dict[str, float]:
+def measure(
+    inline, adapter, inline_resp: dict, pointer_resp: dict, reps: int, loop, http: SidecarPool
+) -> dict[str, float]:
     """Median ms of each path, interleaved repetition by repetition (the machine's load hits all alike)."""
     body = orjson.dumps(inline_resp)
 
     def ours(resp: dict):
         return adapter(resp, RoutedExpertsRef.from_response(resp)[0].fetch())
 
+    def ours_http(resp: dict):
+        return adapter(resp, RoutedExpertsRef.from_response(resp)[0].fetch(pool=http))
+
     async def aours(resp: dict):
         return adapter(resp, await RoutedExpertsRef.from_response(resp)[0].afetch())
 
     expected = inline(inline_resp)
-    for got in (inline(orjson.loads(body)), ours(pointer_resp), loop.run_until_complete(aours(pointer_resp))):
+    assert RoutedExpertsRef.from_response(pointer_resp)[0].fetch().source == "spool"
+    assert RoutedExpertsRef.from_response(pointer_resp)[0].fetch(pool=http).source == "http"
+    got_all = (ours(pointer_resp), loop.run_until_complete(aours(pointer_resp)), ours_http(pointer_resp))
+    for got in (inline(orjson.loads(body)), *got_all):
         assert equal(expected, got)
     paths = {
         "inline_ms": lambda: inline(inline_resp),
         "inline_json_ms": lambda: inline(orjson.loads(body)),
         "ours_ms": lambda: ours(pointer_resp),
         "async_ms": lambda: loop.run_until_complete(aours(pointer_resp)),
+        "http_ms": lambda: ours_http(pointer_resp),
     }
     times: dict[str, list[float]] = {key: [] for key in paths}
     for _ in range(reps):
@@ -142,22 +153,23 @@ def measure(inline, adapter, inline_resp: dict, pointer_resp: dict, reps: int, l
 
 HEADER = (
     "| framework | model | tokens | inline ms | inline + JSON ms | ours ms | ours async ms | speedup "
-    "| speedup vs + JSON | async speedup | async speedup vs + JSON | reps |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| async speedup | async ÷ blocking | ours HTTP ms | HTTP speedup | HTTP speedup vs + JSON | reps |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def table_row(row: dict) -> str:
-    i, j, o, a = row["inline_ms"], row["inline_json_ms"], row["ours_ms"], row["async_ms"]
+    i, j, o, a, h = row["inline_ms"], row["inline_json_ms"], row["ours_ms"], row["async_ms"], row["http_ms"]
     return (
-        f"| {row['framework']} | {row['model']} | {row['tokens']} | {i:.1f} | {j:.1f} | {o:.1f} | {a:.1f} "
-        f"| {i / o:.1f}× | {j / o:.1f}× | {i / a:.1f}× | {j / a:.1f}× | {row['reps']} |"
+        f"| {row['framework']} | {row['model']} | {row['tokens']} | {i:.2f} | {j:.1f} | {o:.2f} | {a:.2f} "
+        f"| {i / o:.1f}× | {i / a:.1f}× | {a / o:.2f} | {h:.1f} | {i / h:.1f}× | {j / h:.1f}× | {row['reps']} |"
     )
 
 
 def run(models: list[str], token_counts: list[int], reps: dict[int, int]) -> list[dict]:
     out = []
     loop = asyncio.new_event_loop()
+    http = SidecarPool(local_reads=False)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as root, serve("sidecar", Path(root)) as server:
         spool = Spool(Path(root))
         for name in models:
@@ -172,11 +184,12 @@ def run(models: list[str], token_counts: list[int], reps: dict[int, int]) -> lis
                 time.sleep(0.3)  # the sidecar indexes the new record
                 for framework, (inline, adapter) in frameworks(shape.num_hidden_layers, shape.topk).items():
                     row = {"framework": framework, "model": name, "tokens": tokens, "reps": reps[tokens]}
-                    row |= measure(inline, adapter, inline_resp, pointer_resp, reps[tokens], loop)
+                    row |= measure(inline, adapter, inline_resp, pointer_resp, reps[tokens], loop, http)
                     out.append(row)
                     print(table_row(row), flush=True)
     loop.run_until_complete(aclose_clients())
     close_clients()
+    http.close()
     loop.close()
     return out
 
@@ -191,7 +204,7 @@ def main() -> None:
     if args.quick:
         run(["Qwen3-30B-A3B"], [2048], {2048: 3})
     else:
-        run(["Qwen3-30B-A3B", "DeepSeek-V3"], [8192, 32768], {8192: 20, 32768: 8})
+        run(["Qwen3-30B-A3B", "DeepSeek-V3", "Kimi-K2"], [8192, 32768], {8192: 20, 32768: 8})
 
 
 if __name__ == "__main__":

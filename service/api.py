@@ -37,6 +37,7 @@ from service.record_meta import SpoolFormatError
 from service.records import MAX_RID_CHARS, CountedResponse, counted
 from service.settings import Settings
 from service.spool import Spool
+from service.spool_advert import SpoolAdvert
 from service.store import Store
 from service.stream import stream_record
 
@@ -228,6 +229,26 @@ async def engines(store: StoreDep) -> Response:
     return Response(orjson.dumps({"engines": store.engines()}), media_type="application/json")
 
 
+# `GET /v1/node`: this sidecar's node and spool, for clients that can read final records themselves.
+async def node(request: Request) -> Response:
+    return Response(orjson.dumps(request.app.state.advert.body()), media_type="application/json")
+
+
+class LocalReads(BaseModel):
+    """What a client read straight from the spool since its last report (`service.local_reads`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    records: NonNegativeInt
+    bytes: NonNegativeInt
+
+
+# `POST /v1/local_reads`: counted as reads that did not go through this sidecar.
+async def local_reads(request: LocalReads, metrics: MetricsDep) -> Response:
+    metrics.local_reads.inc(request.records)
+    metrics.local_read_bytes.inc(request.bytes)
+    return Response(status_code=204)
+
+
 async def healthz() -> Health:
     return Health(status="ok")
 
@@ -334,6 +355,25 @@ def add_routes(app: FastAPI, settings: Settings) -> None:
         responses=errors(*auth_errors, 422),
         summary="Engine budget and occupancy",
     )
+    guarded(
+        "/v1/node",
+        node,
+        methods=["GET"],
+        response_class=Response,
+        responses={
+            200: {"description": "The node (boot id, machine id, mount namespace), the spool's paths and a probe."}
+        },
+        summary="Where this sidecar's spool is, for same-node reads",
+    )
+    guarded(
+        "/v1/local_reads",
+        local_reads,
+        methods=["POST"],
+        status_code=204,
+        response_class=Response,
+        responses={204: {"description": "Counted."}, **errors(*auth_errors, 422)},
+        summary="Count records a client read straight from the spool",
+    )
     app.add_api_route("/healthz", healthz, methods=["GET"], response_model=Health, summary="Liveness")
     app.add_api_route(
         "/readyz",
@@ -364,13 +404,16 @@ def create_app(settings: Settings, *, deadline_clock: Callable[[], float] = time
     `deadline_clock` times every `wait` (GET, stream, batch): injectable so tests decide when a wait runs out."""
     spool = Spool(settings.spool_dir, create=False)  # made at startup: building an app touches no files
     store = Store(spool, settings, deadline_clock=deadline_clock)
+    advert = SpoolAdvert(spool, settings.ttl_s)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await store.start()
+        advert.start()
         try:
             yield
         finally:
+            advert.stop()
             await store.stop()
 
     closed = {"openapi_url": None, "docs_url": None, "redoc_url": None} if settings.auth_token else {}
@@ -382,6 +425,7 @@ def create_app(settings: Settings, *, deadline_clock: Callable[[], float] = time
         **closed,
     )
     app.state.settings, app.state.store, app.state.metrics = settings, store, Metrics(store)
+    app.state.advert = advert
     app.send_timeout_s = settings.send_timeout_s or None  # R3_SEND_TIMEOUT_S; 0 disables
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=64 * 1024 + settings.max_batch * (4 * MAX_RID_CHARS + 8))

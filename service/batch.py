@@ -17,6 +17,7 @@ from service.records import (
     missing,
     open_bin,
     pending_body,
+    replaced,
     row_chunks,
     select,
     served,
@@ -53,7 +54,12 @@ async def batch_frames(
             layers, slots = select(meta, items)
             lo, hi, clamped = token_range(meta, start, end, request.clamp)
             bin_file = open_bin(store, meta, hi - meta.start)
+            if replaced(store, meta):
+                bin_file.close()
+                raise ApiError(409, "record_replaced", f"record {rid!r} was replaced while read: ask again")
         except ApiError as err:
+            if err.status != 409 and replaced(store, meta):
+                err = ApiError(409, "record_replaced", f"record {rid!r} was replaced while read: ask again")
             yield empty_frame(rid, err.status, meta, error=err.code, detail=err.detail)
             fetch.count(err.status, error=err.code)
             continue

@@ -16,6 +16,8 @@ import httpx
 from service import requests as req
 from service.client_errors import R3Error, RecordNotFound
 from service.coalesce import Coalescer
+from service.local_reads import LocalReads, as_items, layers_text, merged
+from service.local_spool import Allocator
 from service.requests import BatchRid, Call, ClientConfig, Layers, Retry
 from service.responses import sidecar_base
 from service.results import FrameDecoder, RoutedExperts, record_of
@@ -40,7 +42,14 @@ class _Base:
         backoff_s: float = 0.1,
         backoff_max_s: float = 2.0,
         stream_idle_s: float = 120.0,
+        local_reads: bool | None = None,
+        local_view: bool = False,
+        local_buffers: Allocator | None = None,
     ) -> None:
+        """`local_reads`: read final records straight from the spool when the sidecar is on this node (default:
+        `R3_LOCAL_READS`, on); `local_view`: those reads as read-only arrays over the spool file, no copy;
+        `local_buffers(n)`: where their rows land (e.g. `service.pinned.pinned_buffers()` for GPU-bound rows)."""
+        self._local_args = {"enabled": local_reads, "view": local_view, "alloc": local_buffers}
         self.base_url = sidecar_base(base_url)  # a pointer (…/routed_experts/<rid>) names its sidecar too
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -57,6 +66,7 @@ class RoutedExpertsClient(_Base):
     def __init__(self, base_url: str, *, transport: httpx.BaseTransport | None = None, **kwargs: Any) -> None:
         super().__init__(base_url, **kwargs)
         self._io = SyncTransport(self._config, transport)
+        self.local = LocalReads(self._io.direct, self.timeout, **self._local_args)
 
     def __enter__(self) -> RoutedExpertsClient:
         return self
@@ -65,6 +75,7 @@ class RoutedExpertsClient(_Base):
         self.close()
 
     def close(self) -> None:
+        self.local.close()
         self._io.close()
 
     @property
@@ -94,6 +105,9 @@ class RoutedExpertsClient(_Base):
         `layers`: model layer indices, or a range such as `"0-15"` (a pipeline stage: the MoE layers inside).
         `clamp=True`: a range past the record's rows returns the rows that exist (`.clamped` says so), not a 416.
         """
+        local = self.local.read(call)
+        if local is not None:
+            return local
         return record_of(call.rid, self._run(self._io.send, call).checked(call.rid))
 
     @req.sends(req.get_call)
@@ -108,7 +122,11 @@ class RoutedExpertsClient(_Base):
 
         Each rid may carry its own range: `BatchItem(rid, start, end)` (or a `(rid, start, end)` tuple).
         """
-        return req.batch_of(self._run(self._io.frames, req.batch_call(rids, wait, layers, clamp)))
+        items = as_items(rids)
+        local = self.local.read_many(items, layers_text(layers), clamp)
+        rest = [item for item, got in zip(items, local, strict=True) if got is None]
+        remote = req.batch_of(self._run(self._io.frames, req.batch_call(rest, wait, layers, clamp))) if rest else []
+        return merged(local, remote)
 
     def stream(
         self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
@@ -175,6 +193,7 @@ class AsyncRoutedExpertsClient(_Base):
     ) -> None:
         super().__init__(base_url, **kwargs)
         self._io = AsyncTransport(self._config, transport, threads=threads)
+        self.local = LocalReads(self._io.direct, self.timeout, **self._local_args)
         self._together = Coalescer(lambda call: self._run(self._io.frames, call)) if coalesce else None
 
     async def __aenter__(self) -> AsyncRoutedExpertsClient:
@@ -184,6 +203,8 @@ class AsyncRoutedExpertsClient(_Base):
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self.local.on:
+            await self._io.off_loop(self.local.close)
         await self._io.aclose()
 
     async def _run(self, send: Callable[[Call], Awaitable[T]], call: Call) -> T:
@@ -205,6 +226,10 @@ class AsyncRoutedExpertsClient(_Base):
     async def get(self, call: Call) -> RoutedExperts:
         """`RoutedExpertsClient.get`. Calls made before the loop next runs, with the same `layers`, `wait` and
         `clamp`, go as one batch request (`service.coalesce`); each still gets its own rows or error."""
+        if self.local.on:
+            local = await self._io.off_loop(self.local.read, call)
+            if local is not None:
+                return local
         frame = await self._together.frame(call) if self._together is not None else None
         if frame is not None:
             if frame.status != 200:
@@ -221,7 +246,13 @@ class AsyncRoutedExpertsClient(_Base):
         self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
     ) -> list[RoutedExperts | R3Error]:
         """`RoutedExpertsClient.get_many`."""
-        return req.batch_of(await self._run(self._io.frames, req.batch_call(rids, wait, layers, clamp)))
+        items = as_items(rids)
+        local: list[RoutedExperts | None] = [None] * len(items)
+        if self.local.on:
+            local = await self._io.off_loop(self.local.read_many, items, layers_text(layers), clamp)
+        rest = [item for item, got in zip(items, local, strict=True) if got is None]
+        call = req.batch_call(rest, wait, layers, clamp)
+        return merged(local, req.batch_of(await self._run(self._io.frames, call)) if rest else [])
 
     async def stream(
         self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0

@@ -8,6 +8,7 @@ import numpy as np
 from fastapi.responses import JSONResponse, Response
 
 from service import formats
+from service.errors import ApiError
 from service.metrics import Fetch
 from service.record_meta import RecordMeta
 from service.records import (
@@ -18,6 +19,7 @@ from service.records import (
     ok_headers,
     open_bin,
     pending_body,
+    replaced,
     row_chunks,
     select,
     served,
@@ -38,10 +40,12 @@ async def fetch_record(
     clamp: bool,
     fetch: Fetch,
     sglang_dtype: str | None = None,
+    tries: int = 3,
 ) -> Response:
     """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not.
 
-    `sglang_dtype` (`sglang_b64` only): the `SGLANG_ROUTED_EXPERTS_DTYPE` to encode as, SGLang's way."""
+    `sglang_dtype` (`sglang_b64` only): the `SGLANG_ROUTED_EXPERTS_DTYPE` to encode as, SGLang's way. A rid reused
+    between the metadata and the `.bin` (`records.replaced`) is answered again from its new state."""
     meta = await fetch.wait(store.wait_final(rid, wait)) if wait > 0 else store.lookup(rid)
     if meta is None:
         raise missing(store, rid)
@@ -56,7 +60,19 @@ async def fetch_record(
     sglang = fmt == "sglang_b64" and items is None  # SGLang's own payload: every model layer, dense as zeros
     width = sglang_layers(meta) if sglang else 0
     row_lo, row_hi = lo - meta.start, hi - meta.start
-    bin_file = open_bin(store, meta, row_hi)
+    try:
+        bin_file = open_bin(store, meta, row_hi)
+    except ApiError:
+        if tries > 1 and replaced(store, meta):  # its `.bin` was unlinked for the new record's
+            return await fetch_record(
+                store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
+            )
+        raise
+    if tries > 1 and replaced(store, meta):
+        bin_file.close()
+        return await fetch_record(
+            store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
+        )
     dtype = np.dtype(meta.dtype)
     wire = sglang_wire(store, meta, sglang_dtype, row_lo, row_hi, slots)
     chunks = row_chunks(store, meta, row_lo, row_hi, slots, rows_of_3=fmt == "sglang_b64", bin_file=bin_file)

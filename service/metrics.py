@@ -76,6 +76,15 @@ class Metrics:
             buckets=FETCH_BUCKETS,
             registry=self.registry,
         )
+        self.local_reads = Counter(
+            "r3_local_reads",
+            "Records clients on this node read straight from the spool (not through this sidecar), as they "
+            "reported them (batched, at most a second late). Not in r3_served_total.",
+            registry=self.registry,
+        )
+        self.local_read_bytes = Counter(
+            "r3_local_read_bytes", "Bytes of rows clients read straight from the spool.", registry=self.registry
+        )
         for fmt in FORMATS:
             self.served_aborted.labels(format=fmt)
         for reason in GONE_REASONS:

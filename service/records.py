@@ -153,6 +153,16 @@ def open_bin(store: Store, meta: RecordMeta, row_hi: int) -> OpenBin:
         ) from None
 
 
+def replaced(store: Store, meta: RecordMeta) -> bool:
+    """Whether the rid names another record than `meta` now (reused since `meta` was read; acked or expired too).
+
+    Checked after `open_bin`: a writer replaces `.json` before it recreates `.bin`, so while the rid still names
+    `meta`'s record the `.bin` just opened is that record's; once it does not, the fd may hold the new record's
+    rows under the old metadata, and the answer is made again from the rid's current state."""
+    now = store.lookup(meta.rid)
+    return now is None or now.created != meta.created or now.rows != meta.rows
+
+
 def row_chunks(
     store: Store,
     meta: RecordMeta,

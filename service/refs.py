@@ -169,6 +169,7 @@ class RoutedExpertsRef:
             status="aborted" if self.aborted else "ok",
             num_hidden_layers=self.num_hidden_layers or slots,
             weight_version=self.weight_version,
+            source="inline",
         )
 
     async def _adecode(self) -> RoutedExperts:

@@ -42,6 +42,7 @@ class RoutedExperts:
     created: float | None = None  # the record's creation time: which request wrote these rows (a rid can be reused)
     weight_version: str | int | None = None  # the engine's weight version that routed the last row
     weight_versions: tuple[tuple[int, str | int], ...] = ()  # (position, version) when the rows span an update
+    source: str = "http"  # how the rows came: `http` (through the sidecar), `spool` (read here), `inline`
 
     @property
     def rows(self) -> int:

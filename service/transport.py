@@ -13,6 +13,8 @@ also the httpx exception the retry policy knows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -95,7 +97,8 @@ class SyncTransport:
 
     def __init__(self, cfg: ClientConfig, transport: httpx.BaseTransport | None = None) -> None:
         self.cfg = cfg
-        self._http = httpx.Client(base_url=cfg.base_url, headers=cfg.headers, transport=transport)
+        self._transport = transport
+        self._made: httpx.Client | None = None  # made at first use: plain-http bodies never need it
         direct = transport is None and cfg.plain
         self.direct = Connections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
 
@@ -131,11 +134,18 @@ class SyncTransport:
                 raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
             yield resp.iter_bytes()
 
+    @property
+    def _http(self) -> httpx.Client:
+        if self._made is None:
+            self._made = httpx.Client(base_url=self.cfg.base_url, headers=self.cfg.headers, transport=self._transport)
+        return self._made
+
     def _open(self, call: Call) -> httpx.Response:
         return self._http.stream(**self.cfg.stream_args(call))
 
     def close(self) -> None:
-        self._http.close()
+        if self._made is not None:
+            self._made.close()
         if self.direct is not None:
             self.direct.close()
 
@@ -148,7 +158,11 @@ class AsyncTransport:
         self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None, *, threads: int = 8
     ) -> None:
         self.cfg = cfg
-        self._http = httpx.AsyncClient(base_url=cfg.base_url, headers=cfg.headers, transport=transport)
+        self._transport = transport
+        # Made at first use, on a thread: building an httpx client loads TLS certificates (0.2-0.4 s measured on
+        # a loaded 2-core machine), which on the loop stalled a fresh process's first fetch; plain-http bodies
+        # never need it (BENCHMARKS.md, "Same-node reads", cold start).
+        self._made: asyncio.Future[httpx.AsyncClient] | None = None
         direct = transport is None and cfg.plain
         self.direct = Connections(cfg.base_url, cfg.headers, cfg.connect_timeout) if direct else None
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="r3-client") if direct else None
@@ -185,15 +199,30 @@ class AsyncTransport:
                     raise error_for(resp.status_code, json_or_text(resp.content), call.rid)
                 yield resp.aiter_bytes()
 
-    def _open(self, call: Call) -> httpx.Response:
-        return self._http.stream(**self.cfg.stream_args(call))
+    @asynccontextmanager
+    async def _open(self, call: Call) -> AsyncIterator[httpx.Response]:
+        if self._made is None:
+            make = functools.partial(httpx.AsyncClient, base_url=self.cfg.base_url, headers=self.cfg.headers)
+            self._made = asyncio.ensure_future(self.off_loop(make, transport=self._transport))
+        http = await asyncio.shield(self._made)
+        async with http.stream(**self.cfg.stream_args(call)) as resp:
+            yield resp
 
     async def _off_loop(self, fn: Callable[[Connections, ClientConfig, Call], T], call: Call) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, fn, self.direct, self.cfg, call)
 
+    async def off_loop(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """`fn(*args, **kwargs)` on this transport's threads (or the loop's default executor): work that must not
+        block the loop (a same-node read, building the httpx client)."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._made is not None:
+            made, self._made = self._made, None
+            with contextlib.suppress(Exception):
+                await (await made).aclose()
         if self.direct is not None:
             self.direct.close()
         if self._threads is not None:

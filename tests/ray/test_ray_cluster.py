@@ -5,7 +5,11 @@ theirs (a subprocess of the actor: AReaL `areal/engine/sglang_remote.py:352`), w
 but environment variables (`R3_SIDECAR=auto`, mirror mode so each response also carries SGLang's own rows).
 The actor turns responses into `RoutedExpertsRef`s, which travel through Ray's object store to a task on the
 trainer node; it resolves them (whole, and per rank: pipeline stage 1 of 2, CP rank 1 of 2) and gets SGLang's
-inline rows. Then the actor is killed (its server dies; the sidecar does not), the sidecar is killed by pid,
+inline rows. Refs resolved by a task on the engine's node read the node's spool (every `source` is `spool`, the
+sidecar serves no byte and counts the local reads); on the trainer node they go over HTTP (`source` is `http`):
+both Ray nodes here share one kernel, so that fetch runs in a child process that sees another kernel's boot id
+(`unshare -m` with the boot-id file bound over), what a client compares to tell nodes apart; the per-rank
+fetch runs in the task itself. Then the actor is killed (its server dies; the sidecar does not), the sidecar is killed by pid,
 and the next engine start brings it back on the same address: the first refs resolve again, nothing lost.
 The explicit alternative, one sidecar actor per node (`service.ray_nodes`), serves on both nodes and goes
 with its actors. After the job and cluster end, no r3 or SGLang process of the test is left.
@@ -35,7 +39,11 @@ from service.ray_nodes import start_node_sidecars
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the trainer node's other kernel is emulated with unshare (root)"),
+]
 
 NUM_LAYERS = 4
 PROMPTS = [list(range(10, 10 + n)) for n in (9, 30)]
@@ -79,22 +87,66 @@ class EngineActor:
         return refs, inline, lengths
 
 
-def train(refs: list, lengths: list[int]) -> dict:
+# A trainer node's kernel has its own boot id. Both nodes of this cluster share one kernel, so the trainer
+# node's fetch runs in a child process that sees another boot id (a private mount namespace with the boot-id
+# file bound over), which is all a client compares to tell another node from its sidecar's.
+ANOTHER_NODE = (
+    "import pickle, sys\n"
+    "from service.refs import fetch_many\n"
+    "got = fetch_many(pickle.load(sys.stdin.buffer), wait=30)\n"
+    "sys.stdout.buffer.write(pickle.dumps([(r.array, r.layers, r.start, r.source) for r in got]))\n"
+)
+
+
+def fetch_as_another_node(refs: list, workdir: str) -> list:
+    fake = Path(workdir) / "other-boot-id"
+    fake.write_text("00000000-0000-4000-8000-0000000000aa\n")
+    bind = f'mount --bind {fake} /proc/sys/kernel/random/boot_id && exec "$@"'
+    cmd = ["unshare", "-m", "--", "sh", "-c", bind, "-", sys.executable, "-c", ANOTHER_NODE]
+    out = subprocess.run(cmd, input=pickle.dumps(refs), capture_output=True, timeout=120, check=True)
+    return pickle.loads(out.stdout)
+
+
+def train(refs: list, lengths: list[int], workdir: str) -> dict:
     """On the trainer node: resolve the refs received through the object store, whole and for one rank."""
     import ray as ray_
 
     from service.ranks import Place, fetch_rank
-    from service.refs import fetch_many
 
-    whole = fetch_many(refs, wait=30)
+    whole = fetch_as_another_node(refs, workdir)
     place = Place(pp_size=2, pp_rank=1, cp_size=2, cp_rank=1)
     ranked = fetch_rank(refs, lengths, place, NUM_LAYERS, wait=30)
     return {
         "node": ray_.get_runtime_context().get_node_id(),
-        "whole": [(r.array, r.layers, r.start) for r in whole],
+        "whole": [w[:3] for w in whole],
+        "sources": [w[3] for w in whole],
         "ranked": [(r.array, r.positions, r.layers) for r in ranked],
         "pickled": [len(pickle.dumps(ref)) for ref in refs],
     }
+
+
+def resolve_on_engine_node(refs: list) -> dict:
+    """On the engine's node: the refs resolve straight from the node's spool (service.local_reads)."""
+    import ray as ray_
+
+    from service.refs import fetch_many
+
+    got = fetch_many(refs, wait=30)
+    return {
+        "node": ray_.get_runtime_context().get_node_id(),
+        "whole": [(r.array, r.layers, r.start) for r in got],
+        "sources": [r.source for r in got],
+    }
+
+
+def sidecar_counts(url: str) -> dict[str, float]:
+    """The sidecar's bytes served over HTTP and records read from its spool by clients."""
+    out = {"r3_served_bytes_total": 0.0, "r3_local_reads_total": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in out:
+            out[name] = float(value)
+    return out
 
 
 def r3_processes(marker: str) -> list[tuple[int, str]]:
@@ -162,17 +214,30 @@ def test_refs_through_ray_and_a_node_sidecar_that_survives_the_engine(
         ray.init(address=cluster.address, log_to_driver=False)
         engine_cls = ray.remote(num_cpus=0, resources={"engine": 1})(EngineActor)
         train_task = ray.remote(num_cpus=0, resources={"trainer": 1})(train)
+        engine_node_task = ray.remote(num_cpus=0, resources={"engine": 1})(resolve_on_engine_node)
 
         cmd, url = engine_cmd()
         engine = engine_cls.remote(cmd, env, url, str(tmp_path / "engine1.log"))
         server_pid = ray.get(engine.ready.remote())
         refs, inline, lengths = engine.rollout.options(num_returns=3).remote(PROMPTS)
-        got = ray.get(train_task.remote(refs, lengths))  # refs resolved from the object store on the other node
+        sidecar = json.loads((spool / "sidecar.json").read_text())
+        before = sidecar_counts(sidecar["url"])
+        here = ray.get(engine_node_task.remote(refs))  # on the engine's node: straight from its spool
         inline, lengths = ray.get(inline), ray.get(lengths)
+        assert here["sources"] == ["spool"] * len(PROMPTS)
+        for (array, layers, _), rows in zip(here["whole"], inline, strict=True):
+            np.testing.assert_array_equal(array, rows[:, list(layers)])
+        wait_until(
+            lambda: sidecar_counts(sidecar["url"])["r3_local_reads_total"] >= len(PROMPTS), 30, "reads unreported"
+        )
+        assert sidecar_counts(sidecar["url"])["r3_served_bytes_total"] == before["r3_served_bytes_total"]
+
+        got = ray.get(train_task.remote(refs, lengths, str(tmp_path)))  # from the object store, on the other node
         assert got["node"] != ray.get_runtime_context().get_node_id()
+        assert got["sources"] == ["http"] * len(PROMPTS)
+        assert sidecar_counts(sidecar["url"])["r3_served_bytes_total"] > before["r3_served_bytes_total"]
         check_rows(got, inline, lengths)
 
-        sidecar = json.loads((spool / "sidecar.json").read_text())
         host = urlsplit(sidecar["url"]).hostname
         assert not ipaddress.ip_address(host).is_loopback
         assert all(urlsplit(r.url).hostname == host for r in ray.get(refs))
@@ -189,7 +254,7 @@ def test_refs_through_ray_and_a_node_sidecar_that_survives_the_engine(
         ray.get(engine.ready.remote())
         again = json.loads((spool / "sidecar.json").read_text())
         assert again["pid"] != sidecar["pid"] and again["url"] == sidecar["url"]
-        check_rows(ray.get(train_task.remote(refs, lengths)), inline, lengths)  # the first refs: nothing lost
+        check_rows(ray.get(train_task.remote(refs, lengths, str(tmp_path))), inline, lengths)  # nothing lost
         ray.get(engine.rollout.remote(PROMPTS[:1]))
         engines = {json.loads(p.read_text())["engine"] for p in (spool / "v1" / "engines").glob("*.json")}
         assert len(engines) == 2, engines  # two engine processes on one node and spool: two engine files

@@ -48,6 +48,12 @@ class Counted:
         return seen
 
 
+@pytest.fixture(autouse=True)
+def over_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This file is about the HTTP requests the client makes: same-node reads (on by default) would skip them."""
+    monkeypatch.setenv("R3_LOCAL_READS", "0")
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Spool:
     return Spool(tmp_path_factory.mktemp("coalesce-spool"))

@@ -80,6 +80,12 @@ class ScriptedServer:
         self.listener.close()
 
 
+@pytest.fixture(autouse=True)
+def over_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests count the client's connections and requests: same-node reads would add `GET /v1/node`."""
+    monkeypatch.setenv("R3_LOCAL_READS", "0")
+
+
 @pytest.fixture
 def scripted() -> Iterator[Callable[[Script], ScriptedServer]]:
     servers: list[ScriptedServer] = []
