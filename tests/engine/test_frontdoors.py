@@ -116,7 +116,9 @@ def test_versions_that_build_meta_info_inline_follow_the_same_rule():
         async def run(mode):
             PROCESS.settings = EngineSettings(mode=mode, sidecar_url="http://sc:1")
             obj = SimpleNamespace(return_routed_experts=True)
-            outs = hooks._around_wait_one_response(original, None, obj)
+            hf = SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)
+            manager = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf), rid_to_state={})
+            outs = hooks._around_wait_one_response(original, manager, obj)
             return [sorted(out["meta_info"]) async for out in outs]
 
         emit({mode: asyncio.run(run(mode)) for mode in ("sidecar", "mirror")})
