@@ -103,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
+def demo_banner(url: str, spool_dir: Path, token: str | None, ttl_s: float = 120.0) -> str:
     """The commands to try against a demo sidecar, ready to paste."""
     auth = f" -H 'Authorization: Bearer {token}'" if token else ""
     tok = f', token="{token}"' if token else ""
@@ -128,6 +128,8 @@ def demo_banner(url: str, spool_dir: Path, token: str | None) -> str:
             "   # a pipeline stage: MoE layers 3-15",
             f"  curl -s {url}/metrics | grep ^r3_",
             f"  curl -s{auth} {url}/v1/engines",
+            f"Records keep coming and expire {ttl_s:g} s after they finish; {rid} … demo-000003 and dsv3-000000,"
+            " dsv3-000001 come back whenever they are acknowledged or expire, so these commands work every time.",
             "Ctrl-C stops.",
         ]
     )
@@ -165,7 +167,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     dense = DemoEngine(Spool(settings.spool_dir), DemoConfig.deepseek_v3_like(**pace, seed=args.seed + 1)).start()
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     try:
-        _serve(settings, demo_banner(f"http://{host}:{settings.port}", settings.spool_dir, settings.auth_token))
+        url = f"http://{host}:{settings.port}"
+        _serve(settings, demo_banner(url, settings.spool_dir, settings.auth_token, settings.ttl_s))
     finally:
         engine.stop()
         dense.stop()

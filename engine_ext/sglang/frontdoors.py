@@ -29,9 +29,9 @@ RUST_SERVER = "SGLANG_RUST_SERVER=1: responses are built outside SGLang's Python
 RUST_SERVER_NOTE = (
     "SGLANG_RUST_SERVER is on: SGLang's HTTP server, tokenizer manager and detokenizer run in Rust, so the "
     "plugin's front-door hooks never run, and SGLang's Rust egress carries no routed experts either. Still "
-    "works: capture and the spool (every record, served by the sidecar by rid). Does not: routed_experts_url "
-    "pointers and inline rows in responses. Fetch each request's rows by its rid (send your own rid), or "
-    "unset SGLANG_RUST_SERVER for pointers"
+    "works: capture and the spool (the scheduler is still Python; the sidecar serves records by rid). Does not: "
+    "routed_experts_url pointers and inline rows in responses. Fetch each request's rows by its rid (send your "
+    "own rid), or unset SGLANG_RUST_SERVER for pointers"
 )
 
 
