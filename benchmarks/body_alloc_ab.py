@@ -47,8 +47,11 @@ async def compare(url: str, rids: list[str], nbytes: int, reps: int, stall_reps:
     times: dict[str, list[float]] = {}
     stalls: dict[str, list[Stall]] = {}
     loads: list[float] = []
-    async with AsyncRoutedExpertsClient(url, coalesce=False) as client, AsyncSidecarPool() as pool:
-        with RoutedExpertsClient(url) as blocking:
+    async with (
+        AsyncRoutedExpertsClient(url, coalesce=False, local_reads=False) as client,
+        AsyncSidecarPool(local_reads=False) as pool,
+    ):
+        with RoutedExpertsClient(url, local_reads=False) as blocking:
             for _ in range(3):
                 blocking.get(rids[0])
                 await client.get(rids[0])

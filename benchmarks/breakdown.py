@@ -59,7 +59,7 @@ def client_stacks(url: str, rid: str, nbytes: int, reps: int) -> dict:
             while n := sock.recv_into(view[got : got + (1 << 20)]):
                 got += n
 
-    with RoutedExpertsClient(url) as rc, httpx.Client(base_url=url) as hx:
+    with RoutedExpertsClient(url, local_reads=False) as rc, httpx.Client(base_url=url) as hx:
         lean = LeanClient(url)
         out = {
             "RoutedExpertsClient.get": _wall(lambda: rc.get(rid), reps),

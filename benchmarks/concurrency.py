@@ -107,7 +107,11 @@ def drain(
 
     def client() -> RoutedExpertsClient | LeanClient:
         if not hasattr(local, "client"):
-            local.client = LeanClient(url) if mode == "lean_get" else RoutedExpertsClient(url, timeout=300, retries=0)
+            local.client = (
+                LeanClient(url)
+                if mode == "lean_get"
+                else RoutedExpertsClient(url, timeout=300, retries=0, local_reads=False)
+            )
             with lock:
                 clients.append(local.client)
         return local.client

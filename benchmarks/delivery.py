@@ -104,7 +104,10 @@ def measure_case(
     prompt_len = tokens // 2
     inline_t, server_t, ours_t, write_t, lean_t = [], [], [], [], []
     lean = LeanClient(sidecar_url)
-    with httpx.Client(base_url=inline_url, timeout=120) as http, RoutedExpertsClient(sidecar_url, timeout=120) as rc:
+    with (
+        httpx.Client(base_url=inline_url, timeout=120) as http,
+        RoutedExpertsClient(sidecar_url, timeout=120, local_reads=False) as rc,
+    ):
         for rep in range(reps + 1):
             e2e, srv, inline_array, inline_bytes = inline_once(http, name, shape)
             rid = f"{name}-r{rep}"

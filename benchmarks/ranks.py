@@ -79,7 +79,7 @@ def main() -> None:
                 writer.append(rows)
                 writer.finalize()
                 cases.append((shape, tokens, rid, rows))
-        with serve("sidecar", Path(tmp)) as server, SidecarPool() as pool:
+        with serve("sidecar", Path(tmp)) as server, SidecarPool(local_reads=False) as pool:
             header = "| model | tokens | rank's place | bytes per rank | of whole | ms per rank (p50) | of whole |"
             lines += [header, "|---|---|---|---|---|---|---|"]
             for shape, tokens, rid, _ in cases:

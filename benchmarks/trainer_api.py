@@ -110,8 +110,11 @@ def lone_latency_us(url: str, reps: int = 200) -> tuple[float, float, float]:
     times: dict[str, list[float]] = {"sync": [], "on": [], "off": []}
 
     async def main() -> None:
-        async with AsyncRoutedExpertsClient(url) as on, AsyncRoutedExpertsClient(url, coalesce=False) as off:
-            with RoutedExpertsClient(url) as sc:
+        async with (
+            AsyncRoutedExpertsClient(url, local_reads=False) as on,
+            AsyncRoutedExpertsClient(url, coalesce=False, local_reads=False) as off,
+        ):
+            with RoutedExpertsClient(url, local_reads=False) as sc:
                 for i in range(reps + 10):
                     t = time.perf_counter()
                     sc.get("small")
@@ -138,8 +141,8 @@ def throughput(url: str, nbytes: int, reps: int) -> tuple[float, float]:
         return time.perf_counter() - t
 
     async def main() -> None:
-        async with AsyncRoutedExpertsClient(url) as ac:
-            with RoutedExpertsClient(url) as sc:
+        async with AsyncRoutedExpertsClient(url, local_reads=False) as ac:
+            with RoutedExpertsClient(url, local_reads=False) as sc:
                 for _ in range(3):
                     sc.get("big-0")
                     await ac.get("big-0")
@@ -162,7 +165,7 @@ def stalls(url: str, n: int, threads: int | None, reps: int) -> dict[str, list[S
     out: dict[str, list[Stall]] = {}
 
     async def main() -> None:
-        kwargs = {"threads": threads} if threads else {}
+        kwargs = {"threads": threads, "local_reads": False} if threads else {"local_reads": False}
         async with (
             AsyncRoutedExpertsClient(url, **kwargs) as ac,
             AsyncRoutedExpertsClient(url, coalesce=False, **kwargs) as apart,
@@ -182,7 +185,7 @@ def stalls(url: str, n: int, threads: int | None, reps: int) -> dict[str, list[S
                 out.setdefault(f"afetch_many({n} refs): one batch", []).append(
                     await stall_during(lambda: afetch_many(refs, pool=pool))
                 )
-        with RoutedExpertsClient(url) as sc:
+        with RoutedExpertsClient(url, local_reads=False) as sc:
             sc.get(rids[0])
 
             async def blocking() -> list[object]:

@@ -117,7 +117,8 @@ def write_record(spool: Spool, rid: str, shape, compact: np.ndarray) -> None:
 def measure(
     inline, adapter, inline_resp: dict, pointer_resp: dict, reps: int, loop, http: SidecarPool
 ) -> dict[str, float]:
-    """Median ms of each path, interleaved repetition by repetition (the machine's load hits all alike)."""
+    """Median ms of each path, interleaved repetition by repetition (the machine's load hits all alike), in an
+    order that turns each repetition (glibc reuses or maps afresh what the path before freed)."""
     body = orjson.dumps(inline_resp)
 
     def ours(resp: dict):
@@ -143,8 +144,9 @@ def measure(
         "http_ms": lambda: ours_http(pointer_resp),
     }
     times: dict[str, list[float]] = {key: [] for key in paths}
-    for _ in range(reps):
-        for key, call in paths.items():
+    order = list(paths.items())
+    for rep in range(reps):  # the order turns each repetition: what a path frees shapes the next one's allocations
+        for key, call in order[rep % len(order) :] + order[: rep % len(order)]:
             t0 = time.perf_counter()
             call()
             times[key].append(time.perf_counter() - t0)
@@ -197,6 +199,7 @@ def run(models: list[str], token_counts: list[int], reps: dict[int, int]) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="one small shape, few repetitions (harness check)")
+    ap.add_argument("--models", nargs="*", default=["Qwen3-30B-A3B", "DeepSeek-V3", "Kimi-K2"])
     args = ap.parse_args()
     if not (TRAINERS / ".stamp").exists():
         raise SystemExit(f"{TRAINERS} missing: run `make trainers` first (AReaL's own parser is timed)")
@@ -204,7 +207,7 @@ def main() -> None:
     if args.quick:
         run(["Qwen3-30B-A3B"], [2048], {2048: 3})
     else:
-        run(["Qwen3-30B-A3B", "DeepSeek-V3", "Kimi-K2"], [8192, 32768], {8192: 20, 32768: 8})
+        run(args.models, [8192, 32768], {8192: 20, 32768: 8})
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ inline rows. Refs resolved by a task on the engine's node read the node's spool 
 sidecar serves no byte and counts the local reads); on the trainer node they go over HTTP (`source` is `http`):
 both Ray nodes here share one kernel, so that fetch runs in a child process that sees another kernel's boot id
 (`unshare -m` with the boot-id file bound over), what a client compares to tell nodes apart; the per-rank
-fetch runs in the task itself. Then the actor is killed (its server dies; the sidecar does not), the sidecar is killed by pid,
-and the next engine start brings it back on the same address: the first refs resolve again, nothing lost.
+fetch runs in the task itself. Then the actor is killed (its server dies; the sidecar does not), the sidecar is
+killed by pid, and the next engine start brings it back on the same address: the first refs resolve again, nothing lost.
 The explicit alternative, one sidecar actor per node (`service.ray_nodes`), serves on both nodes and goes
 with its actors. After the job and cluster end, no r3 or SGLang process of the test is left.
 """
