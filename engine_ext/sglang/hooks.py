@@ -723,7 +723,7 @@ def live_step(delivery: Delivery, batch, result, topk) -> None:
     if not live.records and not any(req.wants for req in reqs):
         return
     if mode.is_target_verify():
-        stride = result.speculative_output_stride or result.speculative_num_draft_tokens
+        stride = _verify_stride(result)
         if result.accept_lens is None or not stride or delivery.placement.spec_tree:
             layout, total = [], -1
         else:
@@ -735,6 +735,15 @@ def live_step(delivery: Delivery, batch, result, topk) -> None:
     else:
         return
     live.feed_step(mode.name, layout, total, reqs, topk, first_extend=first_extend)
+
+
+def _verify_stride(result) -> int | None:
+    """A verify forward's tokens per request, from the first of the layout's result fields that is set."""
+    for name in compat.layout().verify_stride:
+        value = getattr(result, name)
+        if value:
+            return int(value)
+    return None
 
 
 def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:
