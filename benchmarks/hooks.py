@@ -13,9 +13,9 @@ plugin's capture hooks, `R3_HOOK_TIMERS=1`, the default) and `timers_off`. Per f
 - `layers`: the real capture site `topk.capture_routed_experts_if_allowed` → `RoutedExpertsCapturer.capture`
   → `BaseDeviceCache.capture` for every layer: what `_checked_device_capture` adds per eager forward (it runs
   inside the model's forward, so no runtime timer can see it: a clock there is what Dynamo cannot trace);
-- `compiled`: the same layers under `torch.compile(fullgraph=True, dynamic=True)` (Inductor), as piecewise
-  CUDA graphs and `--enable-torch-compile` run them: the graph is upstream's op for op
-  (`tests/engine/test_capture_compiled.py`), so what is left is Dynamo's guards on the hook;
+- `compiled` (DP 1 decode shapes, `--device cpu` only): the same layers as one `torch.compile(fullgraph=True)`
+  forward (Inductor), as piecewise CUDA graphs and `--enable-torch-compile` run them: the graph is
+  upstream's op for op (`tests/engine/test_capture_compiled.py`), so what is left is Dynamo's guards;
 - `end`: `RoutedExpertsCapturer.on_forward_end` in overlap mode (SGLang's default: device clones of the
   slice), with the plugin's `_get_local_slice` and `_around_forward_end` (occupancy, DP slicing).
 
@@ -209,7 +209,7 @@ def one_shape(
             for part, (fn, number) in parts.items():
                 best[v][part] = min(best[v][part], _block_ns(fn, number))
     best["per_layer_hook_ns"] = _per_layer_hook_ns(variants, cap, topk, rounds)
-    if dp == 1 and kind == "decode":  # one compile per variant and shape: the decode shapes SGLang compiles
+    if dp == 1 and kind == "decode" and device == "cpu":  # one compile per variant and shape (CPU Inductor)
         best["compiled_ns"] = _compiled_ns(variants, body, rounds)
     set_global_experts_capturer(None)
     return best
@@ -369,7 +369,7 @@ def run_child(*args: str) -> list[dict[str, Any]]:
         text=True,
         cwd=ROOT,
         env={"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **os.environ},
-        timeout=600,
+        timeout=1800,  # the compiled variant compiles 2 graphs per decode shape
     )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child exited {proc.returncode}")
