@@ -179,8 +179,8 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
     )
     hook_seconds = CounterMetricFamily(
         "r3_engine_hook_seconds",
-        "Seconds of the plugin's own work on the scheduler thread, by hook (forward_extent, device_capture, "
-        "forward_end, batch_result, live_step, collect, finalize) and forward kind (extend, decode, verify, idle, "
+        "Seconds of the plugin's own work on the scheduler thread, by hook (forward_extent, forward_end, "
+        "batch_result, live_step, collect, finalize) and forward kind (extend, decode, verify, idle, "
         "other); the SGLang code each hook wraps is not counted. Absent when R3_HOOK_TIMERS=0.",
         labels=["engine", "hook", "kind"],
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 import pkgutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,110 @@ FUNCTIONS: Mapping[str, str] = {
     "capture_output_to_host": f"{__name__}.host_copies_by_map",  # a TopkCaptureOutput's tensors to the host
 }
 
+# 0.5.23: the classes of the objects SGLang builds at run time that the hooks read attributes off, by role (a
+# role with several classes: whichever SGLang puts there, e.g. the decode graph runner on CUDA and on the CPU).
+_ME = "sglang.srt.model_executor"
+_SC = "sglang.srt.state_capturer"
+_MGR = "sglang.srt.managers"
+CLASSES: Mapping[str, tuple[str, ...]] = {
+    "model_runner": (f"{_ME}.model_runner.ModelRunner",),
+    "decode_graph": (
+        f"{_ME}.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner",
+        f"{_ME}.cpu_graph_runner.CPUGraphRunner",
+    ),
+    "runner_output": (f"{_ME}.model_runner.ModelRunnerOutput",),
+    "forward_batch": (f"{_ME}.forward_batch_info.ForwardBatch",),
+    "forward_mode": (f"{_ME}.forward_batch_info.ForwardMode",),
+    "device_cache": (f"{_SC}.base.BaseDeviceCache",),
+    "host_cache": (f"{_SC}.base.BaseHostCache",),
+    "capture_output": (f"{_SC}.base.TopkCaptureOutput",),
+    "capturer": (f"{_SC}.routed_experts.RoutedExpertsCapturer",),
+    "schedule_batch": (f"{_MGR}.schedule_batch.ScheduleBatch",),
+    "req": (f"{_MGR}.schedule_batch.Req",),
+    "batch_result": (f"{_MGR}.utils.GenerationBatchResult",),
+    "scheduler": (f"{_MGR}.scheduler.Scheduler",),
+    "result_processor": (_BRP,),  # what the batch-result hooks get as `self`
+    "allocator": ("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator",),
+    "req_to_token_pool": ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool",),
+    "model_config": ("sglang.srt.configs.model_config.ModelConfig",),
+    "tokenized_request": (f"{_MGR}.io_struct.TokenizedGenerateReqInput",),
+    "batch_output": (f"{_MGR}.io_struct.BaseBatchReq",),
+    "tokenizer_manager": (_TM,),
+    "req_state": (f"{_MGR}.tokenizer_manager.ReqState",),
+    "draft_backend": ("sglang.srt.layers.attention.triton_backend.TritonMultiStepDraftBackend",),
+}
+
+
+@dataclass(frozen=True)
+class Read:
+    """An attribute a hook function (`by`) reads off an object of `role` without a default.
+
+    `attribute` is 0.5.23's name, or `@field`: the name(s) a `Layout` field holds for the version (None: not
+    read there). `set_in`: the methods that assign it, where the object lacks it until one of them ran (before
+    the hook's read), also as `@field`; empty: the object has it once built."""
+
+    role: str
+    attribute: str
+    by: str
+    set_in: str | tuple[str, ...] = ()
+
+
+def _reads(role: str, by: str, *attributes: str) -> tuple[Read, ...]:
+    return tuple(Read(role, attribute, by) for attribute in attributes)
+
+
+_EXTENT, _SLICE, _RESULT = "_record_forward_extent", "_get_local_slice", "_around_process_result"
+ATTRIBUTES: tuple[Read, ...] = (
+    Read("model_runner", "@decode_graph_runner", _EXTENT, set_in="@graph_runner_set_in"),
+    # no version assigns `bs` at construction: the hook reads it only after a decode-graph replay
+    Read("decode_graph", "bs", _EXTENT, set_in="@graph_batch_set_in"),
+    *_reads("decode_graph", _EXTENT, "@graph_req_width"),
+    *_reads("runner_output", _EXTENT, "can_run_graph"),
+    *_reads("forward_batch", _EXTENT, "forward_mode", "global_num_tokens_cpu", "@padded_counts"),
+    *_reads("forward_mode", _EXTENT, "is_target_verify", "is_extend", "is_decode", "is_idle"),
+    *_reads("forward_batch", _SLICE, "out_cache_loc", "global_num_tokens_cpu", "@padded_counts"),
+    *_reads("capturer", _SLICE, "device_cache", "topk_size"),
+    *_reads("device_cache", "_checked_device_capture", "buffer", "name"),
+    *_reads("capturer", "_create_sized_capturer", "device_cache"),
+    *_reads("device_cache", "_create_sized_capturer", "buffer"),
+    *_reads("capture_output", "_around_forward_end", "finalize", "out_cache_loc", "topk"),
+    *_reads("forward_batch", "_around_forward_end", "out_cache_loc"),
+    *_reads("capture_output", "_around_finalize", "host_cache"),
+    *_reads("host_cache", "_around_finalize", "buffer"),
+    *_reads("schedule_batch", _RESULT, "forward_mode", "reqs", "seq_lens_cpu", "prefix_lens", "extend_lens"),
+    *_reads("batch_result", _RESULT, "@verify_stride", "accept_lens"),
+    *_reads("capture_output", _RESULT, "topk"),
+    *_reads(
+        "req",
+        _RESULT,
+        "origin_input_ids",
+        "rid",
+        "return_routed_experts",
+        "sampling_params",
+        "finished",
+        "retraction_count",
+        "is_retracted",
+        "routed_experts_start_len",
+        "output_ids_through_stop",
+        "@req_pool_idx",
+    ),
+    *_reads("result_processor", _RESULT, "req_to_token_pool", "token_to_kv_pool_allocator", "model_config"),
+    *_reads("req_to_token_pool", _RESULT, "req_to_token"),
+    *_reads("allocator", _RESULT, "size", "available_size"),
+    *_reads("model_config", _RESULT, "hf_text_config"),
+    *_reads("capturer", _RESULT, "host_cache", "num_layers", "topk_size"),
+    *_reads("host_cache", _RESULT, "buffer", "num_tokens"),
+    *_reads("req", "_around_collect", "return_routed_experts", "rid", "routed_experts", "finished_reason"),
+    *_reads("tokenized_request", "_around_arrival", "return_routed_experts", "rid", "input_ids"),
+    *_reads("tokenized_request", "_around_arrival", "routed_experts_start_len"),
+    *_reads("scheduler", "_around_disagg_prefill_done", "@result_processor"),
+    *_reads("tokenizer_manager", "_around_handle_batch_output", "rid_to_state"),
+    *_reads("req_state", "_around_handle_batch_output", "obj"),
+    *_reads("batch_output", "_around_handle_batch_output", "rids"),
+    *_reads("forward_batch", "_checked_draft_kv_indices", "seq_lens_sum", "batch_size"),
+    *_reads("draft_backend", "_checked_draft_kv_indices", "topk", "speculative_num_steps"),
+)
+
 # 0.5.23 hook targets that older versions keep elsewhere (the names the layouts below retarget).
 CUTEDSL = f"{_RC}.cutedsl_moe_max_num_tokens"
 OUT_DICT = "sglang.srt.beam_search.output.try_build_beam_search_out_dict"
@@ -71,12 +175,17 @@ class Layout:
     targets: Mapping[str, Retarget] = field(default_factory=dict)  # 0.5.23 hook target → here (`Retarget`)
     reads: Mapping[str, str] = field(default_factory=dict)  # `READS` entries spelled differently here
     functions: Mapping[str, str] = field(default_factory=dict)  # `FUNCTIONS` entries named differently here
+    classes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # `CLASSES` entries elsewhere here
     # The ForwardBatch list `prepare_mlp_sync_batch` replaces with the per-rank padded token counts.
     padded_counts: str = "global_num_tokens_padded_cpu"
     req_pool_idx: str = "kv.req_pool_idx"  # a Req's slot in req_to_token
     budget_at_resolution: bool = True  # `arg_groups.resolution_hooks` exists: the budget check runs at start
     decode_graph_runner: str = "decode_cuda_graph_runner"  # the ModelRunner's decode/verify CUDA graph runner
     graph_req_width: str = "captured_req_width"  # … and its tokens per request
+    graph_runner_set_in: tuple[str, ...] = ("init_cuda_graphs",)  # what assigns the ModelRunner that runner
+    graph_batch_set_in: tuple[str, ...] = ("load_batch", "prepare_replay")  # … its `bs` (CUDA, CPU runner)
+    # A GenerationBatchResult's tokens per request in a verify forward: the first that is set
+    verify_stride: tuple[str, ...] = ("speculative_output_stride", "speculative_num_draft_tokens")
     result_processor: str | None = "batch_result_processor"  # the Scheduler's batch-result processor (None: itself)
 
     def read_spec(self, name: str) -> str:
@@ -84,6 +193,20 @@ class Layout:
 
     def function_path(self, name: str) -> str:
         return self.functions.get(name, FUNCTIONS[name])
+
+    def classes_of(self, role: str) -> tuple[str, ...]:
+        return self.classes.get(role, CLASSES[role])
+
+    def attributes(self, read: Read) -> tuple[str, ...]:
+        """The attribute(s) `read` names on this version (none: not read here)."""
+        return self._named(read.attribute)
+
+    def set_in(self, read: Read) -> tuple[str, ...]:
+        return self._named(read.set_in)
+
+    def _named(self, spec: str | tuple[str, ...]) -> tuple[str, ...]:
+        value = getattr(self, spec[1:]) if isinstance(spec, str) and spec.startswith("@") else spec
+        return (value,) if isinstance(value, str) else tuple(value or ())
 
 
 def slot_in_by_attention_dp_rank(per_rank: Sequence[int]) -> int:
@@ -210,6 +333,7 @@ LAYOUTS: dict[str, Layout] = {
             padded_counts="global_num_tokens_cpu",
             req_pool_idx="req_pool_idx",
             budget_at_resolution=False,
+            verify_stride=("speculative_num_draft_tokens",),  # managers/utils.py: no speculative_output_stride
         ),
         Layout(  # read from the 0.5.12 wheel: no runtime_context at all; the Scheduler processes batch results
             "0.5.12",
@@ -235,9 +359,17 @@ LAYOUTS: dict[str, Layout] = {
             padded_counts="global_num_tokens_cpu",  # forward_batch_info.py:921
             req_pool_idx="req_pool_idx",
             budget_at_resolution=False,
-            decode_graph_runner="graph_runner",
-            graph_req_width="num_tokens_per_bs",  # cuda_graph_runner.py:642-652
+            decode_graph_runner="graph_runner",  # model_runner.py:2949, in __init__ → init_device_graphs
+            graph_req_width="num_tokens_per_bs",  # cuda_graph_runner.py:642-652, cpu_graph_runner.py:509
+            graph_runner_set_in=(),
+            graph_batch_set_in=("replay_prepare", "prepare_replay"),  # cuda_graph_runner.py:1312, cpu_…:783
+            verify_stride=("speculative_num_draft_tokens",),
             result_processor=None,
+            classes={
+                "decode_graph": (f"{_ME}.cuda_graph_runner.CudaGraphRunner", f"{_ME}.cpu_graph_runner.CPUGraphRunner"),
+                "result_processor": ("sglang.srt.managers.scheduler.Scheduler",),  # its mixin's methods
+                "allocator": ("sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator",),
+            },
         ),
     )
 }
@@ -282,6 +414,25 @@ def req_pool_idx(req: Any) -> Any:
     if not _pool_idx:
         _pool_idx.append(operator.attrgetter(_layout[0].req_pool_idx))
     return _pool_idx[0](req)
+
+
+@dataclass(frozen=True)
+class ClassRead:
+    """One read of `ATTRIBUTES` as this version spells it: the classes that may be read, the attribute."""
+
+    classes: tuple[str, ...]
+    attribute: str
+    set_in: tuple[str, ...]
+
+
+def attribute_reads(functions: Collection[str] | None = None) -> list[ClassRead]:
+    """This layout's `ATTRIBUTES` read by `functions` (the hook functions registered here; None: all)."""
+    layout, out = _layout[0], []
+    for read in ATTRIBUTES:
+        if functions is None or read.by in functions:
+            classes, set_in = layout.classes_of(read.role), layout.set_in(read)
+            out += [ClassRead(classes, attribute, set_in) for attribute in layout.attributes(read)]
+    return out
 
 
 def split_read(spec: str) -> tuple[str, tuple[str, ...]]:

@@ -25,6 +25,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from torch.compiler import is_compiling as _compiling
 
 from engine_ext.core.promised import Promised
 from engine_ext.core.records import moe_layer_ids
@@ -297,21 +298,23 @@ def _forward_kind(mode) -> int:
 def _record_forward_extent(original, runner, forward_batch, *args, **kwargs):
     """Stamp the ForwardBatch with the decode/verify graph extent when that graph is what ran.
 
-    The decode-graph path of `_forward_raw` returns before `_prepare_eager_forward_batch`, whose
-    `prepare_mlp_sync_batch` is the only writer of `global_num_tokens_padded_cpu` (always a new list); the
-    prefill-graph path also reports `can_run_graph`, but after that padding. Identity, not None-ness, so a
-    re-run on the same batch (`_maybe_rebalance_after_rank_fault`) is told apart too.
+    Only a forward with per-rank token counts (DP attention, where `_get_local_slice` places rows by the
+    extent) can tell which graph ran: the decode-graph path of `_forward_raw` returns before
+    `_prepare_eager_forward_batch`, whose `prepare_mlp_sync_batch` is the only writer of the padded counts
+    (always a new list), while the prefill-graph (piecewise) path also reports `can_run_graph`, after that
+    padding. Identity, not None-ness, so a re-run on the same batch is told apart too. Without counts both
+    paths leave them None, and the graph runner's `bs` exists only once it replayed (`replay_prepare`, every
+    version): reading it after a piecewise prefill, before any decode replay, was 0.5.12's first-forward crash.
     """
     TIMERS.kind = _forward_kind(forward_batch.forward_mode)
-    _proved[0] = None  # a new forward: its first capture is checked again
     setattr(forward_batch, _DECODE_EXTENT_ATTR, None)
     layout = compat.layout()
     padded = layout.padded_counts
+    counted = forward_batch.global_num_tokens_cpu is not None
     padded_before = getattr(forward_batch, padded)
     output = original(runner, forward_batch, *args, **kwargs)
-    graph = getattr(runner, layout.decode_graph_runner, None)
-    padded_now = getattr(forward_batch, padded)
-    if output.can_run_graph and graph is not None and padded_now is padded_before:
+    if counted and output.can_run_graph and getattr(forward_batch, padded) is padded_before:
+        graph = getattr(runner, layout.decode_graph_runner)
         ragged = getattr(graph, "_ragged_graph_size", None) if getattr(graph, "ragged_verify_mode", False) else None
         setattr(
             forward_batch,
@@ -366,39 +369,35 @@ def _get_local_slice(self, forward_batch, can_run_graph, cuda_graph_batch):
     return self.device_cache.buffer[where.start : where.stop, :, : self.topk_size]
 
 
-_proved: list = [None]  # the routed-experts device cache whose bound this forward's first capture proved
-
-
 def _checked_device_capture(original, self, layer_id, topk_indices):
     """Fail with the setting to change, instead of a shape-mismatch RuntimeError, when a write overflows.
 
-    Every MoE layer of one forward routes the same tokens, so the first routed-experts capture of a forward
-    proves the bound for all its layers before any writes; the others pass through on one identity test
-    (`_record_forward_extent` clears the proof per forward). Until the routed layers are known (the first
-    forward) and for other device caches, every capture is checked.
+    It runs inside the model's forward, which SGLang's piecewise CUDA graphs and `--enable-torch-compile` trace
+    with Dynamo (`fullgraph=True`): a shape test and nothing else there, so the compiled graph is upstream's
+    (a static shape folds the test away; a dynamic one becomes a guard). No clock, counter or flag: what Dynamo
+    would freeze at trace time, or skip. Eager forwards (the warmup, every CUDA-graph capture) also note the
+    routed layers until they are known (`capturer.ROUTED_LAYERS`); compiled code never sees that branch.
     """
-    if self is not _proved[0]:
-        _check_device_capture(self, layer_id, topk_indices)
+    if topk_indices.shape[0] > self.buffer.shape[0]:
+        _overflow(self, layer_id, topk_indices.shape[0])
+    if not _compiling():
+        _note_routed_layer(self, layer_id)
     return original(self, layer_id, topk_indices)
 
 
-def _check_device_capture(cache, layer_id, topk_indices) -> None:
-    t0 = timers.clock() if TIMERS.on else 0
-    routed = cache.name == "routed_experts"
-    if routed and capturer.ROUTED_LAYERS.known is None:
+def _note_routed_layer(cache, layer_id) -> None:
+    if capturer.ROUTED_LAYERS.known is None and cache.name == "routed_experts":
         capturer.ROUTED_LAYERS.note(layer_id)
-    if topk_indices.shape[0] > cache.buffer.shape[0]:  # the message is built only on failure
-        capturer.check_fits(
-            topk_indices.shape[0],
-            cache.buffer.shape[0],
-            what=f"{cache.name} device cache (layer {layer_id})",
-            remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
-            "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
-        )
-    if routed and capturer.ROUTED_LAYERS.known is not None:
-        _proved[0] = cache
-    if t0:
-        TIMERS.book(timers.DEVICE_CAPTURE, t0)
+
+
+def _overflow(cache, layer_id, rows: int) -> None:
+    capturer.check_fits(
+        rows,
+        cache.buffer.shape[0],
+        what=f"{cache.name} device cache (layer {layer_id})",
+        remedy="lower --chunked-prefill-size, --max-running-requests, --cuda-graph-max-bs or "
+        "--speculative-num-draft-tokens, or install r3-sidecar's capturer sizing (sglang.srt.plugins)",
+    )
 
 
 def _cutedsl_moe_max_num_tokens() -> int:
@@ -762,7 +761,7 @@ def live_step(delivery: Delivery, batch, result, topk) -> None:
     if not live.records and not any(req.wants for req in reqs):
         return
     if mode.is_target_verify():
-        stride = result.speculative_output_stride or result.speculative_num_draft_tokens
+        stride = _verify_stride(result)
         if result.accept_lens is None or not stride or delivery.placement.spec_tree:
             layout, total = [], -1
         else:
@@ -774,6 +773,15 @@ def live_step(delivery: Delivery, batch, result, topk) -> None:
     else:
         return
     live.feed_step(mode.name, layout, total, reqs, topk, first_extend=first_extend)
+
+
+def _verify_stride(result) -> int | None:
+    """A verify forward's tokens per request, from the first of the layout's result fields that is set."""
+    for name in compat.layout().verify_stride:
+        value = getattr(result, name)
+        if value:
+            return int(value)
+    return None
 
 
 def _step_request(delivery: Delivery, req, first_extend: bool) -> StepRequest:

@@ -1,10 +1,14 @@
 """Cumulative time of each hook's own work on the scheduler thread, by forward kind.
 
-Why: an operator must see what the plugin costs a live server, hook by hook, without a profiler. Each timed
-hook adds its *own* time (its total minus the SGLang code it wraps, minus timed hooks nested inside it) to
-one slot of a preallocated table `[hook][kind]`: two integer additions per call, nothing retained, no
-object built. The kind is the forward kind the hooks last saw (set by the per-forward and per-batch-result
-hooks from SGLang's ForwardMode), so per-layer and per-request work is booked to the forward it belongs to.
+Why: an operator must see what the plugin costs a live server, hook by hook, without a profiler. Only hooks
+that run outside the model's forward are timed: the per-layer capture check runs inside it, where SGLang's
+piecewise CUDA graphs and `--enable-torch-compile` trace it with Dynamo, which skips `perf_counter_ns` (the
+capture fails) and would freeze any clock or counter at trace time; `make bench-hooks` measures it per
+forward, eager and compiled. Each timed hook adds its *own* time (its total minus the SGLang code it wraps,
+minus timed hooks nested inside it) to one slot of a preallocated table `[hook][kind]`: two integer additions
+per call, nothing retained, no object built. The kind is the forward kind the hooks last saw (set by the
+per-forward and per-batch-result hooks from SGLang's ForwardMode), so per-request work is booked to the
+forward it belongs to.
 
     @timers.timed(timers.FORWARD_END)          # an AROUND hook: `original` is timed and subtracted
     def _around_forward_end(original, self, *args, **kwargs): ...
@@ -23,8 +27,8 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-HOOKS = ("forward_extent", "device_capture", "forward_end", "batch_result", "live_step", "collect", "finalize")
-FORWARD_EXTENT, DEVICE_CAPTURE, FORWARD_END, BATCH_RESULT, LIVE_STEP, COLLECT, FINALIZE = range(len(HOOKS))
+HOOKS = ("forward_extent", "forward_end", "batch_result", "live_step", "collect", "finalize")
+FORWARD_EXTENT, FORWARD_END, BATCH_RESULT, LIVE_STEP, COLLECT, FINALIZE = range(len(HOOKS))
 KINDS = ("extend", "decode", "verify", "idle", "other")
 EXTEND, DECODE, VERIFY, IDLE, OTHER = range(len(KINDS))
 
@@ -40,13 +44,6 @@ class HookTimers:
         self.ns = [0] * (len(HOOKS) * len(KINDS))
         self.kind = OTHER
         self.child_ns = 0  # time of timed regions (and originals) inside the region now running
-
-    def book(self, hook: int, t0: int) -> None:
-        """Add the time since `t0` (a `clock()` reading) to `hook` under the current kind: for inline timing of a
-        hook with nothing nested (the per-layer check), where `timed`'s frames would cost more than the work."""
-        slot = hook * len(KINDS) + self.kind
-        self.ns[slot] += clock() - t0
-        self.calls[slot] += 1
 
     def reset(self) -> None:
         for table in (self.calls, self.ns):

@@ -48,6 +48,9 @@ class Version:
     seeds: dict[Seed, Upstream]  # each seed fix as upstream ships it in this version
     evidence: str  # where the seed column was read, so a reader can check it
     not_run: tuple[str, ...] = ()  # what the plugin does on 0.5.23 but cannot on this version, and why
+    # Attributes the hooks read off SGLang's run-time objects that this version's source lacks
+    # (`engine_ext.sglang.attributes.missing`, checked per venv in CI): the plugin is refused there, naming them.
+    missing_attributes: tuple[str, ...] = ()
 
 
 MATRIX: dict[str, Version] = {
@@ -171,6 +174,11 @@ def support(found: str | None) -> Support:
         reason = f"sglang=={found} is outside the support matrix ({', '.join(supported())})"
     elif not row.plugin_mechanism:
         reason = f"sglang=={found} has no plugin mechanism (sglang.srt.plugins); r3-sidecar needs sglang>=0.5.12"
+    elif row.missing_attributes:
+        reason = (
+            f"sglang=={found}: the hooks would read attributes its run-time objects lack "
+            f"({', '.join(row.missing_attributes)})"
+        )
     elif not row.proven:
         missing = [*row.missing_targets, *row.missing_names]
         reason = f"sglang=={found}: the plugin is not proven on it yet (missing: {', '.join(missing) or 'none'})"

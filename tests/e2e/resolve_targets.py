@@ -1,5 +1,7 @@
 """Print, as JSON, which of the plugin's hook targets and `MATRIX` names the running SGLang lacks, and, where
-`compat` has a layout for it, what of that layout does not import (`after_layout`: must be empty).
+`compat` has a layout for it, what of that layout does not import (`after_layout`: must be empty) and which
+attributes the registered hooks read off SGLang's run-time objects its source lacks (`attributes`, read by
+`engine_ext.sglang.attributes` from this version's installed files).
 
 Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
 Targets of the `hip` group import only on ROCm and are left out.
@@ -13,7 +15,7 @@ from importlib.metadata import version
 
 
 def main() -> None:
-    from engine_ext.sglang import compat
+    from engine_ext.sglang import attributes, compat
     from engine_ext.sglang.hooks import HOOKS
     from engine_ext.sglang.versions import MATRIX
 
@@ -24,6 +26,8 @@ def main() -> None:
     if found in compat.LAYOUTS:
         compat.use(found)
         result["after_layout"] = compat.unresolved(targets)
+        here = [compat.hook(hook.target, hook.function) for hook in HOOKS if "hip" not in hook.groups]
+        result["attributes"] = attributes.missing({where[1] for where in here if where is not None})
     json.dump(result, sys.stdout)
 
 

@@ -293,17 +293,15 @@ def _settled_engine_file(stack: Stack, key: str = "writer") -> dict:
 def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_metrics(capture_all):
     stack = capture_all["stack"]
     hooks = _settled_engine_file(stack, "hooks")["hooks"]
-    for hook in ("forward_extent", "device_capture", "forward_end", "batch_result"):
+    for hook in ("forward_extent", "forward_end", "batch_result"):
         for kind in ("extend", "decode"):
             assert hooks[hook][kind]["calls"] > 0 and hooks[hook][kind]["seconds"] > 0, (hook, kind, hooks)
-    # The per-layer hook checks every layer of the first forward (routed layers unknown), then one per forward.
-    calls = {hook: sum(t["calls"] for t in hooks[hook].values()) for hook in ("device_capture", "forward_extent")}
-    assert calls["device_capture"] == calls["forward_extent"] + stack.num_hidden_layers - 1, hooks
+    assert "device_capture" not in hooks  # the per-layer hook runs inside the (compilable) forward: untimed
     assert sum(t["calls"] for t in hooks["collect"].values()) >= len(REQUESTS)  # once per finished request
     text = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
     engine = _engine_reports(stack)[0]["engine"]
     for name in ("r3_engine_hook_seconds_total", "r3_engine_hook_calls_total"):
-        sample = f'{name}{{engine="{engine}",hook="device_capture",kind="decode"}} '
+        sample = f'{name}{{engine="{engine}",hook="forward_extent",kind="decode"}} '
         line = next((ln for ln in text.splitlines() if ln.startswith(sample)), None)
         assert line is not None and float(line.split()[-1]) > 0, (sample, text[-2000:])
 

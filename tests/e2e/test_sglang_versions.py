@@ -68,8 +68,9 @@ def test_enforce_refuses_to_start_on_an_unsupported_sglang_naming_it(shadow_dist
 
 @pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20", ".venv-sglang-0.5.16", ".venv-sglang-0.5.12"])
 def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
-    """Each version's real modules, imported by its own python: the targets and names it lacks are its row, and
-    everything its `compat` layout names (retargeted hooks, settings' getters, helpers) imports there."""
+    """Each version's real modules, imported by its own python: the targets and names it lacks are its row,
+    everything its `compat` layout names (retargeted hooks, settings' getters, helpers) imports there, and the
+    attributes its hooks read off run-time objects are in its installed source (else the row names them)."""
     python = REPO / venv / "bin" / "python"
     if not python.exists():
         pytest.skip(f"needs {venv} (make env-{venv.removeprefix('.venv-')})")
@@ -81,7 +82,7 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
         [str(python), str(REPO / "tests" / "e2e" / "resolve_targets.py")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=540,  # imports every hook target, then parses the sources the attribute check reads
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -91,3 +92,4 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     assert sorted(found["names"]) == sorted(row.missing_names)
     if row.proven:  # a proven version has a layout, and all of it resolves here
         assert found["after_layout"] == []
+        assert found["attributes"] == list(row.missing_attributes)  # what its run-time objects lack

@@ -1,0 +1,198 @@
+"""Whether this SGLang's own source gives each run-time object every attribute the hooks read off it.
+
+Why: an attribute the hooks read off an object SGLang builds while serving (a graph runner, a ForwardBatch, a
+Req, a batch result...) resolves at no import; a missing one used to surface as an AttributeError at the first
+forward (0.5.12's `CudaGraphRunner.bs`, which only `replay_prepare` assigns). `compat.ATTRIBUTES` lists every
+such read (in 0.5.23's spelling, through the layout); `missing()` reads the installed SGLang's source with
+`ast`, importing nothing, and names each read that no class of its role defines by the time the hook reads
+it: a method, a class-level name (dataclass and struct fields), or `self.<name> = …` in the constructor
+(or a `self.` method it calls), or in the method `set_in` names. A dotted read (`kv.req_pool_idx`) follows
+the class the constructor assigns (`self.kv = ReqKvInfo()`). The plugin refuses a version where one is
+missing at start, with the names (`engine_ext/sglang/__init__.py`); CI runs the same check in every venv.
+
+    from engine_ext.sglang import attributes, compat
+    compat.use("0.5.12"); attributes.missing()   # [] where the installed source has them all
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_ext.sglang import compat
+
+_CONSTRUCTION = ("__init__", "__post_init__", "__new__")
+
+
+@dataclass
+class ClassFacts:
+    """What one class (with its SGLang bases) defines: class-level names, and `self.x` assignments by method."""
+
+    names: set[str] = field(default_factory=set)
+    assigned: dict[str, set[str]] = field(default_factory=dict)  # method → attributes it assigns on self
+    calls: dict[str, set[str]] = field(default_factory=dict)  # method → `self.<method>()` it calls
+    types: dict[str, str] = field(default_factory=dict)  # attribute → dotted class of `self.x = Cls(...)`
+
+    def merge(self, base: ClassFacts) -> None:
+        self.names |= base.names
+        for method, attrs in base.assigned.items():
+            self.assigned.setdefault(method, set()).update(attrs)
+        for method, called in base.calls.items():
+            self.calls.setdefault(method, set()).update(called)
+        for name, cls in base.types.items():
+            self.types.setdefault(name, cls)
+
+    def set_by(self, methods: tuple[str, ...]) -> set[str]:
+        """Attributes assigned by `methods` or any `self.` method they call, transitively."""
+        seen, todo, out = set(), list(methods), set()
+        while todo:
+            method = todo.pop()
+            if method in seen:
+                continue
+            seen.add(method)
+            out |= self.assigned.get(method, set())
+            todo += self.calls.get(method, ())
+        return out
+
+
+def source_path(module: str) -> Path | None:
+    """The installed file of a dotted SGLang module, found without importing it."""
+    spec = importlib.util.find_spec(module.split(".")[0])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(next(iter(spec.submodule_search_locations))).joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.cache
+def _module(module: str) -> tuple[dict[str, ast.ClassDef], dict[str, str]] | None:
+    """A module's classes and what its imports bind (local name → dotted origin)."""
+    path = source_path(module)
+    if path is None:
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    classes, imported = {}, {}
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.ClassDef) and node.name not in classes:
+            classes[node.name] = node
+        elif isinstance(node, ast.ImportFrom):
+            origin = _absolute(package, node.module, node.level)
+            for alias in node.names:
+                imported[alias.asname or alias.name] = f"{origin}.{alias.name}"
+    return classes, imported
+
+
+def _top_level(body: list[ast.stmt]):
+    """A module's statements, into `if`/`try` blocks (TYPE_CHECKING imports, optional imports), not functions."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If | ast.Try):
+            for block in (node.body, node.orelse, *(h.body for h in getattr(node, "handlers", ()))):
+                yield from _top_level(block)
+
+
+def _absolute(package: str, module: str | None, level: int) -> str:
+    if level == 0:
+        return module or ""
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - level + 1])
+    return f"{base}.{module}" if module else base
+
+
+@functools.cache
+def class_facts(dotted: str) -> ClassFacts | None:
+    """What the class `dotted` (module.Class) and its bases inside SGLang define; None: no such class here."""
+    module, _, name = dotted.rpartition(".")
+    found = _module(module)
+    if found is None or name not in found[0]:
+        return None
+    classes, imported = found
+    node = classes[name]
+    facts = ClassFacts()
+    for base in node.bases:
+        origin = _resolve(base, module, classes, imported)
+        base_facts = class_facts(origin) if origin and origin != dotted else None
+        if base_facts is not None:
+            facts.merge(base_facts)
+    for item in node.body:
+        _class_level(item, facts)
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+            _method(item, facts, lambda n: _resolve(n, module, classes, imported))
+    return facts
+
+
+def _resolve(node: ast.expr, module: str, classes: dict, imported: dict[str, str]) -> str | None:
+    if isinstance(node, ast.Name):
+        if node.id in classes:
+            return f"{module}.{node.id}"
+        return imported.get(node.id)
+    if isinstance(node, ast.Subscript):  # Generic[T] and the like
+        return _resolve(node.value, module, classes, imported)
+    return None
+
+
+def _class_level(item: ast.stmt, facts: ClassFacts) -> None:
+    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        facts.names.add(item.name)
+    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+        facts.names.add(item.target.id)
+    elif isinstance(item, ast.Assign):
+        for target in item.targets:
+            facts.names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _method(method: ast.FunctionDef | ast.AsyncFunctionDef, facts: ClassFacts, resolve) -> None:
+    assigned = facts.assigned.setdefault(method.name, set())
+    calls = facts.calls.setdefault(method.name, set())
+    for node in ast.walk(method):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and _is_self_attr(node.func):
+            calls.add(node.func.attr)
+        for target in targets:
+            for sub in ast.walk(target):
+                if _is_self_attr(sub):
+                    assigned.add(sub.attr)
+                    value = getattr(node, "value", None)
+                    if isinstance(value, ast.Call) and (cls := resolve(value.func)):
+                        facts.types.setdefault(sub.attr, cls)
+
+
+def _is_self_attr(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def defines(facts: ClassFacts, attribute: str, set_in: tuple[str, ...] = ()) -> bool:
+    """Whether an object of this class has `attribute` when the hook reads it (dotted: followed by class)."""
+    head, _, rest = attribute.partition(".")
+    present = head in facts.names or head in facts.set_by(_CONSTRUCTION + set_in)
+    if not present or not rest:
+        return present
+    inner = class_facts(facts.types.get(head, ""))
+    return inner is not None and defines(inner, rest)
+
+
+def missing(functions: Collection[str] | None = None) -> list[str]:
+    """Each read of `compat.ATTRIBUTES` (by the hook `functions` registered here; None: all) that this SGLang's
+    source lacks, as `module.Class.attribute`, or the class where there is no such class."""
+    out = []
+    for read in compat.attribute_reads(functions):
+        for cls in read.classes:
+            facts = class_facts(cls)
+            if facts is None:
+                out.append(f"{cls} (no such class)")
+            elif not defines(facts, read.attribute, read.set_in):
+                where = f" (assigned by {' or '.join(read.set_in)})" if read.set_in else ""
+                out.append(f"{cls}.{read.attribute}{where}")
+    return sorted(set(out))
