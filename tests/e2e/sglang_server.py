@@ -61,6 +61,22 @@ VERSION_ARGS: list[tuple[tuple[int, ...], dict[str, Any]]] = [
     ((0, 5, 16), {"disable-piecewise-cuda-graph": True}),
 ]
 
+# What a CUDA launch (`Config(gpu=True)`, tests/engine/gpu/servers.py) changes in BASE_ARGS: SGLang's own device,
+# chunking, CUDA graphs, piecewise graphs and overlap (None drops a flag). Triton attention, PyTorch sampling and
+# no grammar backend because the recipe carries no FlashInfer or FlashAttention kernels. Several servers share
+# the one GPU: SGLang sizes its KV pool as a share of the memory free at its start, so each gets a high share
+# and a token cap (`max-total-tokens`) that bounds what it takes.
+GPU_ARGS: dict[str, Any] = {
+    "device": None,
+    "disable-cuda-graph": None,
+    "chunked-prefill-size": None,
+    "attention-backend": "triton",
+    "sampling-backend": "pytorch",
+    "grammar-backend": "none",
+    "mem-fraction-static": 0.85,
+    "max-total-tokens": 32768,
+}
+
 
 # GLM-4.5's layout (first_k_dense_replace): layer 0 dense, layers 1-2 MoE, one shared expert
 GLM = {  # model overrides for `Config(model=GLM)`
@@ -258,6 +274,7 @@ class Config:
     sidecar: bool = True  # start `r3-sidecar serve` on the same spool
     tokenizer: bool = False  # write `write_tokenizer` into the model dir and drop --skip-tokenizer-init
     python: str = sys.executable  # another SGLang's venv (`make env-sglang-<version>`) runs another version
+    gpu: bool = False  # launch on CUDA at SGLang's defaults (`GPU_ARGS`), CPU shims off
 
 
 @dataclass
@@ -326,7 +343,7 @@ def server_env(config: Config, spool: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "SGLANG_"))}
     env.update(
         {
-            "R3_TEST_SGLANG_CPU": "1",
+            "R3_TEST_SGLANG_CPU": "0" if config.gpu else "1",
             "R3_SPOOL_DIR": str(spool),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -364,7 +381,7 @@ def start(config: Config, workdir: Path) -> Stack:
             f"http://127.0.0.1:{sidecar_port}",
         )
         env.setdefault("R3_SIDECAR_URL", sidecar.url)
-    args = BASE_ARGS | version_args(config.python)
+    args = BASE_ARGS | (GPU_ARGS if config.gpu else version_args(config.python))
     args |= {"model-path": str(model_dir), "load-format": load_format(model_dir), "host": "127.0.0.1", "port": port}
     args |= config.args
     if config.tokenizer:
