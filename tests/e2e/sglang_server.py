@@ -358,7 +358,9 @@ def server_env(config: Config, spool: Path) -> dict[str, str]:
 def start(config: Config, workdir: Path) -> Stack:
     """Start the server (and sidecar) of `config` under `workdir`; raise with the log tail if it fails."""
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = write_model(workdir / "model", **config.model)
+    # Weights only where they are read: a `--load-format dummy` launch (the benchmarks', up to Qwen3-30B-A3B's
+    # layer shape on a GPU: gigabytes) would only wait for them
+    model_dir = write_model(workdir / "model", weights=config.args.get("load-format") != "dummy", **config.model)
     if config.tokenizer:
         write_tokenizer(model_dir, int(json.loads((model_dir / "config.json").read_text())["vocab_size"]))
     model = json.loads((model_dir / "config.json").read_text())
