@@ -201,7 +201,8 @@ def ab_phase(run: Run, starting: concurrent.futures.Future, started: float) -> N
     """The A/B on the two servers started beside the three: rounds until the budget's end, less a margin."""
     stacks = starting.result()
     try:
-        minutes = max(run.left_s() - 45.0, 30.0) / 60
+        # On the GPU the budget decides how many rounds; the rehearsal runs its two whatever the CPU's load
+        minutes = max(run.left_s() - 45.0, 30.0) / 60 if run.plan.gpu else 60.0
         results = paired.measure(
             stacks, run.plan.ab, rounds=run.plan.ab_rounds, minutes=minutes, pin=False, started=started
         )
