@@ -83,6 +83,12 @@ def fragment(results: dict[str, Any]) -> str:
         f".gpu-{results.get('version')}` (tests/engine/gpu/README.md); phases (s from start): "
         f"{json.dumps(results.get('phases', {}))}.",
         "",
+        "Launch: SGLang's defaults (CUDA graphs, piecewise CUDA graphs, overlap scheduling) but `--attention-backend "
+        "triton --sampling-backend pytorch --grammar-backend none` (those kernels are not carried) and a KV cap per "
+        "server (`tests/e2e/sglang_server.py`, `GPU_ARGS`)."
+        if plan["gpu"]
+        else "Launch: the CPU suite's (`tests/e2e/sglang_server.py`, `BASE_ARGS` and the version's flags).",
+        "",
         f"Upstream vs mirror vs sidecar on the tiny seeded Qwen3-MoE (head_dim 64): **{len(checks) - len(failed)} of "
         f"{len(checks)} checks passed**"
         + (": every record is SGLang's inline payload byte for byte." if not failed else "."),
