@@ -12,6 +12,8 @@ The plugin is loaded through its entry point; `plugin=False` sets `SGLANG_PLUGIN
 baseline on the same install. The CPU workarounds are `tests/sglang_cpu/_sglang_cpu_server_shim.py`,
 armed by `R3_TEST_SGLANG_CPU=1` in the server's environment only; `Config.python` picks another SGLang's
 venv, and the launch flags that version needs on the CPU (`VERSION_ARGS`) follow from its code's version.
+`Config(gpu=True)` launches on CUDA at SGLang's GPU defaults instead (`GPU_ARGS`, CPU shims off): the GPU
+recipe, tests/engine/gpu/servers.py.
 """
 
 from __future__ import annotations
