@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.real_server import Bench, _log, _warm, throughput
+from benchmarks.real_server import Bench, Stack, _log, _warm, throughput
 from benchmarks.run import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,52 +82,61 @@ def pin_session(session: int, cpus: set[int]) -> int:
 
 
 def run(bench: Bench, workdir: Path, *, rounds: int, minutes: float, pin: bool) -> dict[str, Any]:
+    """Start the two servers of `bench` one after the other, measure them (`measure`), stop them."""
     from benchmarks.real_server import start
 
+    t0 = time.perf_counter()
+    stacks = {mode: start(bench.server_config(mode), workdir / mode) for mode in MODES}
+    try:
+        return measure(stacks, bench, rounds=rounds, minutes=minutes, pin=pin, started=t0)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+
+
+def measure(
+    stacks: dict[str, Stack], bench: Bench, *, rounds: int, minutes: float, pin: bool, started: float
+) -> dict[str, Any]:
+    """The paired rounds on two running servers (`MODES`, same model and launch): per-round ratios, intervals.
+
+    `started` is when their start began (`time.perf_counter()`), for `start_s` and `wall_s`; the caller stops them.
+    """
     results: dict[str, Any] = {
         "bench": {"streams": bench.streams, "prompt": bench.prompt, "output": bench.output, "layers": bench.layers},
         "environment": environment(),
         "pin": pin,
         "rounds": [],
     }
-    t0 = time.perf_counter()
-    stacks = {mode: start(bench.server_config(mode), workdir / mode) for mode in MODES}
-    try:
-        if pin:
-            results["pinned_threads"] = {
-                mode: pin_session(s.server.proc.pid, {1}) + (pin_session(s.sidecar.proc.pid, {1}) if s.sidecar else 0)
-                for mode, s in stacks.items()
-            }
-            os.sched_setaffinity(0, {0})
-        results["start_s"] = time.perf_counter() - t0
-        _log(f"two servers up after {results['start_s']:.0f} s (pinned: {results.get('pinned_threads')})")
-        for stack in stacks.values():
-            _warm(stack, bench)
-        deadline = time.perf_counter() + minutes * 60
-        k = 0
-        while k < rounds and time.perf_counter() < deadline:
-            order = MODES if k % 2 == 0 else MODES[::-1]
-            row: dict[str, Any] = {"order": list(order), "load1": os.getloadavg()[0]}
-            for mode in order:
-                t = throughput(stacks[mode], bench, f"ab{k}-{mode}")
-                row[mode] = {key: t[key] for key in ("tokens", "wall_s", "cpu_s", "sidecar_cpu_s")}
-            up, on = row["upstream"], row["sidecar"]
-            row["ratio"] = (on["tokens"] / on["wall_s"]) / (up["tokens"] / up["wall_s"])
-            row["cpu_ratio"] = (on["tokens"] / on["cpu_s"]) / (up["tokens"] / up["cpu_s"])
-            results["rounds"].append(row)
-            _log(
-                f"round {k} {''.join(m[0] for m in order)}: ratio {row['ratio']:.3f}, CPU ratio {row['cpu_ratio']:.3f}"
-            )
-            k += 1
-        results["engine_files"] = httpx.get(f"{stacks['sidecar'].sidecar_url}/v1/engines", timeout=10).json()
-    finally:
-        for stack in stacks.values():
-            stack.stop()
+    if pin:
+        results["pinned_threads"] = {
+            mode: pin_session(s.server.proc.pid, {1}) + (pin_session(s.sidecar.proc.pid, {1}) if s.sidecar else 0)
+            for mode, s in stacks.items()
+        }
+        os.sched_setaffinity(0, {0})
+    results["start_s"] = time.perf_counter() - started
+    _log(f"two servers up after {results['start_s']:.0f} s (pinned: {results.get('pinned_threads')})")
+    for stack in stacks.values():
+        _warm(stack, bench)
+    deadline = time.perf_counter() + minutes * 60
+    k = 0
+    while k < rounds and time.perf_counter() < deadline:
+        order = MODES if k % 2 == 0 else MODES[::-1]
+        row: dict[str, Any] = {"order": list(order), "load1": os.getloadavg()[0]}
+        for mode in order:
+            t = throughput(stacks[mode], bench, f"ab{k}-{mode}")
+            row[mode] = {key: t[key] for key in ("tokens", "wall_s", "cpu_s", "sidecar_cpu_s")}
+        up, on = row["upstream"], row["sidecar"]
+        row["ratio"] = (on["tokens"] / on["wall_s"]) / (up["tokens"] / up["wall_s"])
+        row["cpu_ratio"] = (on["tokens"] / on["cpu_s"]) / (up["tokens"] / up["cpu_s"])
+        results["rounds"].append(row)
+        _log(f"round {k} {''.join(m[0] for m in order)}: ratio {row['ratio']:.3f}, CPU ratio {row['cpu_ratio']:.3f}")
+        k += 1
+    results["engine_files"] = httpx.get(f"{stacks['sidecar'].sidecar_url}/v1/engines", timeout=10).json()
     results["environment_after"] = {
         "loadavg": list(os.getloadavg()),
         "date_utc": time.strftime("%H:%M:%S", time.gmtime()),
     }
-    results["wall_s"] = time.perf_counter() - t0
+    results["wall_s"] = time.perf_counter() - started
     results["summary"] = {
         "tok_s": interval([r["ratio"] for r in results["rounds"]]),
         "tok_per_cpu_s": interval([r["cpu_ratio"] for r in results["rounds"]]),

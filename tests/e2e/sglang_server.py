@@ -12,6 +12,8 @@ The plugin is loaded through its entry point; `plugin=False` sets `SGLANG_PLUGIN
 baseline on the same install. The CPU workarounds are `tests/sglang_cpu/_sglang_cpu_server_shim.py`,
 armed by `R3_TEST_SGLANG_CPU=1` in the server's environment only; `Config.python` picks another SGLang's
 venv, and the launch flags that version needs on the CPU (`VERSION_ARGS`) follow from its code's version.
+`Config(gpu=True)` launches on CUDA at SGLang's GPU defaults instead (`GPU_ARGS`, CPU shims off): the GPU
+recipe, tests/engine/gpu/servers.py.
 """
 
 from __future__ import annotations
@@ -60,6 +62,22 @@ BASE_ARGS: dict[str, Any] = {
 VERSION_ARGS: list[tuple[tuple[int, ...], dict[str, Any]]] = [
     ((0, 5, 16), {"disable-piecewise-cuda-graph": True}),
 ]
+
+# What a CUDA launch (`Config(gpu=True)`, tests/engine/gpu/servers.py) changes in BASE_ARGS: SGLang's own device,
+# chunking, CUDA graphs, piecewise graphs and overlap (None drops a flag). Triton attention, PyTorch sampling and
+# no grammar backend because the recipe carries no FlashInfer or FlashAttention kernels. Several servers share
+# the one GPU: SGLang sizes its KV pool as a share of the memory free at its start, so each gets a high share
+# and a token cap (`max-total-tokens`) that bounds what it takes.
+GPU_ARGS: dict[str, Any] = {
+    "device": None,
+    "disable-cuda-graph": None,
+    "chunked-prefill-size": None,
+    "attention-backend": "triton",
+    "sampling-backend": "pytorch",
+    "grammar-backend": "none",
+    "mem-fraction-static": 0.85,
+    "max-total-tokens": 32768,
+}
 
 
 # GLM-4.5's layout (first_k_dense_replace): layer 0 dense, layers 1-2 MoE, one shared expert
@@ -258,6 +276,7 @@ class Config:
     sidecar: bool = True  # start `r3-sidecar serve` on the same spool
     tokenizer: bool = False  # write `write_tokenizer` into the model dir and drop --skip-tokenizer-init
     python: str = sys.executable  # another SGLang's venv (`make env-sglang-<version>`) runs another version
+    gpu: bool = False  # launch on CUDA at SGLang's defaults (`GPU_ARGS`), CPU shims off
 
 
 @dataclass
@@ -326,7 +345,7 @@ def server_env(config: Config, spool: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "SGLANG_"))}
     env.update(
         {
-            "R3_TEST_SGLANG_CPU": "1",
+            "R3_TEST_SGLANG_CPU": "0" if config.gpu else "1",
             "R3_SPOOL_DIR": str(spool),
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -341,7 +360,9 @@ def server_env(config: Config, spool: Path) -> dict[str, str]:
 def start(config: Config, workdir: Path) -> Stack:
     """Start the server (and sidecar) of `config` under `workdir`; raise with the log tail if it fails."""
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = write_model(workdir / "model", **config.model)
+    # Weights only where they are read: a `--load-format dummy` launch (the benchmarks', up to Qwen3-30B-A3B's
+    # layer shape on a GPU: gigabytes) would only wait for them
+    model_dir = write_model(workdir / "model", weights=config.args.get("load-format") != "dummy", **config.model)
     if config.tokenizer:
         write_tokenizer(model_dir, int(json.loads((model_dir / "config.json").read_text())["vocab_size"]))
     model = json.loads((model_dir / "config.json").read_text())
@@ -364,7 +385,7 @@ def start(config: Config, workdir: Path) -> Stack:
             f"http://127.0.0.1:{sidecar_port}",
         )
         env.setdefault("R3_SIDECAR_URL", sidecar.url)
-    args = BASE_ARGS | version_args(config.python)
+    args = BASE_ARGS | (GPU_ARGS if config.gpu else version_args(config.python))
     args |= {"model-path": str(model_dir), "load-format": load_format(model_dir), "host": "127.0.0.1", "port": port}
     args |= config.args
     if config.tokenizer:
