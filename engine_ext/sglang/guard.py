@@ -55,15 +55,29 @@ class InjectedFault(RuntimeError):
 
 @dataclass(slots=True)
 class _Call:
-    """One call of a guarded hook: what happened to SGLang's original during it."""
+    """One call of a guarded hook: what happened to SGLang's original during it. Called, it is that original as
+    the hook receives it: it records the call, its result, and an exception as SGLang's own."""
 
     original: Callable[..., Any]
+    guard: Guard
     called: bool = False
     returned: bool = False
     result: Any = None
     error: BaseException | None = None  # raised by the original: SGLang's own, passed on
     stream: Any = None  # a stream hook: SGLang's stream, finished on its behalf after a failure
     pending: list[Any] = field(default_factory=list)  # an item pulled from that stream and not yet passed on
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.called = True
+        try:
+            self.result = self.original(*args, **kwargs)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        self.returned = True
+        if self.guard.fault is not None:
+            self.guard.injected("after")
+        return self.result
 
     def settle(self) -> Any:
         """After the hook failed: what SGLang's own call gives, without calling the original twice."""
@@ -153,8 +167,8 @@ def wrap(
 
 
 class _Tracked:
-    """The `original` a guarded plain hook receives: one object per guard (the hook timers key on it), recording
-    into the call now running (a ContextVar: the main process's hooks interleave on its event loop)."""
+    """The `original` a timed hook receives instead (`timers.timed` keys its wrapper on it, so one per guard): the
+    call now running, found in a ContextVar (the main process's hooks interleave on its event loop)."""
 
     __slots__ = ("guard",)
 
@@ -162,33 +176,25 @@ class _Tracked:
         self.guard = guard
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = self.guard.calls.get()
-        call.called = True
-        try:
-            call.result = call.original(*args, **kwargs)
-        except BaseException as exc:
-            call.error = exc
-            raise
-        call.returned = True
-        self.guard.injected("after")
-        return call.result
+        return self.guard.calls.get()(*args, **kwargs)
 
 
 def _function(
     guard: Guard, fn: Callable[..., Any], replace: bool, settle: Callable[..., Any] | None
 ) -> Callable[..., Any]:
-    tracked = _Tracked(guard)
+    stable = _Tracked(guard) if hasattr(fn, "__r3_untimed__") else None  # a timed hook
 
     def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if guard.degraded:
             return original(*args, **kwargs)
         if is_compiling():  # traced by Dynamo: a plain call, nothing Dynamo cannot trace or replay
             return fn(*args, **kwargs) if replace else fn(original, *args, **kwargs)
-        call = _Call(original)
-        token = guard.calls.set(call)
+        call = _Call(original, guard)
+        token = None if stable is None else guard.calls.set(call)
         try:
-            guard.injected("enter")
-            return fn(*args, **kwargs) if replace else fn(tracked, *args, **kwargs)
+            if guard.fault is not None:
+                guard.injected("enter")
+            return fn(*args, **kwargs) if replace else fn(stable or call, *args, **kwargs)
         except Exception as exc:
             if exc is call.error:
                 raise
@@ -197,7 +203,8 @@ def _function(
                 return settle(call.result, *args, **kwargs)
             return call.settle() if call.called else original(*args, **kwargs)
         finally:
-            guard.calls.reset(token)
+            if token is not None:
+                guard.calls.reset(token)
 
     return hook
 
@@ -206,7 +213,7 @@ def _coroutine(guard: Guard, fn: Callable[..., Any], replace: bool) -> Callable[
     async def hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if guard.degraded:
             return await original(*args, **kwargs)
-        call = _Call(original)
+        call = _Call(original, guard)
 
         async def tracked(*a: Any, **k: Any) -> Any:
             call.called = True
@@ -237,7 +244,7 @@ def _stream(guard: Guard, fn: Callable[..., Any], replace: bool) -> Callable[...
             async for item in original(*args, **kwargs):
                 yield item
             return
-        call = _Call(original)
+        call = _Call(original, guard)
 
         def tracked(*a: Any, **k: Any) -> Any:
             call.called = True
