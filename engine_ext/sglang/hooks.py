@@ -912,16 +912,18 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
         _inline_shapes.reset(shapes_token)
 
 
-def _inline_shapes_of(manager, rids: list[str], inline: list | None) -> dict[str, dict]:
-    """rid → `meta_info` fields saying the shape and start of the rows this batch carries inline for it."""
+def _inline_shapes_of(manager, rids: list[str], inline: list | None, obj=None) -> dict[str, dict]:
+    """rid → `meta_info` fields saying the shape and start of the rows this batch carries inline for it (the start
+    from the request `obj` when given, else from the request state the manager still holds)."""
     if not inline:
         return {}
     hf = manager.model_config.hf_text_config
     layers, topk = int(hf.num_hidden_layers), int(getattr(hf, "num_experts_per_tok", 0) or 0)
     shapes = {}
     for rid, payload in zip(rids, inline, strict=False):
-        state = manager.rid_to_state.get(rid)
-        start = getattr(state.obj, "routed_experts_start_len", 0) if state is not None else 0
+        state = manager.rid_to_state.get(rid) if obj is None else None
+        request = obj if obj is not None else getattr(state, "obj", None)
+        start = getattr(request, "routed_experts_start_len", 0)
         fields = frontdoors.inline_shape(
             payload, num_hidden_layers=layers, topk=topk, start_len=start if isinstance(start, int) else 0
         )
@@ -967,7 +969,7 @@ async def _around_wait_one_response(original, self, obj, *args, **kwargs):
             if rid is not None:  # a pointer's record, or the refused rows' `error` record
                 PROMISED.add(rid)
         if rid is not None and meta.get("routed_experts") is not None:
-            meta.update(_inline_shapes_of(self, [rid], [meta["routed_experts"]]).get(rid) or {})
+            meta.update(_inline_shapes_of(self, [rid], [meta["routed_experts"]], obj).get(rid) or {})
         yield out
 
 

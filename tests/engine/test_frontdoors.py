@@ -166,3 +166,37 @@ def test_plugin_start_detects_sglangs_rust_server_by_sglangs_own_setting():
     assert on is True and len(logged) == 1 and "capture and the spool" in logged[0] and "pointers" in logged[0]
     assert got["true"][0] is True and "routed_experts_url" in got["true"][1]
     assert got["0"] == [False, None] and got["no"] == [False, None]
+
+
+def test_inline_rows_get_their_shape_and_the_requests_start_where_meta_info_is_built_inline():
+    """≤ 0.5.16: the shape from the payload and the model config, the start from the request being answered (the
+    manager's request state is gone by the time a finished output is yielded), with or without a pointer."""
+    (got,) = run_sglang(
+        """
+        import asyncio, base64
+        from types import SimpleNamespace
+        from engine_ext.core.settings import EngineSettings
+        from engine_ext.sglang import hooks
+        from engine_ext.sglang.delivery import PROCESS
+
+        rows = base64.b64encode(bytes(4 * 3 * 6 * 2)).decode()  # 3 rows of 6 layers x top-2, int32
+        manager = SimpleNamespace(
+            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=6, num_experts_per_tok=2)),
+            rid_to_state={},
+        )
+
+        async def original(self, obj):
+            yield {"meta_info": {"id": "r"}}
+            yield {"meta_info": {"id": "r", "routed_experts": rows}}
+
+        async def run(url):
+            PROCESS.settings = EngineSettings(mode="mirror", sidecar_url=url)
+            obj = SimpleNamespace(return_routed_experts=True, routed_experts_start_len=17)
+            return [out["meta_info"] async for out in hooks._around_wait_one_response(original, manager, obj)]
+
+        emit({str(url): asyncio.run(run(url)) for url in (None, "http://sc:1")})
+        """
+    )
+    for url, (first, last) in got.items():
+        assert "routed_experts_shape" not in first, url  # a chunk without rows says nothing
+        assert (last["routed_experts_shape"], last["routed_experts_start_len"]) == ([3, 6, 2], 17), url
