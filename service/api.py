@@ -220,6 +220,7 @@ async def ack_records(request: Any, store: StoreDep) -> JSONResponse:
     if request.rids is not None:
         acked, missing = store.ack_rids(request.rids)
         return JSONResponse({"acked": acked, "missing": missing})
+    await store.rescan()  # every record on disk now, not only those the watcher has reported yet
     acked, unordered = store.ack_before(version_number(request.before_weight_version), version_number)
     return JSONResponse({"acked": acked, "unordered": unordered})
 
