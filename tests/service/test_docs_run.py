@@ -1,5 +1,5 @@
-"""Docs that run: every ```python block of README.md and docs/trainers.md, executed as written against a real
-`r3-sidecar demo` (a subprocess on a free 127.0.0.1 port, as `make demo` runs it).
+"""Docs that run: every ```python block of README.md, docs/trainers.md and docs/vllm.md, executed as written
+against a real `r3-sidecar demo` (a subprocess on a free 127.0.0.1 port, as `make demo` runs it).
 
 Blocks fenced ```python no-run show a framework's own code (names that exist only inside verl, slime, …);
 they are listed, not run. The docs say `http://127.0.0.1:8000` (the demo's default); the test's demo listens on a
@@ -22,7 +22,7 @@ import pytest
 from helpers import bound_socket
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/trainers.md")
+DOCS = ("README.md", "docs/trainers.md", "docs/vllm.md")
 DOC_URL = "http://127.0.0.1:8000"
 FENCE = re.compile(r"^```(\w[\w-]*)?(?: ([\w-]+))?\n(.*?)^```$", re.S | re.M)
 
