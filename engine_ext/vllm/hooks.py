@@ -129,13 +129,24 @@ def capture_enabled(vllm_config: Any, flag: str | None = None) -> bool:
     return bool(value)
 
 
+def experts_and_topk(model_config: Any, shape_from: str | None = None) -> tuple[int, int]:
+    """Experts and top-k as this vLLM's own capturer reads them (`Release.shape_from`)."""
+    where = shape_from or _release.shape_from
+    if where == "model_config":
+        return int(model_config.get_num_experts()), int(model_config.get_num_experts_per_tok())
+    capturer = importlib.import_module(where)
+    hf = model_config.hf_text_config
+    return int(capturer.get_num_experts(hf)), int(capturer._get_num_experts_per_tok(hf))
+
+
 def model_shape(model_config: Any) -> ModelShape:
     """Experts, top-k and layers from vLLM's model config; MoE layers from the HF config's dense-layer fields."""
     hf = model_config.hf_text_config
     num_layers = int(model_config.get_total_num_hidden_layers())
+    num_experts, topk = experts_and_topk(model_config)
     return ModelShape(
-        num_experts=int(model_config.get_num_experts()),
-        topk=int(model_config.get_num_experts_per_tok()),
+        num_experts=num_experts,
+        topk=topk,
         num_hidden_layers=num_layers,
         layers=moe_layer_ids(
             num_layers,

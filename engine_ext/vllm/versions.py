@@ -33,6 +33,7 @@ class Release:
     produced: str  # where each forward's expert ids are captured
     joined: str  # how rows reach the API server, prefix-cache hits included
     capture_flag: str  # where `--enable-return-routed-experts` lands on `VllmConfig` (dotted path)
+    shape_from: str  # who tells experts and top-k: "model_config" methods, or this vLLM module's functions
     abort_route: str | None  # vLLM's own abort endpoint for an OpenAI-server deployment (None: a disconnect)
     abort_launch: tuple[str, ...]  # what turns that endpoint on: a flag, or `ENV=value`
     trims_stop_strings: bool  # whether the API server cuts rows past a matched stop string
@@ -61,13 +62,16 @@ _V2_JOINED = (
 )
 _V1_START = "SamplingParams only (the OpenAI server ignores the body field); 0 <= start < prompt_len (an assert)"
 _V2_START = "request body or SamplingParams; 0 <= start <= prompt_len, else HTTP 400"
+# V1 releases have no `ModelConfig.get_num_experts_per_tok`: their capturer reads the HF text config itself
+# (`get_num_experts`, `_get_num_experts_per_tok`), and so does the plugin there
+_V1_SHAPE = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 _DEV_ABORT = ("/abort_requests", ("VLLM_SERVER_DEV_MODE=1",))
 _SCALE_OUT_ABORT = ("/inference/v1/abort_requests", ("--enable-scale-out",))
 
 
 def _v1(version: str, torch: str, abort: tuple[str | None, tuple[str, ...]], *trainers: str) -> Release:
     return Release(
-        version, torch, "V1", _V1_PRODUCED, _V1_JOINED, "model_config.enable_return_routed_experts", *abort,
+        version, torch, "V1", _V1_PRODUCED, _V1_JOINED, "model_config.enable_return_routed_experts", _V1_SHAPE, *abort,
         trims_stop_strings=False, prompt_start=_V1_START, openai_prompt_start=False, trainers=trainers,
         proven="server",
     )  # fmt: skip
@@ -76,7 +80,7 @@ def _v1(version: str, torch: str, abort: tuple[str | None, tuple[str, ...]], *tr
 def _v2(version: str, torch: str, proven: str, *trainers: str) -> Release:
     return Release(
         version, torch, "V2", _V2_PRODUCED, _V2_JOINED, "aux_output_config.enable_return_routed_experts",
-        *_SCALE_OUT_ABORT, trims_stop_strings=True, prompt_start=_V2_START, openai_prompt_start=True,
+        "model_config", *_SCALE_OUT_ABORT, trims_stop_strings=True, prompt_start=_V2_START, openai_prompt_start=True,
         trainers=trainers, proven=proven,
     )  # fmt: skip
 
