@@ -6,10 +6,15 @@ decision is pinned where a real server cannot force it (a full spool, a dense la
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -185,3 +190,29 @@ def test_in_real_vllm_every_hook_target_exists_and_an_unsupported_version_is_ref
         and report.delivery.mode == "off"
         and report.delivery.inline_kept == refusal("0.28.0")
     )
+    (served,) = _served_engines(tmp_path)  # the sidecar's `GET /v1/engines` says it too
+    assert served["delivery"]["inline_kept"] == refusal("0.28.0") and served["vllm"] == "0.28.0"
+
+
+def _served_engines(spool_dir: Path) -> list[dict]:
+    """`GET /v1/engines` from a real `r3-sidecar serve` on `spool_dir` (loopback, a free port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "R3_SPOOL_DIR": str(spool_dir), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "r3-sidecar serve not ready in 90 s"
+            time.sleep(0.2)
+        return httpx.get(f"http://127.0.0.1:{port}/v1/engines", timeout=10).json()["engines"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
