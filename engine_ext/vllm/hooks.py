@@ -30,6 +30,7 @@ from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings
 from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, status_of
+from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, Release, release
 from service.responses import vllm_choice_rid
 
 log = logging.getLogger("r3_sidecar.vllm")
@@ -63,14 +64,16 @@ HOOKS: tuple[Hook, ...] = (
 
 _settings: EngineSettings | None = None
 _vllm_version = ""
+_release: Release = MATRIX[SUPPORTED_VLLM[-1]]  # `install` sets the running vLLM's row
 SPOOLER: Spooler | None = None
 _failed: set[str] = set()
 
 
 def install(settings: EngineSettings, vllm_version: str) -> None:
     """Wrap the first row of `HOOKS`; the API server's `AsyncLLM` wraps the rest and builds the Spooler."""
-    global _settings, _vllm_version
+    global _settings, _vllm_version, _release
     _settings, _vllm_version = settings, vllm_version
+    _release = release(vllm_version) or _release
     _wrap(HOOKS[0])
 
 
@@ -117,22 +120,33 @@ def _contained(where: str, fn: Callable[[], Any]) -> Any:
 # ---- hooks -----------------------------------------------------------------------------------------
 
 
-def capture_enabled(vllm_config: Any) -> bool:
-    """`--enable-return-routed-experts`: on `aux_output_config` since the AuxOutput connector, else `model_config`."""
-    aux = getattr(vllm_config, "aux_output_config", None)
-    return bool(
-        getattr(aux, "enable_return_routed_experts", False)
-        or getattr(vllm_config.model_config, "enable_return_routed_experts", False)
-    )
+def capture_enabled(vllm_config: Any, flag: str | None = None) -> bool:
+    """`--enable-return-routed-experts`, where this vLLM keeps it (`Release.capture_flag`: `model_config` on
+    Model Runner V1's releases, `aux_output_config` since the AuxOutput connector)."""
+    value: Any = vllm_config
+    for name in (flag or _release.capture_flag).split("."):
+        value = getattr(value, name, None)
+    return bool(value)
+
+
+def experts_and_topk(model_config: Any, shape_from: str | None = None) -> tuple[int, int]:
+    """Experts and top-k as this vLLM's own capturer reads them (`Release.shape_from`)."""
+    where = shape_from or _release.shape_from
+    if where == "model_config":
+        return int(model_config.get_num_experts()), int(model_config.get_num_experts_per_tok())
+    capturer = importlib.import_module(where)
+    hf = model_config.hf_text_config
+    return int(capturer.get_num_experts(hf)), int(capturer._get_num_experts_per_tok(hf))
 
 
 def model_shape(model_config: Any) -> ModelShape:
     """Experts, top-k and layers from vLLM's model config; MoE layers from the HF config's dense-layer fields."""
     hf = model_config.hf_text_config
     num_layers = int(model_config.get_total_num_hidden_layers())
+    num_experts, topk = experts_and_topk(model_config)
     return ModelShape(
-        num_experts=int(model_config.get_num_experts()),
-        topk=int(model_config.get_num_experts_per_tok()),
+        num_experts=num_experts,
+        topk=topk,
         num_hidden_layers=num_layers,
         layers=moe_layer_ids(
             num_layers,

