@@ -68,8 +68,10 @@ async def fetch_record(
                 store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
             )
         raise
-    if tries > 1 and replaced(store, meta):
+    if replaced(store, meta):
         bin_file.close()
+        if tries <= 1:  # reused on every try: say so rather than serve rows the metadata does not describe
+            raise ApiError(409, "record_replaced", f"record {rid!r} was replaced while read: ask again")
         return await fetch_record(
             store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
         )

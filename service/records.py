@@ -158,8 +158,9 @@ def replaced(store: Store, meta: RecordMeta) -> bool:
 
     Checked after `open_bin`: a writer replaces `.json` before it recreates `.bin`, so while the rid still names
     `meta`'s record the `.bin` just opened is that record's; once it does not, the fd may hold the new record's
-    rows under the old metadata, and the answer is made again from the rid's current state."""
-    now = store.lookup(meta.rid)
+    rows under the old metadata, and the answer is made again from the rid's current state. The file is read
+    again, not stat-checked (`Store.reread`): a rid reused as fast as a writer can go defeats a stat stamp."""
+    now = store.reread(meta.rid)
     return now is None or now.created != meta.created or now.rows != meta.rows
 
 

@@ -202,6 +202,15 @@ class Store:
         self._apply(name, stamp, result)
         return self._entries.get(name)
 
+    def reread(self, rid: str) -> RecordMeta | None:
+        """The rid's metadata read from its file now, folded into the index. Unlike `lookup` it does not trust the
+        stat stamp: a metadata file replaced twice within one mtime tick can reuse the first file's inode and size,
+        and so its stamp, while naming another record."""
+        name = safe_name(rid)
+        self._apply(name, *_load(self.spool, self.spool.records_dir / f"{name}.json"))
+        entry = self._entries.get(name)
+        return entry.meta if entry is not None and entry.meta.rid == rid else None
+
     def _apply(self, name: str, stamp: Stamp | None, result: RecordMeta | SpoolFormatError | None) -> None:
         old = self._entries.get(name)
         if isinstance(result, RecordMeta):

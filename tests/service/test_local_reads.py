@@ -30,6 +30,7 @@ from service.client import (
     NotReady,
     RecordGone,
     RecordNotFound,
+    RecordRestarted,
     RoutedExpertsClient,
     RoutedExpertsRef,
     afetch_many,
@@ -255,7 +256,7 @@ def test_rid_reuse_while_readers_read(spool: Spool, url: str) -> None:
             while time.monotonic() < deadline:
                 try:
                     r = client.get("hot")
-                except (NotReady, RecordNotFound):  # the new record is not final yet
+                except (NotReady, RecordNotFound, RecordRestarted):  # not final yet, or replaced on every try (409)
                     results["retry"] += 1
                     continue
                 except Exception as exc:
