@@ -17,13 +17,9 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.local_reads import write
-from benchmarks.servers import serve
-from service.spool import Spool
+from benchmarks.local_reads import two_sidecars, write
 
 CHILD = r"""
 import asyncio, json, sys, time
@@ -86,13 +82,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}")
-    with (
-        tempfile.TemporaryDirectory(dir="/dev/shm") as a,
-        tempfile.TemporaryDirectory(dir="/dev/shm") as b,
-        serve("sidecar", Path(a)) as one,
-        serve("sidecar", Path(b)) as two,
-    ):
-        spools = [Spool(Path(a)), Spool(Path(b))]
+    with two_sidecars() as (one, two, spools):
         for i in range(64):
             write(spools[i % 2], f"cold-{i}", "Qwen3-30B-A3B", 8192, seed=i)
         time.sleep(0.5)

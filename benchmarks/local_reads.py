@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -150,6 +153,18 @@ def across_nodes(urls: list[str], spools: list[Spool], reps: int) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def two_sidecars() -> Iterator[tuple[Any, Any, list[Spool]]]:
+    """Two sidecars, each on its own spool in /dev/shm (the node's shared memory, as deployed)."""
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm") as a,
+        tempfile.TemporaryDirectory(dir="/dev/shm") as b,
+        serve("sidecar", Path(a)) as one,
+        serve("sidecar", Path(b)) as two,
+    ):
+        yield one, two, [Spool(Path(a)), Spool(Path(b))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=21)
@@ -159,13 +174,7 @@ def main() -> None:
     tokens = [2048] if args.quick else [8192, 32768]
     reps = 3 if args.quick else args.reps
     print(f"load average before: {os.getloadavg()}; memcpy 64 MB: {memcpy_gbps(64 << 20, 5)['gbps']:.2f} GB/s")
-    with (
-        tempfile.TemporaryDirectory(dir="/dev/shm") as a,
-        tempfile.TemporaryDirectory(dir="/dev/shm") as b,
-        serve("sidecar", Path(a)) as one,
-        serve("sidecar", Path(b)) as two,
-    ):
-        spools = [Spool(Path(a)), Spool(Path(b))]
+    with two_sidecars() as (one, two, spools):
         print("\n".join(same_node(one.url, spools[0], models, tokens, reps)))
         if not args.quick:
             print("\n".join(across_nodes([one.url, two.url], spools, reps)))
