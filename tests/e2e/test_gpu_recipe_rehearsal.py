@@ -5,6 +5,9 @@ would spend them on its own bug. Here the same driver runs its whole sequence wi
 0.5.23's CPU servers: three tiny servers (upstream, mirror, sidecar) with the same requests and checks as on the
 GPU, the graph evidence found in their logs (saying no graph ran), then two paired A/B rounds. It must pass
 every check and write what the GPU run writes. (0.5.12's and 0.5.16's rehearsals: docs/testing.md.)
+
+It takes about 9 minutes here (passed on 2026-11-27, 02:26-02:35 UTC), a tenth of CI's time, so it is `slow`:
+`make reliability` runs it, and so should any change to the recipe before a GPU session spends device time.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "engine" / "gpu" / "servers.py"
 
-pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_the_gpu_recipe_passes_its_cpu_rehearsal(tmp_path, sglang_exclusive):
