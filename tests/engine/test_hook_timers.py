@@ -4,6 +4,7 @@ under the forward kind in effect; the engine file carries them and the sidecar e
 from __future__ import annotations
 
 import pytest
+from helpers import engine_report
 
 from engine_ext.sglang import timers
 from service.engine_report import EngineReport, EngineReportError
@@ -108,17 +109,7 @@ def test_no_hook_inside_the_model_forward_is_timed() -> None:
 
 
 def _report(hooks: object | None) -> dict:
-    report = {
-        "engine": "e/dp0",
-        "dp_rank": 0,
-        "pid": 1,
-        "sglang": "0.5.23",
-        "updated": 1e9,
-        "budget": [],
-        "occupancy": [],
-        "host_cache": {"capacity_tokens": 1, "used_tokens": 0},
-        "writer": {"queued_bytes": 0, "records_written": 0, "fallback_inline": 0, "spool_full": 0},
-    }
+    report = engine_report("e/dp0", updated=1e9)
     return report if hooks is None else report | {"hooks": hooks}
 
 

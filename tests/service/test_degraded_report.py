@@ -5,6 +5,7 @@ real telemetry thread's tick into a real spool, parsed by the sidecar (`EngineRe
 from __future__ import annotations
 
 import pytest
+from helpers import engine_report
 
 from engine_ext.core.degraded import DEGRADED, Degraded
 from engine_ext.core.telemetry import Sources, Telemetry
@@ -53,15 +54,5 @@ def test_a_malformed_degraded_part_names_the_field() -> None:
 
 
 def _report(engine: str, degraded: object) -> dict:
-    report = {
-        "engine": engine,
-        "dp_rank": None,
-        "pid": 1,
-        "sglang": "0.5.23",
-        "updated": 1e9,
-        "budget": [],
-        "occupancy": [],
-        "host_cache": {"capacity_tokens": 1, "used_tokens": 0},
-        "writer": {"queued_bytes": 0, "records_written": 0, "fallback_inline": 0, "spool_full": 0},
-    }
+    report = engine_report(engine, updated=1e9)
     return report if degraded is None else report | {"degraded": degraded}
