@@ -13,6 +13,13 @@ import time
 from typing import Any
 
 
+class EngineFailure(RuntimeError):
+    """Raised on purpose where the engine itself would fail (or write rows it did not route) at the same point,
+    saying which setting to change: not a fault of the plugin, so the guard passes it on as it does the engine's own
+    exceptions and degrades nothing. Falling back there would only trade this message for the engine's shape
+    error, or for rows written past a buffer."""
+
+
 class Degraded:
     """Failed hooks in order of failure: hook name → (target, error text, time of the failure)."""
 

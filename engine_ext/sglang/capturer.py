@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine_ext.core.degraded import EngineFailure
+
 # Buffer names as the budget table (`engine_ext.sglang.budget`) and the engine file's `occupancy` list spell them.
 DEVICE_CACHE = "routed_experts.device_cache"
 GATHER_BUFFER = "routed_experts.gather_buffer"  # DeepEP: device rows × attn_tp, so it follows DEVICE_CACHE
@@ -23,7 +25,7 @@ CORRECTED_BUFFERS = frozenset({DEVICE_CACHE, GATHER_BUFFER, CUTEDSL_MOE_WRAPPER}
 DEFAULT_WINDOW_S = 60.0
 
 
-class CaptureOverflowError(RuntimeError):
+class CaptureOverflowError(EngineFailure):
     """A forward would write more rows than a capture buffer holds; says which setting to change."""
 
 

@@ -16,7 +16,9 @@ failed, the guard calls the hook. When the plugin's own code raises `Exception` 
   `degraded`, `r3_engine_degraded_hooks_total`), and the process's `on_step_aside` callbacks run once (delivery
   ends every record not yet whole as `error`, and makes sure an engine file reports it).
 
-An exception raised by SGLang's original is SGLang's behaviour: it passes through untouched and degrades nothing.
+An exception raised by SGLang's original is SGLang's behaviour: it passes through untouched and degrades nothing. So
+does an `EngineFailure` the plugin raises on purpose (a capture buffer overflow, named before the write where SGLang
+would fail at it or write past it).
 Only the budget check under `R3_BUDGET=enforce` refuses a start; it is a resolution hook, not one of these.
 
 Inside a compiled region (`torch.compiler.is_compiling()`: SGLang's piecewise CUDA graphs and torch.compile trace
@@ -42,7 +44,7 @@ from typing import Any
 
 from torch.compiler import is_compiling
 
-from engine_ext.core.degraded import DEGRADED
+from engine_ext.core.degraded import DEGRADED, EngineFailure
 
 log = logging.getLogger("r3_sidecar")
 
@@ -196,7 +198,7 @@ def _function(
                 guard.injected("enter")
             return fn(*args, **kwargs) if replace else fn(stable or call, *args, **kwargs)
         except Exception as exc:
-            if exc is call.error:
+            if exc is call.error or isinstance(exc, EngineFailure):
                 raise
             guard.trip(exc)
             if call.returned and settle is not None:
@@ -230,7 +232,7 @@ def _coroutine(guard: Guard, fn: Callable[..., Any], replace: bool) -> Callable[
             guard.injected("enter")
             return await (fn(*args, **kwargs) if replace else fn(tracked, *args, **kwargs))
         except Exception as exc:
-            if exc is call.error:
+            if exc is call.error or isinstance(exc, EngineFailure):
                 raise
             guard.trip(exc)
             return call.settle() if call.called else await original(*args, **kwargs)
@@ -258,7 +260,7 @@ def _stream(guard: Guard, fn: Callable[..., Any], replace: bool) -> Callable[...
                 yield item
             return
         except Exception as exc:
-            if exc is call.error:
+            if exc is call.error or isinstance(exc, EngineFailure):
                 raise
             guard.trip(exc)
         if call.error is not None:

@@ -48,7 +48,8 @@ class Hook:
     target: str
     function: str
     type: HookType
-    groups: tuple[str, ...]  # capture: always · hip: ROCm only · delivery: R3_MODE not off · pointer: R3_SIDECAR_URL
+    # capture: always · hip: ROCm only · delivery, inline: R3_MODE not off · pointer: R3_SIDECAR_URL
+    groups: tuple[str, ...]
     settle: str | None = None  # calls the original with other arguments: how the guard ends SGLang's call (`guard`)
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from engine_ext.core.degraded import DEGRADED
 from engine_ext.sglang import guard
+from engine_ext.sglang.capturer import CaptureOverflowError
 
 hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
 HookRegistry, HookType = hook_registry.HookRegistry, hook_registry.HookType
@@ -116,6 +117,21 @@ def test_sglangs_own_exception_passes_through_and_degrades_nothing(target, caplo
     with pytest.raises(ValueError, match="SGLang's own error 7"):
         m.failing(7)
     assert errors(caplog) == [] and DEGRADED.snapshot() == [] and not guard.Guard.all[0].degraded
+
+
+def test_an_engine_failure_named_on_purpose_passes_through_and_degrades_nothing(target, caplog) -> None:
+    """A capture overflow the plugin names before the write is where SGLang itself fails: not our fault."""
+
+    def checked(original, x, *, scale=1):
+        raise CaptureOverflowError("this forward needs 17 rows but the buffer holds 16; lower --max-running-requests")
+
+    target.hook("plain", checked)
+    m = target.apply()
+    for _ in range(2):  # every call still checked: nothing degraded
+        with pytest.raises(CaptureOverflowError, match="17 rows"):
+            m.plain(1)
+    assert target.calls == [] and errors(caplog) == [] and DEGRADED.snapshot() == []
+    assert not guard.Guard.all[0].degraded
 
 
 def test_a_failure_after_the_original_keeps_its_result_and_never_calls_it_twice(target, monkeypatch) -> None:
