@@ -8,7 +8,7 @@ DEMO := .venv-demo
 DEMO_BIN := $(DEMO)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve wheel test lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
+.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -47,9 +47,14 @@ $(DEMO)/.demo-stamp: pyproject.toml
 	$(DEMO_BIN)/python -m pip install -q -e .
 	touch $@
 
-test: env env-ray trainers env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the whole suite, as CI runs it
+test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.12 ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0): the
+# same tests, marked `matrix`. Run it before a change to a version adapter lands; docs/testing.md has its last run.
+test-matrix: env env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12
+	$(BIN)/python -m pytest -q -m matrix
 
 lint: env-service
 	$(BIN)/ruff check .

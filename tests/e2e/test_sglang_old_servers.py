@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 from sglang_server import Config, sglang_version
+from tiers import param
 
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS = ("0.5.16", "0.5.12")
@@ -36,7 +37,7 @@ def installed(*versions: str) -> list:
     """`versions` as parameters, each skipped where its venv is not built."""
     make = {v: "make env" if v == "0.5.23" else f"make env-sglang-{v}" for v in versions}
     return [
-        pytest.param(v, marks=pytest.mark.skipif(not python_of(v).exists(), reason=f"needs `{make[v]}`"))
+        param("sglang", v, marks=(pytest.mark.skipif(not python_of(v).exists(), reason=f"needs `{make[v]}`"),))
         for v in versions
     ]
 

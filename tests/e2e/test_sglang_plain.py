@@ -164,48 +164,6 @@ def test_mirror_records_equal_sglang_inline_payload_byte_for_byte(mirror):
             assert np.array_equal(stored.astype(np.int32), inline[:, list(meta.layers), :]), name
 
 
-def test_inline_rows_say_their_shape_and_start(upstream, mirror, spool_full):
-    """Wherever the plugin hands rows inline (mirror mode; a refused spool in sidecar mode), meta_info says their
-    shape and start, so `from_response(resp)[0].fetch()` decodes them without the model's numbers, and a
-    continuation (`routed_experts_start_len=17`) starts at 17: `fetch(start=17)` as slime writes it."""
-    assert all("routed_experts_shape" not in r["meta_info"] for r in upstream["responses"].values())  # no plugin
-    seen = []
-    for side in (mirror, spool_full):
-        stack = side["stack"]
-        for name, (_, extra) in REQUESTS.items():
-            response = side["responses"][name]
-            meta = response["meta_info"]
-            if "routed_experts" not in meta:
-                assert "routed_experts_shape" not in meta, name
-                continue
-            start = extra.get("routed_experts_start_len", 0)
-            inline = stack.inline_rows(response)
-            assert meta["routed_experts_shape"] == [len(inline), stack.num_hidden_layers, stack.topk], name
-            assert meta["routed_experts_start_len"] == start and len(inline) == expected_rows(response, start), name
-            r = RoutedExpertsRef.from_response(response)[0].fetch(start=start)
-            assert (r.start, r.rows) == (start, len(inline)) and np.array_equal(r.array, inline), name
-            seen.append((stack.config.name, name))
-    assert ("plain-mirror", "start_len") in seen and any(side == "plain-spool-full" for side, _ in seen), seen
-
-
-@pytest.mark.parametrize("block", RECIPES, ids=[b.id for b in RECIPES])
-def test_the_docs_recipes_run_on_every_delivery_mode(block, mirror, spool_full):
-    """Each recipe of README.md and docs/ (`tests/docs_blocks.py`) with its stand-in replaced by this server's own
-    responses: both rows and pointer (mirror: decoded here, its server stopped by now), the pointer only and the
-    rows only (sidecar mode with a small spool: the records it took, and those it refused)."""
-    asked = [r for n, r in spool_full["responses"].items() if n != "no_ask"]
-    responses = {
-        "both": mirror["responses"]["start_len"],
-        "pointer": next(r for r in asked if "routed_experts" not in r["meta_info"]),
-        "inline": next(r for r in asked if "routed_experts" in r["meta_info"]),
-    }
-    assert "routed_experts" not in responses["pointer"]["meta_info"]
-    assert "routed_experts_url" not in responses["inline"]["meta_info"]
-    for mode, response in responses.items():
-        source = block.with_response("__response__")
-        exec(compile(source, f"{block.id}[{mode}]", "exec"), {"__name__": "__docs__", "__response__": response})
-
-
 def test_the_pointer_in_meta_info_names_the_record(mirror):
     stack = mirror["stack"]
     response = mirror["responses"]["chunked"]
@@ -343,3 +301,47 @@ def test_hook_timers_switched_off_leave_no_hooks_and_no_hook_metrics(spool_full)
     report = _settled_engine_file(stack)
     assert "hooks" not in report, report
     assert "r3_engine_hook_seconds_total{" not in httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
+
+
+# Last: these read the mirror and spool-full responses together, and starting spool_full's server stops mirror's,
+# which the tests above still talk to.
+def test_inline_rows_say_their_shape_and_start(upstream, mirror, spool_full):
+    """Wherever the plugin hands rows inline (mirror mode; a refused spool in sidecar mode), meta_info says their
+    shape and start, so `from_response(resp)[0].fetch()` decodes them without the model's numbers, and a
+    continuation (`routed_experts_start_len=17`) starts at 17: `fetch(start=17)` as slime writes it."""
+    assert all("routed_experts_shape" not in r["meta_info"] for r in upstream["responses"].values())  # no plugin
+    seen = []
+    for side in (mirror, spool_full):
+        stack = side["stack"]
+        for name, (_, extra) in REQUESTS.items():
+            response = side["responses"][name]
+            meta = response["meta_info"]
+            if "routed_experts" not in meta:
+                assert "routed_experts_shape" not in meta, name
+                continue
+            start = extra.get("routed_experts_start_len", 0)
+            inline = stack.inline_rows(response)
+            assert meta["routed_experts_shape"] == [len(inline), stack.num_hidden_layers, stack.topk], name
+            assert meta["routed_experts_start_len"] == start and len(inline) == expected_rows(response, start), name
+            r = RoutedExpertsRef.from_response(response)[0].fetch(start=start)
+            assert (r.start, r.rows) == (start, len(inline)) and np.array_equal(r.array, inline), name
+            seen.append((stack.config.name, name))
+    assert ("plain-mirror", "start_len") in seen and any(side == "plain-spool-full" for side, _ in seen), seen
+
+
+@pytest.mark.parametrize("block", RECIPES, ids=[b.id for b in RECIPES])
+def test_the_docs_recipes_run_on_every_delivery_mode(block, mirror, spool_full):
+    """Each recipe of README.md and docs/ (`tests/docs_blocks.py`) with its stand-in replaced by this server's own
+    responses: both rows and pointer (mirror: decoded here, its server stopped by now), the pointer only and the
+    rows only (sidecar mode with a small spool: the records it took, and those it refused)."""
+    asked = [r for n, r in spool_full["responses"].items() if n != "no_ask"]
+    responses = {
+        "both": mirror["responses"]["start_len"],
+        "pointer": next(r for r in asked if "routed_experts" not in r["meta_info"]),
+        "inline": next(r for r in asked if "routed_experts" in r["meta_info"]),
+    }
+    assert "routed_experts" not in responses["pointer"]["meta_info"]
+    assert "routed_experts_url" not in responses["inline"]["meta_info"]
+    for mode, response in responses.items():
+        source = block.with_response("__response__")
+        exec(compile(source, f"{block.id}[{mode}]", "exec"), {"__name__": "__docs__", "__response__": response})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+from tiers import param
 
 from engine_ext.sglang.versions import MATRIX
 
@@ -66,7 +67,10 @@ def test_enforce_refuses_to_start_on_an_unsupported_sglang_naming_it(shadow_dist
     assert "Load weight begin" not in output  # stopped before any model work
 
 
-@pytest.mark.parametrize("venv", [".venv", ".venv-sglang-0.5.20", ".venv-sglang-0.5.16", ".venv-sglang-0.5.12"])
+VENVS = {"0.5.23": ".venv", **{v: f".venv-sglang-{v}" for v in ("0.5.20", "0.5.16", "0.5.12")}}
+
+
+@pytest.mark.parametrize("venv", [param("sglang", v, venv, id=venv) for v, venv in VENVS.items()])
 def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     """Each version's real modules, imported by its own python: the targets and names it lacks are its row,
     everything its `compat` layout names (retargeted hooks, settings' getters, helpers) imports there, and the

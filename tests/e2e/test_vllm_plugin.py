@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 import pytest
 import vllm_server
+from tiers import param
 from vllm_server import VllmServer, inline_rows
 
 from engine_ext.vllm.versions import MATRIX, Release
@@ -137,7 +138,7 @@ def choices(results: dict[str, Any], names: tuple[str, ...] = FULL) -> list[tupl
     ]
 
 
-@pytest.fixture(scope="module", params=vllm_server.SERVED)
+@pytest.fixture(scope="module", params=[param("vllm", v) for v in vllm_server.SERVED])
 def release(request: pytest.FixtureRequest) -> Release:
     """The release under test (module scope: every test of one release runs before the next release starts)."""
     if not vllm_server.available(request.param):

@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 from sglang_server import GLM, Config, Stack
+from tiers import tier_marks
 
 from service import trainers
 from service.client import RoutedExpertsRef
@@ -34,6 +35,7 @@ def venv_python(version: str) -> Path:
 def marks(version: str) -> list:
     """The thin module's `pytestmark`: a real-server test, skipped with the reason when the venv is missing."""
     return [
+        *tier_marks("sglang", version),
         pytest.mark.sglang,
         pytest.mark.timeout(900),  # a server start counts in its module's first test
         pytest.mark.skipif(

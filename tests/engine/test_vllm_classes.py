@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tiers import param
 
 from engine_ext.vllm.versions import MATRIX
 
@@ -63,7 +64,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.timeout(700)  # importing vLLM's serving modules takes minutes on a loaded 2-core machine
-@pytest.mark.parametrize("version", list(MATRIX))
+@pytest.mark.parametrize("version", [param("vllm", v) for v in MATRIX])
 def test_the_hook_table_resolves_on_each_release(version: str) -> None:
     python = python_of(version)
     if not python.exists():
