@@ -4,13 +4,22 @@ Why it exists: the plugin never takes the engine down. When its own code fails a
 the engine's own behaviour for the rest of the run (`engine_ext/sglang/guard.py`), and this record is how that
 stays loud: the engine file lists each failed hook with its error (`GET /v1/engines`), and the sidecar exports
 it as `r3_engine_degraded_hooks_total{engine,hook}`. Plain values only; any thread may read a snapshot.
+
+The plugin's daemon threads (spool writer, telemetry, collect ticker) run their bodies through `guarded_thread`:
+an exception from our code there would otherwise end the thread alone, silently, with records left unwritten.
+It counts as a failed hook named `thread <name>`; the adapter whose hooks can step aside says how in
+`ON_THREAD_FAILURE` (SGLang's guard degrades every hook), else it is recorded and logged here.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("r3_sidecar")
 
 
 class EngineFailure(RuntimeError):
@@ -51,3 +60,22 @@ class Degraded:
 
 
 DEGRADED = Degraded()
+
+# (thread name, error) -> None: what a failed thread makes of the process; set by an adapter that can step aside.
+ON_THREAD_FAILURE: list[Callable[[str, BaseException], None]] = []
+
+
+def guarded_thread(name: str, body: Callable[[], None]) -> Callable[[], None]:
+    """`body` as a daemon thread's target whose failure is loud and degrades the plugin, never dies unseen."""
+
+    def run() -> None:
+        try:
+            body()
+        except Exception as exc:
+            if ON_THREAD_FAILURE:
+                for react in ON_THREAD_FAILURE:
+                    react(name, exc)
+            elif DEGRADED.note(f"thread {name}", name, exc):
+                log.error("r3-sidecar: thread %s failed: %s: %s", name, type(exc).__name__, exc, exc_info=exc)
+
+    return run

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_ext.core.degraded import DEGRADED
+from engine_ext.core.degraded import DEGRADED, guarded_thread
 from service.engine_report import EngineReport, EngineReportError, WriterCounters
 from service.spool import Spool
 
@@ -116,7 +116,8 @@ class Telemetry:
 
     def start(self) -> Telemetry:
         if self._thread is None:
-            self._thread = threading.Thread(target=self.run, name="r3-telemetry", daemon=True)
+            body = guarded_thread("r3-telemetry", self.run)
+            self._thread = threading.Thread(target=body, name="r3-telemetry", daemon=True)
             self._thread.start()
         return self
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from engine_ext.core.degraded import guarded_thread
 from service.engine_report import UNDELIVERED_REASONS, WriterCounters
 from service.record_meta import Weights, default_dtype, dtype_holds
 from service.record_writer import RecordWriter
@@ -295,7 +296,8 @@ class SpoolWriter:
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> SpoolWriter:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="r3-spool-writer", daemon=True)
+            body = guarded_thread("r3-spool-writer", self._run)
+            self._thread = threading.Thread(target=body, name="r3-spool-writer", daemon=True)
             self._thread.start()
         return self
 

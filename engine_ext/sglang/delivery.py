@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine_ext.core.degraded import guarded_thread
 from engine_ext.core.settings import EngineSettings
 from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import SpoolWriter, spool_dtype
@@ -90,9 +91,8 @@ class Delivery:
         self.live = LiveRows(self.collector)
         self.inline_rows: tuple[object, Any] | None = None  # non-overlap: (out_cache_loc, host rows), last forward
         self.stop = threading.Event()
-        threading.Thread(
-            target=self.collector.run_ticker, args=(self.stop,), name="r3-collect-ticker", daemon=True
-        ).start()
+        ticker = guarded_thread("r3-collect-ticker", lambda: self.collector.run_ticker(self.stop))
+        threading.Thread(target=ticker, name="r3-collect-ticker", daemon=True).start()
         if self.mode is not settings.mode and self.publisher and placement.front_door is None:
             log.warning(
                 "r3-sidecar: %s; requests that ask for routed experts keep SGLang's inline payload (R3_MODE=%s "

@@ -136,6 +136,12 @@ def failed_outside_hooks(name: str, where: str, error: Exception) -> None:
     Guard(name, where).trip(error)
 
 
+def thread_failed(name: str, error: Exception) -> None:
+    """One of the plugin's daemon threads died of our code (`core.degraded.guarded_thread`): a failed hook too,
+    since the hooks hand it their records (a dead writer would leave every later record unwritten)."""
+    failed_outside_hooks(f"thread {name}", name, error)
+
+
 def faults(spec: str | None = None) -> dict[str, list]:
     """`R3_TEST_FAULT_HOOKS` as {hook function or "*": [where, call]}: `name[:after][@n]`, the n-th call (1)."""
     spec = os.environ.get(FAULT_ENV, "") if spec is None else spec

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from torch.compiler import is_compiling as _compiling
 
+from engine_ext.core.degraded import ON_THREAD_FAILURE
 from engine_ext.core.promised import Promised
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
@@ -135,6 +136,7 @@ HOOKS: tuple[Hook, ...] = (
 def install(settings: EngineSettings) -> None:
     """Register every hook this plugin needs for `settings`, each behind its guard (`guard.py`)."""
     guard.Guard.on_step_aside[:] = [lambda: PROCESS.step_aside(lambda: degraded_report(settings))]
+    ON_THREAD_FAILURE[:] = [guard.thread_failed]
     install_capture_hooks(settings)
     install_budget_hooks(settings)
     if settings.mode is not Mode.OFF:

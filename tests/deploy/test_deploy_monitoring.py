@@ -110,6 +110,8 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]
     root = tmp_path_factory.mktemp("spool")
     spool = Spool(root)
     spool.write_engine(engine_report("pod-a/dp0"))
+    failed = {"hook": "on_forward_end", "target": "ModelRunner.forward", "error": "KeyError: 3", "since": 1.0}
+    spool.write_engine({**engine_report("pod-a/dp1"), "degraded": [failed]})  # r3_engine_degraded_hooks_total
     write_record(spool, "rid-ok", random_rows(16))
     write_record(spool, "rid-open", random_rows(2), final=False)
     with live_server(Settings(spool_dir=root, spool_max_bytes=1 << 24)) as base:
@@ -233,6 +235,8 @@ def test_alerts_cover_the_operational_risks() -> None:
     assert "rate(r3_engine_fallback_inline_total[" in fallback["expr"]
     absent_engine, stale = sorted(alert_on("r3_engine_stale"), key=lambda r: r["alert"])
     assert "== 1" in stale["expr"] and " unless " in absent_engine["expr"]
+    (degraded,) = alert_on("r3_engine_degraded_hooks_total")
+    assert "hook" in degraded["expr"] and degraded["for"] == "0s"  # a failed hook stays failed: page at once
     (undelivered,) = alert_on("r3_engine_undelivered_total")
     assert "rate(r3_engine_undelivered_total[" in undelivered["expr"] and "reason" in undelivered["expr"]
     (down,) = alert_on("up")

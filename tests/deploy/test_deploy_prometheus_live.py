@@ -249,7 +249,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         fallback = iter(range(1 << 30))
 
         def write_engines() -> None:
-            spool.write_engine(engine_file("r3-2/dp0", time.time(), next(fallback)))
+            failed = {"hook": "on_forward_end", "target": "ModelRunner.forward", "error": "KeyError: 3", "since": 1.0}
+            spool.write_engine({**engine_file("r3-2/dp0", time.time(), next(fallback)), "degraded": [failed]})
             spool.write_engine({**engine_file("r3-2/dp1", time.time() - 3600, 0), "dp_rank": 1})
 
         write_engines()
@@ -267,6 +268,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             "R3BudgetNotMet",
             "R3BufferHeadroomLow",
             "R3InlineFallbacksRising",
+            "R3EngineDegraded",
             "R3EngineTelemetryStale",
             "R3FetchServerErrors",
             "R3FetchRecordsMissing",

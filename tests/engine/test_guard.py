@@ -10,6 +10,7 @@ each test starts from none.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import sys
@@ -255,3 +256,37 @@ def test_a_failure_in_the_entry_point_leaves_every_hook_registered_so_far_on_sgl
     assert [f["hook"] for f in DEGRADED.snapshot()] == ["register"]
     (line,) = errors(caplog)
     assert line.startswith("r3-sidecar: hook register (engine_ext.sglang:register) failed: RuntimeError"), line
+
+
+def test_a_plugin_thread_that_dies_degrades_every_hook_as_a_failed_hook_does(target, monkeypatch, caplog) -> None:
+    """The daemon threads (spool writer, telemetry, collect ticker) take the hooks' records: when one dies of our
+    code, SGLang's hooks step aside as `hooks.install` arranges (`guard.thread_failed`)."""
+    import threading
+
+    from engine_ext.core import degraded
+    from engine_ext.sglang import hooks
+
+    stepped = []
+    guard.Guard.on_step_aside[:] = [lambda: stepped.append(1)]
+
+    def passing(original, x, *, scale=1):
+        return original(x, scale=scale) + 1
+
+    target.hook("plain", passing)
+    m = target.apply()
+    assert m.plain(1) == 11
+    monkeypatch.setattr(degraded, "ON_THREAD_FAILURE", [])
+    assert "guard.thread_failed" in inspect.getsource(hooks.install)  # what a real engine process registers
+    degraded.ON_THREAD_FAILURE[:] = [guard.thread_failed]
+
+    def body():
+        raise KeyError("writer loop bug")
+
+    thread = threading.Thread(target=degraded.guarded_thread("r3-spool-writer", body))
+    thread.start()
+    thread.join(10)
+    assert m.plain(1) == 10 and stepped == [1]  # degraded: SGLang's own call only
+    (fault,) = DEGRADED.snapshot()
+    assert (fault["hook"], fault["error"]) == ("thread r3-spool-writer", "KeyError: 'writer loop bug'")
+    (line,) = errors(caplog)
+    assert line.startswith("r3-sidecar: hook thread r3-spool-writer (r3-spool-writer) failed: KeyError"), line

@@ -363,3 +363,28 @@ def test_the_records_are_scanned_only_under_a_cap_and_no_more_often_than_their_c
     capped = SpoolWriter(tmp_path, max_bytes=1 << 30)
     assert len(scans) == 1
     assert capped._scan_every >= scans[0] / USAGE_SCAN_CPU_SHARE >= 2.0  # 20 ms at 1%: at most every 2 s
+
+
+def test_a_writer_thread_killed_by_our_code_is_recorded_and_logged_once(tmp_path, monkeypatch, caplog):
+    """Not one record's failure (those are contained per record) but the loop's own: the thread ends loudly, in
+    the engine file's `degraded`, instead of leaving every later record unwritten without a word."""
+    from engine_ext.core import degraded
+
+    monkeypatch.setattr(degraded, "ON_THREAD_FAILURE", [])  # no adapter stepping aside: the core's own record
+    degraded.DEGRADED.clear()
+    caplog.set_level(logging.ERROR, logger="r3_sidecar")
+    writer = SpoolWriter(tmp_path, engine="pod/dp0")
+    monkeypatch.setattr(writer, "_publish_due", lambda now_anyway: 1 / 0)
+    writer.start()
+    assert writer.submit(Op("req-1", spec=_spec("req-1"), rows=compact(_rows(3), "uint8"), status="ok"))
+    _until(lambda: not writer._thread.is_alive(), "the writer thread ends")
+    (fault,) = degraded.DEGRADED.snapshot()
+    assert (fault["hook"], fault["target"], fault["error"]) == (
+        "thread r3-spool-writer",
+        "r3-spool-writer",
+        "ZeroDivisionError: division by zero",
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "r3-sidecar: thread r3-spool-writer failed: ZeroDivisionError: division by zero"
+    ]
+    degraded.DEGRADED.clear()
