@@ -16,7 +16,7 @@ and never calls the router. So 0.24-0.26 return rows of zeros (the capturer's bu
 `prepack_moe_weight`, so `CPUFusedMOE` takes its torch path, whose SiLU entry in `cpu_fused_moe._CPU_MOE_ACT_FN`
 builds a `SiluAndMul` CustomOp per call; a CustomOp reads the current vLLM config, which is unset in a forward,
 so the worker's warm-up dies with "Current vLLM config is not set" (with or without this shim and the plugin).
-vLLM fixed it in PR #45961 (issue #45447), in 0.25.1 and later: the entry is the static
+vLLM fixed it in vllm-project/vllm#45961 (issue #45447), in 0.25.1 and later: the entry is the static
 `SiluAndMul.forward_native`, the same arithmetic without the CustomOp.
 
 What it does:
@@ -86,6 +86,7 @@ def _moe_runner(module) -> None:
 
 
 def _cpu_fused_moe(module) -> None:
+    """0.24's SiLU entry as vLLM's fix made it: no CustomOp built inside a forward (a no-op where it is already)."""
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
