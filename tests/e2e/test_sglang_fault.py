@@ -103,9 +103,10 @@ def failed_hooks(faults: str) -> list[str]:
     return [item.split("@")[0].split(":")[0] for item in faults.split(",")]
 
 
-# CI runs three faults (the per-layer hook with a stream, the host-copy hook, the finish path): ten server starts
-# would take a quarter of CI's time. `make reliability` runs every one.
-IN_CI = ("device-capture", "forward-end", "collect")
+# CI runs one fault, the host-copy hook (its row settles SGLang's call from a result our hook asked for with other
+# arguments: the hardest fall-back), beside the plugin-off server; every server start costs CI a minute or two.
+# `make reliability` runs all nine (the per-layer hook with a stream and the finish path among them).
+IN_CI = ("forward-end",)
 
 
 @pytest.mark.parametrize(

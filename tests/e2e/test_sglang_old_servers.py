@@ -77,6 +77,7 @@ def test_the_cpu_shim_patches_what_each_version_needs(version):
     }
 
 
+@pytest.mark.matrix  # CI's 0.5.12 suite (test_sglang_0_5_12.py) starts the same upstream server and checks the same
 @pytest.mark.parametrize("version", installed(*VERSIONS))
 def test_the_real_server_is_that_version_and_routes_per_layer(version, sglang_stack):
     python = str(python_of(version))

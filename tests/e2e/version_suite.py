@@ -272,6 +272,7 @@ def test_sidecar_records_are_upstream_payload_byte_for_byte(upstream, sidecar):
         assert np.array_equal(stored.astype(np.int32), upstream["stack"].inline_rows(reference)), name
 
 
+@pytest.mark.matrix  # a fourth server start per release: CI proves the dense+MoE layout on 0.5.23 (test_sglang_limits)
 def test_dense_and_moe_layers_records_hold_the_moe_layers_and_serve_sglang_bytes(dense):
     stack = dense["stack"]
     for n, response in dense["responses"].items():
