@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_ext.core.records import routed_experts_url
@@ -135,24 +136,29 @@ def sglext_pointer(urls: list[str | None]) -> dict[str, object] | None:
 
 @dataclass
 class PointerStream:
-    """Adds the pointers to an OpenAI-compatible SSE stream (`data: {json}\\n\\n` chunks, then `[DONE]`).
+    """Adds the pointers to an OpenAI-compatible SSE stream (`data: {json}\\n\\n` chunks, then `[DONE]`), and
+    the shape and start of the inline rows to the chunk that carries them.
 
     Each chunk's `id` is the rid of the choice (`choices[].index`) it carries, so the stream itself says which
     rid each choice has. The pointers go into the response-level `sglext` chunk when SGLang sends one (mirror
-    mode: the inline rows), else into a chunk of their own, `choices: []`, right before `data: [DONE]`.
+    mode: the inline rows), else into a chunk of their own, `choices: []`, right before `data: [DONE]`. That
+    `sglext` chunk's `routed_experts` (SGLang's flat string) gets `routed_experts_shape` and
+    `routed_experts_start_len` beside it (`shape_of`, e.g. `inline_shape` with the model's numbers bound).
     """
 
-    base_url: str
+    base_url: str | None  # None: no pointers (no sidecar configured, or none can be reached), shapes only
     n: int
     object_name: str  # "text_completion" | "chat.completion.chunk"
     model: str | None
+    shape_of: Callable[[str], dict[str, object] | None] | None = None
     rids: dict[int, str] = field(default_factory=dict)
     done: bool = False
     _last: dict | None = None
 
     def urls(self) -> list[str | None]:
         count = max(self.n, max(self.rids, default=-1) + 1)
-        return [routed_experts_url(self.base_url, self.rids[i]) if i in self.rids else None for i in range(count)]
+        base = self.base_url
+        return [routed_experts_url(base, self.rids[i]) if base and i in self.rids else None for i in range(count)]
 
     def feed(self, chunk: str) -> list[str]:
         """The chunks to send for one chunk of SGLang's stream."""
@@ -179,9 +185,12 @@ class PointerStream:
                 self.rids.setdefault(choice["index"], rid)
         if has_sglext and isinstance(obj.get("sglext"), dict) and not obj.get("choices"):
             pointer = sglext_pointer(self.urls())
+            rows = obj["sglext"].get("routed_experts")
+            shape = self.shape_of(rows) if self.shape_of and isinstance(rows, str) else None
             if pointer:
-                obj["sglext"].update(pointer)
                 self.done = True  # the pointers went out with SGLang's own sglext chunk
+            if pointer or shape:
+                obj["sglext"].update((shape or {}) | (pointer or {}))
                 return [f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"]
         return [chunk]
 
