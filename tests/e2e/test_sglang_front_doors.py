@@ -5,11 +5,14 @@ The model directory carries a word-level tokenizer built by the harness (`write_
 `--skip-tokenizer-init`. The same requests (greedy, fixed lengths) go to each configuration in the same order:
 
 - mirror: SGLang's inline rows at every door (`meta_info["routed_experts"]`, `sglext.routed_experts`), and a
-  pointer beside them; the reference rows.
+  pointer beside them; the reference rows. Each door's response (a stream's chunks) decodes with
+  `RoutedExpertsRef.from_response(resp)[0].fetch()`, no model numbers, and so does a continuation
+  (`routed_experts_start_len`), whose start the response says.
 - sidecar: no inline rows; the pointer (`meta_info["routed_experts_url"]`, `sglext.routed_experts_url(s)`) leads
   to rows equal to the mirror run's inline rows, for every choice of `n > 1`.
-- `--tokenizer-worker-num 2` (no plugin in SGLang's tokenizer workers): sidecar mode keeps the inline rows,
-  says so in the engine file, and the spool still gets the record.
+- `--tokenizer-worker-num 2` (SGLang loads no plugins in its tokenizer workers): sidecar mode keeps the inline
+  rows, says so in the engine file, and the spool still gets the record; the workers import the plugin's app
+  (`engine_ext.sglang.http_worker`), so those rows, and a continuation's, decode without the model's numbers.
 - `--dp-size 2` (two schedulers behind SGLang's DP controller): pointers, rows equal to mirror's.
 - offline `sglang.Engine`: the pointer in `meta_info`.
 - `R3_CAPTURE_ALL=1` with several tokenizer workers under `R3_BUDGET=enforce`: refused at launch.
