@@ -170,7 +170,7 @@ class PointerStream:
             return [extra, chunk] if extra else [chunk]
         if not chunk.startswith("data: {"):
             return [chunk]
-        wants_ids = len(self.rids) < self.n
+        wants_ids = bool(self.base_url) and len(self.rids) < self.n  # the rids name the pointers
         has_sglext = '"sglext"' in chunk
         if not (wants_ids or has_sglext):
             return [chunk]

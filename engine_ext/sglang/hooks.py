@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -568,10 +569,10 @@ WORKER_APP = "engine_ext.sglang.http_worker:app"
 SGLANG_APP = "sglang.srt.entrypoints.http_server:app"
 
 
-def point_workers_here(env_name: str | None, environ=os.environ) -> bool:
+def point_workers_here(env_name: str | None, environ: MutableMapping[str, str] = os.environ) -> bool:
     """Have SGLang's tokenizer worker processes (`--tokenizer-worker-num > 1`) import `http_worker`'s app, which
     applies the "inline" hooks there (True); not where this SGLang names no such setting (`env_name` None), nor
-    where the launch set it to an app of its own, which it keeps (False, said once)."""
+    where the launch set it to an app of its own, which it keeps (False, said in the log at start)."""
     if env_name is None:
         return False
     current = environ.get(env_name)
