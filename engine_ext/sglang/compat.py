@@ -187,6 +187,9 @@ class Layout:
     # A GenerationBatchResult's tokens per request in a verify forward: the first that is set
     verify_stride: tuple[str, ...] = ("speculative_output_stride", "speculative_num_draft_tokens")
     result_processor: str | None = "batch_result_processor"  # the Scheduler's batch-result processor (None: itself)
+    # The environment variable naming the app SGLang's tokenizer worker processes import (`http_worker`); None
+    # where that path is written into SGLang (≤ 0.5.20: "sglang.srt.entrypoints.http_server:app")
+    worker_app_env: str | None = "SGLANG_HTTP_SERVER_APP_PATH"
 
     def read_spec(self, name: str) -> str:
         return self.reads.get(name, READS[name])
@@ -318,6 +321,7 @@ LAYOUTS: dict[str, Layout] = {
                 "dp_gather_slot": f"{_DP}.get_attention_dp_rank",
             },
             padded_counts="global_num_tokens_cpu",  # forward_batch_info.py: prepare_mlp_sync_batch's last line
+            worker_app_env=None,  # http_server.py:2496, 2761: the workers' app path is a literal
         ),
         Layout(  # read from the 0.5.16 wheel: no settings bags in runtime_context, no resolution pipeline
             "0.5.16",
@@ -334,6 +338,7 @@ LAYOUTS: dict[str, Layout] = {
             req_pool_idx="req_pool_idx",
             budget_at_resolution=False,
             verify_stride=("speculative_num_draft_tokens",),  # managers/utils.py: no speculative_output_stride
+            worker_app_env=None,  # http_server.py:2357, 2581: the workers' app path is a literal
         ),
         Layout(  # read from the 0.5.12 wheel: no runtime_context at all; the Scheduler processes batch results
             "0.5.12",
@@ -365,6 +370,7 @@ LAYOUTS: dict[str, Layout] = {
             graph_batch_set_in=("replay_prepare", "prepare_replay"),  # cuda_graph_runner.py:1312, cpu_…:783
             verify_stride=("speculative_num_draft_tokens",),
             result_processor=None,
+            worker_app_env=None,  # http_server.py:2094, 2293: the workers' app path is a literal
             classes={
                 "decode_graph": (f"{_ME}.cuda_graph_runner.CudaGraphRunner", f"{_ME}.cpu_graph_runner.CPUGraphRunner"),
                 "result_processor": ("sglang.srt.managers.scheduler.Scheduler",),  # its mixin's methods

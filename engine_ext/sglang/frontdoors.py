@@ -7,8 +7,9 @@
 - Where it cannot (`pointer_unreachable`: SGLang does not load plugins in its multi-tokenizer HTTP
   workers, nor do those workers have a hook point), sidecar mode keeps SGLang's inline payload, as mirror
   mode does (`effective_mode`): the trainer gets its rows inline, and the spool still gets the record.
-- Wherever the rows go inline (mirror mode, a refused spool, the layouts above), the response also says their
-  shape and start (`inline_shape`), so a trainer decodes SGLang's flat string without the model's numbers.
+- Wherever the rows go inline (mirror mode, a refused spool, several tokenizer workers: their hooks come with
+  `http_worker`, SGLang 0.5.23), the response also says their shape and start (`inline_shape`; in a stream, the
+  chunk that carries the rows), so a trainer decodes SGLang's flat string without the model's numbers.
 - Where neither can work (`layout_refusal`: capture-all for requests that do not ask, when no pointer can
   reach them) the launch is refused under `R3_BUDGET=enforce`, naming the setting to change.
 """
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_ext.core.records import routed_experts_url
@@ -135,24 +137,29 @@ def sglext_pointer(urls: list[str | None]) -> dict[str, object] | None:
 
 @dataclass
 class PointerStream:
-    """Adds the pointers to an OpenAI-compatible SSE stream (`data: {json}\\n\\n` chunks, then `[DONE]`).
+    """Adds the pointers to an OpenAI-compatible SSE stream (`data: {json}\\n\\n` chunks, then `[DONE]`), and
+    the shape and start of the inline rows to the chunk that carries them.
 
     Each chunk's `id` is the rid of the choice (`choices[].index`) it carries, so the stream itself says which
     rid each choice has. The pointers go into the response-level `sglext` chunk when SGLang sends one (mirror
-    mode: the inline rows), else into a chunk of their own, `choices: []`, right before `data: [DONE]`.
+    mode: the inline rows), else into a chunk of their own, `choices: []`, right before `data: [DONE]`. That
+    `sglext` chunk's `routed_experts` (SGLang's flat string) gets `routed_experts_shape` and
+    `routed_experts_start_len` beside it (`shape_of`, e.g. `inline_shape` with the model's numbers bound).
     """
 
-    base_url: str
+    base_url: str | None  # None: no pointers (no sidecar configured, or none can be reached), shapes only
     n: int
     object_name: str  # "text_completion" | "chat.completion.chunk"
     model: str | None
+    shape_of: Callable[[str], dict[str, object] | None] | None = None
     rids: dict[int, str] = field(default_factory=dict)
     done: bool = False
     _last: dict | None = None
 
     def urls(self) -> list[str | None]:
         count = max(self.n, max(self.rids, default=-1) + 1)
-        return [routed_experts_url(self.base_url, self.rids[i]) if i in self.rids else None for i in range(count)]
+        base = self.base_url
+        return [routed_experts_url(base, self.rids[i]) if base and i in self.rids else None for i in range(count)]
 
     def feed(self, chunk: str) -> list[str]:
         """The chunks to send for one chunk of SGLang's stream."""
@@ -164,7 +171,7 @@ class PointerStream:
             return [extra, chunk] if extra else [chunk]
         if not chunk.startswith("data: {"):
             return [chunk]
-        wants_ids = len(self.rids) < self.n
+        wants_ids = bool(self.base_url) and len(self.rids) < self.n  # the rids name the pointers
         has_sglext = '"sglext"' in chunk
         if not (wants_ids or has_sglext):
             return [chunk]
@@ -179,9 +186,12 @@ class PointerStream:
                 self.rids.setdefault(choice["index"], rid)
         if has_sglext and isinstance(obj.get("sglext"), dict) and not obj.get("choices"):
             pointer = sglext_pointer(self.urls())
+            rows = obj["sglext"].get("routed_experts")
+            shape = self.shape_of(rows) if self.shape_of and isinstance(rows, str) else None
             if pointer:
-                obj["sglext"].update(pointer)
                 self.done = True  # the pointers went out with SGLang's own sglext chunk
+            if pointer or shape:
+                obj["sglext"].update((shape or {}) | (pointer or {}))
                 return [f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"]
         return [chunk]
 

@@ -21,6 +21,9 @@ The budget check is not a `HookRegistry` target: it runs at the last ServerArgs 
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -124,10 +127,13 @@ HOOKS: tuple[Hook, ...] = (
         f"{_OPENAI}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
         "_around_openai_stream",
         AROUND,
-        ("pointer",),
+        ("pointer", "inline"),
     ),
     Hook(
-        f"{_OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream", "_around_openai_stream", AROUND, ("pointer",)
+        f"{_OPENAI}.serving_chat.OpenAIServingChat._generate_chat_stream",
+        "_around_openai_stream",
+        AROUND,
+        ("pointer", "inline"),
     ),
     Hook("sglang.srt.entrypoints.engine.Engine.shutdown", "_around_engine_shutdown", AROUND, ("pointer",)),
 )
@@ -558,6 +564,38 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
     """
     PROCESS.configure(settings)
     _register("delivery", "inline", *(("pointer",) if settings.sidecar_url else ()))
+    point_workers_here(compat.layout().worker_app_env)
+
+
+WORKER_APP = "engine_ext.sglang.http_worker:app"
+SGLANG_APP = "sglang.srt.entrypoints.http_server:app"
+
+
+def point_workers_here(env_name: str | None, environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Have SGLang's tokenizer worker processes (`--tokenizer-worker-num > 1`) import `http_worker`'s app, which
+    applies the "inline" hooks there (True); not where this SGLang names no such setting (`env_name` None), nor
+    where the launch set it to an app of its own, which it keeps (False, said in the log at start)."""
+    if env_name is None:
+        return False
+    current = environ.get(env_name)
+    if current in (None, "", SGLANG_APP, WORKER_APP):
+        environ[env_name] = WORKER_APP
+        return True
+    logging.getLogger("r3_sidecar").warning(
+        "r3-sidecar: %s=%s is the launch's own: with --tokenizer-worker-num > 1 the inline rows of responses do "
+        "not say their shape and start (routed_experts_shape, routed_experts_start_len)",
+        env_name,
+        current,
+    )
+    return False
+
+
+def install_worker_hooks(settings: EngineSettings) -> None:
+    """In a tokenizer worker process (`http_worker`): the "inline" hooks only. No pointer: none can be attached
+    there (`frontdoors.MULTI_TOKENIZER`), so the worker's settings have no sidecar URL."""
+    guard.Guard.on_step_aside[:] = [lambda: PROCESS.step_aside(lambda: degraded_report(settings))]
+    PROCESS.configure(settings.model_copy(update={"sidecar_url": None}))
+    _register("inline")
 
 
 def _delivery_for(processor) -> Delivery | None:
@@ -920,8 +958,7 @@ def _inline_shapes_of(manager, rids: list[str], inline: list | None, obj=None) -
     from the request `obj` when given, else from the request state the manager still holds)."""
     if not inline:
         return {}
-    hf = manager.model_config.hf_text_config
-    layers, topk = int(hf.num_hidden_layers), int(getattr(hf, "num_experts_per_tok", 0) or 0)
+    layers, topk = _model_numbers(manager)
     shapes = {}
     for rid, payload in zip(rids, inline, strict=False):
         state = manager.rid_to_state.get(rid) if obj is None else None
@@ -933,6 +970,12 @@ def _inline_shapes_of(manager, rids: list[str], inline: list | None, obj=None) -
         if fields:
             shapes[rid] = fields
     return shapes
+
+
+def _model_numbers(manager) -> tuple[int, int]:
+    """(num_hidden_layers, topk) of the served model, off a tokenizer manager: the width of SGLang's inline rows."""
+    hf = manager.model_config.hf_text_config
+    return int(hf.num_hidden_layers), int(getattr(hf, "num_experts_per_tok", 0) or 0)
 
 
 def _around_build_out_dict(original, recv_obj, i, meta_info, *args, **kwargs):
@@ -1039,15 +1082,26 @@ def _around_openai_response(original, self, request, ret, *args, **kwargs):
 
 
 async def _around_openai_stream(original, self, adapted_request, request, raw_request, *args, **kwargs):
-    """Streaming `/v1/completions`, `/v1/chat/completions`: the choices' pointers in an `sglext` chunk."""
+    """Streaming `/v1/completions`, `/v1/chat/completions`: the choices' pointers in an `sglext` chunk, and the
+    shape and start of the inline rows in the chunk that carries them (SGLang's own `sglext` chunk)."""
+    from functools import partial
+
     settings = PROCESS.settings
     stream = None
     if settings is not None and (getattr(request, "return_routed_experts", False) or settings.capture_all):
+        layers, topk = _model_numbers(self.tokenizer_manager)
+        start = getattr(request, "routed_experts_start_len", 0)
         stream = frontdoors.PointerStream(
             base_url=settings.sidecar_url,
             n=int(getattr(request, "n", 1) or 1),
             object_name="chat.completion.chunk" if hasattr(request, "messages") else "text_completion",
             model=getattr(request, "model", None),
+            shape_of=partial(
+                frontdoors.inline_shape,
+                num_hidden_layers=layers,
+                topk=topk,
+                start_len=start if isinstance(start, int) else 0,
+            ),
         )
     async for chunk in original(self, adapted_request, request, raw_request, *args, **kwargs):
         if stream is None:

@@ -5,11 +5,14 @@ The model directory carries a word-level tokenizer built by the harness (`write_
 `--skip-tokenizer-init`. The same requests (greedy, fixed lengths) go to each configuration in the same order:
 
 - mirror: SGLang's inline rows at every door (`meta_info["routed_experts"]`, `sglext.routed_experts`), and a
-  pointer beside them; the reference rows.
+  pointer beside them; the reference rows. Each door's response (a stream's chunks) decodes with
+  `RoutedExpertsRef.from_response(resp)[0].fetch()`, no model numbers, and so does a continuation
+  (`routed_experts_start_len`), whose start the response says.
 - sidecar: no inline rows; the pointer (`meta_info["routed_experts_url"]`, `sglext.routed_experts_url(s)`) leads
   to rows equal to the mirror run's inline rows, for every choice of `n > 1`.
-- `--tokenizer-worker-num 2` (no plugin in SGLang's tokenizer workers): sidecar mode keeps the inline rows,
-  says so in the engine file, and the spool still gets the record.
+- `--tokenizer-worker-num 2` (SGLang loads no plugins in its tokenizer workers): sidecar mode keeps the inline
+  rows, says so in the engine file, and the spool still gets the record; the workers import the plugin's app
+  (`engine_ext.sglang.http_worker`), so those rows, and a continuation's, decode without the model's numbers.
 - `--dp-size 2` (two schedulers behind SGLang's DP controller): pointers, rows equal to mirror's.
 - offline `sglang.Engine`: the pointer in `meta_info`.
 - `R3_CAPTURE_ALL=1` with several tokenizer workers under `R3_BUDGET=enforce`: refused at launch.
@@ -29,7 +32,7 @@ from sglang_server import Config, Stack, free_port, server_env, spawn, write_mod
 
 from service.client import RoutedExpertsRef, fetch_many
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a start counts in its first test (minutes)
 
 TOK = {"tokenizer": True}
 MIRROR = Config("doors-mirror", env={"R3_MODE": "mirror"}, **TOK)
@@ -68,25 +71,25 @@ def sse(response: httpx.Response) -> list[dict]:
     return out
 
 
-def door_generate(stack: Stack, model: str) -> list[dict]:
+def door_generate(stack: Stack, model: str, extra: dict | None = None) -> list[dict]:
     body = {
         "text": PROMPT,
         "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
         "return_routed_experts": True,
-    }
+    } | (extra or {})
     resp = httpx.post(f"{stack.url}/generate", json=body, timeout=120).json()
     meta = resp["meta_info"]
     out = [{"inline": meta.get("routed_experts"), "url": meta.get("routed_experts_url"), "rid": meta["id"]}]
     return with_refs(stack, resp, out)
 
 
-def door_generate_stream(stack: Stack, model: str) -> list[dict]:
+def door_generate_stream(stack: Stack, model: str, extra: dict | None = None) -> list[dict]:
     body = {
         "text": PROMPT,
         "stream": True,
         "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
         "return_routed_experts": True,
-    }
+    } | (extra or {})
     chunks = sse(httpx.post(f"{stack.url}/generate", json=body, timeout=120))
     meta = chunks[-1]["meta_info"]
     assert meta["finish_reason"] is not None
@@ -172,10 +175,25 @@ DOORS = {
 }
 
 
-def knock(stack: Stack) -> dict[str, list[dict]]:
-    """Every door once, in DOORS order; returns per door the per-choice answers."""
+# A continuation (slime's partial rollouts): rows from this prompt position on, and the response says so.
+START = 4
+CONTINUED = {"routed_experts_start_len": START}
+CONTINUATIONS = {
+    "generate": lambda stack, model: door_generate(stack, model, CONTINUED),
+    "generate_stream": lambda stack, model: door_generate_stream(stack, model, CONTINUED),
+    "completions_stream": lambda stack, model: _openai(
+        stack, "/v1/completions", {"model": model, "prompt": PROMPT, "stream": True} | CONTINUED, 1
+    ),
+    "chat": lambda stack, model: _openai(
+        stack, "/v1/chat/completions", {"model": model, "messages": MESSAGES} | CONTINUED, 1
+    ),
+}
+
+
+def knock(stack: Stack, doors: dict = DOORS) -> dict[str, list[dict]]:
+    """Every door once, in `doors` order; returns per door the per-choice answers."""
     model = httpx.get(f"{stack.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    return {name: door(stack, model) for name, door in DOORS.items()}
+    return {name: door(stack, model) for name, door in doors.items()}
 
 
 def rows_of(stack: Stack, answer: dict) -> np.ndarray:
@@ -193,7 +211,7 @@ def rows_of(stack: Stack, answer: dict) -> np.ndarray:
 @pytest.fixture(scope="module")
 def mirror(sglang_stack) -> dict:
     stack = sglang_stack(MIRROR)
-    return {"stack": stack, "answers": knock(stack)}
+    return {"stack": stack, "answers": knock(stack), "continued": knock(stack, CONTINUATIONS)}
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +223,7 @@ def sidecar(mirror, sglang_stack) -> dict:
 @pytest.fixture(scope="module")
 def multi_tokenizer(sidecar, sglang_stack) -> dict:
     stack = sglang_stack(MULTI_TOKENIZER)
-    return {"stack": stack, "answers": knock(stack)}
+    return {"stack": stack, "answers": knock(stack), "continued": knock(stack, CONTINUATIONS)}
 
 
 @pytest.fixture(scope="module")
@@ -235,19 +253,22 @@ def test_mirror_every_door_returns_inline_rows_and_a_pointer_to_the_same_rows(mi
             assert np.array_equal(pointed, inline), (name, i)  # greedy: every choice routed the same tokens
 
 
-# the doors whose inline rows say their shape and start (OpenAI streams: SGLang's own sglext chunk, not yet)
-SAYS_SHAPE = ("generate", "generate_stream", "completions", "chat", "chat_n2")
+def assert_decodes_without_the_models_numbers(run: dict) -> None:
+    """`RoutedExpertsRef.from_response(resp)[0].fetch()`, as the recipes write it, on every door's real response
+    (a stream: its SSE chunks): the plugin put `routed_experts_shape` and `routed_experts_start_len` beside SGLang's
+    flat string, in `meta_info` or in the chunk that carries it; a continuation's start is the one it asked for."""
+    stack = run["stack"]
+    for answers, start in ((run["answers"], 0), (run["continued"], START)):
+        for name, (answer, *_) in answers.items():
+            r = answer["bare"].fetch()
+            assert r.array.shape[1:] == (stack.num_hidden_layers, stack.topk) and r.start == start, (name, start)
+            assert np.array_equal(r.array, rows_of(stack, answer)), (name, start)
+    for name, (answer, *_) in run["continued"].items():  # the continuation's rows are the whole run's from START
+        assert np.array_equal(rows_of(stack, answer), rows_of(stack, run["answers"][name][0])[START:]), name
 
 
 def test_mirror_inline_rows_decode_without_the_models_numbers(mirror):
-    """`RoutedExpertsRef.from_response(resp)[0].fetch()`, as the recipes write it: the plugin's front doors put
-    `routed_experts_shape` and `routed_experts_start_len` beside SGLang's flat string."""
-    stack = mirror["stack"]
-    for name in SAYS_SHAPE:
-        answer = mirror["answers"][name][0]
-        r = answer["bare"].fetch()
-        assert r.array.shape[1:] == (stack.num_hidden_layers, stack.topk) and r.start == 0, name
-        assert np.array_equal(r.array, rows_of(stack, answer)), name
+    assert_decodes_without_the_models_numbers(mirror)
 
 
 def test_refs_of_every_door_fetch_the_same_rows(mirror, sidecar):
@@ -295,6 +316,12 @@ def test_several_tokenizer_workers_keep_inline_rows_and_say_so(mirror, multi_tok
     rid = multi_tokenizer["answers"]["generate"][0]["rid"]
     meta, stored = stack.final_record(rid)  # the spool still has the record
     assert np.array_equal(stored.astype(np.int32), ref["generate"][:, list(meta.layers), :])
+
+
+def test_several_tokenizer_workers_inline_rows_decode_without_the_models_numbers(multi_tokenizer):
+    """SGLang loads no plugins in its tokenizer workers; the plugin has them import `http_worker`'s app
+    (`SGLANG_HTTP_SERVER_APP_PATH`), whose hooks say the shape and start as the main process's do."""
+    assert_decodes_without_the_models_numbers(multi_tokenizer)
 
 
 def test_dp_controller_with_two_schedulers_points_to_mirrors_rows(mirror, dp2):

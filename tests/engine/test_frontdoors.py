@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 from sglang_env import run_sglang
 
@@ -11,6 +12,7 @@ from engine_ext.sglang.frontdoors import (
     PointerStream,
     delivery_report,
     effective_mode,
+    inline_shape,
     layout_refusal,
     pointer_rids,
     pointer_unreachable,
@@ -78,6 +80,26 @@ def test_stream_pointers_join_sglangs_own_sglext_chunk():
         "routed_experts_url": "http://sc:1/routed_experts/a%2Fb",
         "routed_experts_urls": ["http://sc:1/routed_experts/a%2Fb"],
     }
+
+
+def test_stream_chunk_with_sglangs_rows_says_their_shape_and_start():
+    """SGLang's own `sglext` chunk carries the first choice's flat rows: the shape and start go beside them, with the
+    pointers (mirror) or without any (no sidecar URL, several tokenizer workers); no other chunk changes."""
+    rows = "A" * 64  # 48 bytes: 12 int32 = 2 rows of 3 layers x top-2
+    shape_of = partial(inline_shape, num_hidden_layers=3, topk=2, start_len=5)
+    for base_url in ("http://sc:1", None):
+        stream = PointerStream(base_url=base_url, n=1, object_name="text_completion", model="m", shape_of=shape_of)
+        text = chunk({"id": "r", "choices": [{"index": 0, "text": "x"}]})
+        sent = stream.feed(text) + stream.feed(chunk({"id": "r", "choices": [], "sglext": {"routed_experts": rows}}))
+        sent += stream.feed("data: [DONE]\n\n")
+        assert sent[0] == text and sent[-1] == "data: [DONE]\n\n" and len(sent) == 3, base_url
+        ext = json.loads(sent[1][len("data: ") :])["sglext"]
+        assert (ext["routed_experts_shape"], ext["routed_experts_start_len"]) == ([2, 3, 2], 5), base_url
+        assert ext["routed_experts"] == rows and ("routed_experts_url" in ext) == bool(base_url), base_url
+    stream = PointerStream(base_url=None, n=1, object_name="text_completion", model="m", shape_of=shape_of)
+    other = chunk({"id": "r", "choices": [], "sglext": {"cached_tokens_details": {"device": 1}}})
+    assert stream.feed(other) == [other]  # no rows: nothing to say
+    assert stream.feed("data: [DONE]\n\n") == ["data: [DONE]\n\n"]
 
 
 def test_stream_without_choices_gets_no_pointer():

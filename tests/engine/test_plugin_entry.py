@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from importlib.metadata import distributions, entry_points
 from pathlib import Path
 
@@ -97,3 +98,48 @@ def test_the_hook_table_has_one_row_per_target_each_naming_a_hook_of_this_module
     for target, function, groups, found in rows:
         allowed = {"capture", "hip", "delivery", "inline", "pointer"}
         assert found and groups and set(groups) <= allowed, (target, function)
+
+
+INLINE_TARGETS = [
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output",
+    "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
+    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._generate_chat_stream",
+]
+APP_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
+
+
+@pytest.mark.sglang
+def test_sglangs_tokenizer_workers_import_the_app_that_applies_the_inline_hooks(tmp_path) -> None:
+    """SGLang loads no plugins in its tokenizer workers (`--tokenizer-worker-num > 1`) and imports their app from
+    `SGLANG_HTTP_SERVER_APP_PATH`: loading the plugin points that at `http_worker`, whose import (in a fresh
+    process, as a worker's) applies the inline hooks, and only those, and serves SGLang's own app object. No
+    pointer there, even with a sidecar URL set. A launch's own app path is kept, and said."""
+    env = {"R3_SPOOL_DIR": str(tmp_path), "R3_MODE": "sidecar", "R3_SIDECAR_URL": "http://sc:1"}
+    main = f"import os\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\nemit(os.environ.get({APP_ENV!r}))"
+    assert run_sglang(main, env=env) == ["engine_ext.sglang.http_worker:app"]
+    own_app = _load_plugins_child([]) + f"\nimport os\nemit(os.environ[{APP_ENV!r}])"
+    loaded, kept = run_sglang(own_app, env=env | {APP_ENV: "mine:app"})
+    assert kept == "mine:app" and any(level == "WARNING" and "mine:app" in text for level, text in loaded["log"])
+    worker = """
+        import importlib
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        from engine_ext.core.degraded import DEGRADED
+        from engine_ext.sglang import hooks
+        from engine_ext.sglang.delivery import PROCESS
+        if FAIL:  # the plugin's own code fails in the worker: SGLang's app, no hook, loudly
+            hooks.install_worker_hooks = lambda settings: 1 / 0
+        worker = importlib.import_module("engine_ext.sglang.http_worker")
+        from sglang.srt.entrypoints import http_server
+        emit({
+            "same_app": worker.app is http_server.app,
+            "patched": sorted(t for t in HookRegistry._patched if t in TARGETS),
+            "sidecar_url": PROCESS.settings and PROCESS.settings.sidecar_url,
+            "degraded": bool(DEGRADED.snapshot()),
+        })
+        """
+    targets = f"TARGETS = {INLINE_TARGETS + CAPTURE_TARGETS!r}\n"
+    (ok,) = run_sglang(targets + "FAIL = False\n" + textwrap.dedent(worker), env=env)
+    assert ok == {"same_app": True, "patched": sorted(INLINE_TARGETS), "sidecar_url": None, "degraded": False}
+    (failed,) = run_sglang(targets + "FAIL = True\n" + textwrap.dedent(worker), env=env)
+    assert failed["same_app"] and failed["patched"] == [] and failed["degraded"], failed
