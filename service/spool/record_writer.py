@@ -7,15 +7,22 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from service.files import _write_all
-from service.record_meta import STATUSES, RecordMeta, Weights
+from service.spool.files import _write_all
+from service.spool.record_meta import STATUSES, RecordMeta, Weights
 
-if TYPE_CHECKING:
-    from service.spool import Spool
+
+class RecordFiles(Protocol):
+    """What a writer needs of its spool (`Spool` is one): where a record's rows go, how its `.json` is
+    replaced. A protocol, so the writer does not import the spool that hands writers out."""
+
+    def bin_path(self, rid: str) -> Path: ...
+
+    def write_meta(self, meta: RecordMeta) -> None: ...
 
 
 class RecordWriter:
@@ -27,7 +34,7 @@ class RecordWriter:
     (a publish), so a live record's per-step append costs a write, not a new `RecordMeta`.
     """
 
-    def __init__(self, spool: Spool, meta: RecordMeta) -> None:
+    def __init__(self, spool: RecordFiles, meta: RecordMeta) -> None:
         self.spool = spool
         self._meta = meta
         self.rows = meta.rows  # rows in `.bin`; `meta` catches up when read

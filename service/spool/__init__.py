@@ -1,0 +1,21 @@
+"""The spool contract, v1 (docs/design.md, Contract 1): what the engine plugin writes and the sidecar reads.
+
+Both sides import this package and it imports neither: no server, no client, no engine, no FastAPI or
+pydantic-settings, so an engine process that loads the plugin loads nothing of the sidecar.
+
+- `directory`: `Spool`, a spool directory: its names, its records' reads, its engine files, its usage;
+- `record_meta`: a record's `.json` (`RecordMeta`), safe file names, dtypes, `SpoolFormatError`;
+- `record_writer`: `RecordWriter`, the writing side of one record (append rows, publish, finalize);
+- `engine_report`: the engine file (`EngineReport`) one engine process replaces every second;
+- `files`: atomic replacement and full writes, how every spool file is written;
+- `sidecar_clients`: the engine processes that keep a spool's sidecar;
+"""
+
+from __future__ import annotations
+
+from service.spool.directory import DEFAULT_SPOOL_DIR, Spool
+from service.spool.engine_report import EngineReport
+from service.spool.record_meta import VERSION, RecordMeta, SpoolFormatError
+from service.spool.record_writer import RecordWriter
+
+__all__ = ["DEFAULT_SPOOL_DIR", "VERSION", "EngineReport", "RecordMeta", "RecordWriter", "Spool", "SpoolFormatError"]
