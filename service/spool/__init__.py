@@ -13,9 +13,30 @@ pydantic-settings, so an engine process that loads the plugin loads nothing of t
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from typing import Any
+
 from service.spool.directory import DEFAULT_SPOOL_DIR, Spool
 from service.spool.engine_report import EngineReport
 from service.spool.record_meta import VERSION, RecordMeta, SpoolFormatError
 from service.spool.record_writer import RecordWriter
 
 __all__ = ["DEFAULT_SPOOL_DIR", "VERSION", "EngineReport", "RecordMeta", "RecordWriter", "Spool", "SpoolFormatError"]
+
+_MOVED = {
+    "MAX_META_BYTES": "service.spool.record_meta",
+    "default_dtype": "service.spool.record_meta",
+    "safe_name": "service.spool.record_meta",
+    "atomic_write": "service.spool.files",
+}
+"""Names the former `service/spool.py` module held only as imports: still there, for one release."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"service.spool.{name} is deprecated: import it from {home}", DeprecationWarning, stacklevel=2)
+    value = globals()[name] = getattr(importlib.import_module(home), name)  # one warning per name
+    return value
