@@ -9,6 +9,7 @@ pydantic-settings, so an engine process that loads the plugin loads nothing of t
 - `engine_report`: the engine file (`EngineReport`) one engine process replaces every second;
 - `files`: atomic replacement and full writes, how every spool file is written;
 - `sidecar_clients`: the engine processes that keep a spool's sidecar;
+- `vllm_rids`: the names of vLLM requests' records, as the plugin and a client both compute them.
 """
 
 from __future__ import annotations
