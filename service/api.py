@@ -33,10 +33,10 @@ from service.fetch import fetch_record
 from service.frames import FRAMES_MEDIA_TYPE
 from service.metrics import Metrics
 from service.openapi import BINARY, SERVER_400, TEXT, Engines, Health, errors, record_responses
-from service.record_meta import SpoolFormatError
 from service.records import MAX_RID_CHARS, CountedResponse, counted
 from service.settings import Settings
 from service.spool import Spool
+from service.spool.record_meta import SpoolFormatError
 from service.spool_advert import SpoolAdvert
 from service.store import Store
 from service.stream import stream_record

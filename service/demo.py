@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from service.engine_report import BudgetEntry, EngineReport, OccupancyEntry, WriterCounters
-from service.record_meta import safe_name
-from service.record_writer import RecordWriter
 from service.spool import Spool
+from service.spool.engine_report import BudgetEntry, EngineReport, OccupancyEntry, WriterCounters
+from service.spool.record_meta import safe_name
+from service.spool.record_writer import RecordWriter
 
 logger = logging.getLogger("r3_sidecar.demo")
 

@@ -10,7 +10,6 @@ from fastapi.responses import JSONResponse, Response
 from service import formats
 from service.errors import ApiError
 from service.metrics import Fetch
-from service.record_meta import RecordMeta
 from service.records import (
     CountedResponse,
     counted,
@@ -26,6 +25,7 @@ from service.records import (
     sglang_layers,
     token_range,
 )
+from service.spool.record_meta import RecordMeta
 from service.store import Store
 
 

@@ -4,9 +4,10 @@ Why: on a Ray node the per-node sidecar has left the engine's process tree (`eng
 no kill of the job reaches it. It ends itself when (a) the process it was told to outlive no longer exists
 (`R3_EXIT_WITH_PID`: Ray's raylet, `RAY_RAYLET_PID`: the node left the cluster), or (b) no engine has
 reported for `R3_IDLE_EXIT_S` seconds and every record was acknowledged or expired (nothing is left to fetch).
-An engine counts as reporting while its processes that asked for this sidecar are alive (`register_client`:
-a pid file each in `<spool>/sidecar.d/`), so a model that loads for minutes before its first engine file does not
-lose its sidecar; an engine restart within the idle time keeps it; records not fetched keep it until their TTL.
+An engine counts as reporting while its processes that asked for this sidecar are alive (`register_client`,
+`service/spool/sidecar_clients.py`: a pid file each in `<spool>/sidecar.d/`), so a model that loads for minutes
+before its first engine file does not lose its sidecar; an engine restart within the idle time keeps it; records
+not fetched keep it until their TTL.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from service.spool.sidecar_clients import CLIENTS_DIR
 from service.store import Store
 
 log = logging.getLogger("r3.lifetime")
@@ -46,16 +48,6 @@ def pid_alive(pid: int) -> bool:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     return True
-
-
-CLIENTS_DIR = "sidecar.d"
-
-
-def register_client(spool_root: Path, pid: int) -> None:
-    """Keep the spool's sidecar while process `pid` lives (an engine process that starts or finds it)."""
-    directory = spool_root / CLIENTS_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / str(pid)).touch()
 
 
 def live_clients(spool_root: Path) -> int:

@@ -8,7 +8,7 @@ else: a record missing, not final, ended in `error`, past its TTL, malformed, sh
 a range or layer selection the sidecar would refuse (its errors then come from the sidecar itself).
 
 Replaced records (a rid reused): a writer replaces `.json` before it unlinks and recreates `.bin`
-(service.record_writer). The reader holds the `.json` it parsed open, opens `.bin`, and checks that the path
+(service.spool.record_writer). The reader holds the `.json` it parsed open, opens `.bin`, and checks that the path
 still names the very `.json` it holds (same device and inode; an inode held open cannot be reused). Then the
 `.bin` it opened is that record's: its replacement had not begun. A final record's `.bin` is never written
 again, and an unlinked one keeps its bytes while open, so the rows read match the metadata read.
@@ -29,8 +29,8 @@ import numpy as np
 from service.buffers import uninitialized
 from service.formats import layer_slots, parse_layers, resolve_layers
 from service.node_identity import NodeIdentity
-from service.record_meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
 from service.results import RoutedExperts
+from service.spool.record_meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
 
 __all__ = ["Allocator", "LocalSpool", "Selection"]
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from service.engine_report import EngineReport, EngineReportError
+from service.spool.engine_report import EngineReport, EngineReportError
 from service.store import Store
 
 log = logging.getLogger("r3.metrics")

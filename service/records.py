@@ -19,7 +19,7 @@ from service import formats
 from service.errors import ApiError
 from service.frames import frame_header
 from service.metrics import CODE_ABORT, CODE_CLIENT_GONE, Fetch
-from service.record_meta import RecordMeta, SpoolFormatError
+from service.spool.record_meta import RecordMeta, SpoolFormatError
 from service.store import Store
 
 log = logging.getLogger("r3.api")

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 
 from service.formats import sglang_wire_dtype
+from service.spool.vllm_rids import vllm_choice_rid
 
 POINTER_PATH = "/routed_experts/"
 
@@ -187,15 +188,6 @@ def _sse_objects(text: str | bytes) -> list[Any]:
 
 
 # ---- vLLM: /v1/completions and /v1/chat/completions (routed experts per choice, base64 .npy) -----------
-
-
-def vllm_choice_rid(response_id: str, index: int, choices: int) -> str:
-    """The record rid of choice `index` of a vLLM response with `choices` choices (the r3-sidecar vLLM plugin's
-    names, `engine_ext/vllm/rids.py`): `cmpl-B-<index>` for a completion; `chatcmpl-B` for a chat response's one
-    choice, `chatcmpl-B-<index>` when it has several (`n > 1`)."""
-    if response_id.startswith("chatcmpl-") and choices == 1:
-        return response_id
-    return f"{response_id}-{index}"
 
 
 def _is_vllm(resp: Any) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_SPOOL_DIR = Path("/dev/shm/r3-spool")
+from service.spool import DEFAULT_SPOOL_DIR
 
 
 class Settings(BaseSettings):

@@ -15,10 +15,10 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from service.files import atomic_write
 from service.node_identity import this_node
-from service.record_meta import VERSION
 from service.spool import Spool
+from service.spool.files import atomic_write
+from service.spool.record_meta import VERSION
 
 __all__ = ["ADVERT_VERSION", "SpoolAdvert"]
 

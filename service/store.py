@@ -25,9 +25,9 @@ from typing import Any
 
 import watchfiles
 
-from service.record_meta import RecordMeta, SpoolFormatError, safe_name
 from service.settings import Settings
 from service.spool import Spool
+from service.spool.record_meta import RecordMeta, SpoolFormatError, safe_name
 
 log = logging.getLogger("r3.store")
 

@@ -14,7 +14,6 @@ from service import formats
 from service.errors import ApiError
 from service.frames import FRAMES_MEDIA_TYPE, frame_header
 from service.metrics import Fetch
-from service.record_meta import RecordMeta
 from service.records import (
     RESTARTED_DETAIL,
     CountedResponse,
@@ -29,6 +28,7 @@ from service.records import (
     served,
     version_fields,
 )
+from service.spool.record_meta import RecordMeta
 from service.store import Store
 
 

@@ -27,9 +27,9 @@ import numpy as np
 import uvicorn
 
 from service.api import create_app
-from service.record_meta import RecordMeta
 from service.settings import Settings
 from service.spool import Spool
+from service.spool.record_meta import RecordMeta
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

@@ -35,8 +35,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from engine_ext.core.settings import EngineSettings
-from service.files import atomic_write
-from service.lifetime import register_client
+from service.spool.files import atomic_write
+from service.spool.sidecar_clients import register_client
 
 log = logging.getLogger("r3_sidecar")
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from engine_ext.core.bounded_rids import BoundedRids
-from service.record_meta import SpoolFormatError
 from service.spool import Spool
+from service.spool.record_meta import SpoolFormatError
 
 logger = logging.getLogger("r3_sidecar.promised")
 

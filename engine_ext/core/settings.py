@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.settings import DEFAULT_SPOOL_DIR
+from service.spool import DEFAULT_SPOOL_DIR
 
 
 class Mode(StrEnum):

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_ext.core.degraded import DEGRADED, guarded_thread
-from service.engine_report import EngineReport, EngineReportError, WriterCounters
 from service.spool import Spool
+from service.spool.engine_report import EngineReport, EngineReportError, WriterCounters
 
 logger = logging.getLogger("r3_sidecar.telemetry")
 

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from engine_ext.core.degraded import guarded_thread
-from service.engine_report import UNDELIVERED_REASONS, WriterCounters
-from service.record_meta import Weights, default_dtype, dtype_holds
-from service.record_writer import RecordWriter
 from service.spool import Spool
+from service.spool.engine_report import UNDELIVERED_REASONS, WriterCounters
+from service.spool.record_meta import Weights, default_dtype, dtype_holds
+from service.spool.record_writer import RecordWriter
 
 # `UNDELIVERED_REASONS` (Contract 1, `service.spool`): why a request's rows did not reach the spool: refused
 # reservations (`spool_full`, `queue_full`, `spool_not_writable`), a mirror-mode inline payload that did not

@@ -30,7 +30,7 @@ import torch
 from engine_ext.core.settings import Mode
 from engine_ext.core.writer import NOT_WRITABLE, RECENT_RIDS, Op, RecordSpec, SpoolWriter, undelivered_reason
 from engine_ext.sglang.weight_versions import Span, record_weights
-from service.record_meta import Weights
+from service.spool.record_meta import Weights
 
 
 def row_range(start_len: int, seqlen: int) -> tuple[int, int]:

@@ -28,10 +28,9 @@ from typing import Any
 
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings
-from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, status_of
 from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, Release, release
-from service.responses import vllm_choice_rid
+from service.spool.vllm_rids import record_rid, vllm_choice_rid
 
 log = logging.getLogger("r3_sidecar.vllm")
 

@@ -48,7 +48,7 @@ class ModelShape:
 class Finished:
     """One finished engine request, as plain values read off vLLM's `RequestState`."""
 
-    rid: str  # `rids.record_rid`
+    rid: str  # `service.spool.vllm_rids.record_rid`
     rows: np.ndarray | None  # vLLM's array `(rows, num_hidden_layers, topk)`; None when no forward ran
     start: int  # `routed_experts_prompt_start`
     prompt_len: int

@@ -173,7 +173,7 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
         names = zf.namelist()
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert "service/spool.py" in names and "engine_ext/sglang/__init__.py" in names
+    assert "service/spool/__init__.py" in names and "engine_ext/sglang/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
     assert re.search(
         r"\[console_scripts\]\s*r3-budget = engine_ext\.sglang\.budget_cli:main\s*r3-sidecar = service\.cli:main",

@@ -37,8 +37,8 @@ import httpx
 import numpy as np
 from tiny_weights import supports, write_weights
 
-from service.record_meta import RecordMeta
 from service.spool import Spool
+from service.spool.record_meta import RecordMeta
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"

@@ -32,8 +32,8 @@ import numpy as np
 from sglang_server import Process, free_port, spawn
 
 from engine_ext.vllm.versions import MATRIX, Release
-from service.record_meta import RecordMeta
 from service.spool import Spool
+from service.spool.record_meta import RecordMeta
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

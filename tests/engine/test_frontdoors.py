@@ -153,7 +153,7 @@ def test_versions_that_build_meta_info_inline_follow_the_same_rule():
 def test_the_rust_front_end_is_named_with_what_still_works():
     """Under SGLANG_RUST_SERVER the front-door hooks never fire: the note says capture and spool work, pointers do
     not; the engine file carries it (`delivery.front_door`), and the sidecar's parser keeps it."""
-    from service.engine_report import DeliveryMode
+    from service.spool.engine_report import DeliveryMode
 
     note = rust_server_note(True, Mode.SIDECAR)
     assert "capture and the spool" in note and "routed_experts_url" in note and "rid" in note

@@ -7,8 +7,8 @@ import pytest
 from helpers import engine_report
 
 from engine_ext.sglang import timers
-from service.engine_report import EngineReport, EngineReportError
 from service.metrics import engine_families
+from service.spool.engine_report import EngineReport, EngineReportError
 
 
 class StepClock:

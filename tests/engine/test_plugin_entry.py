@@ -59,6 +59,7 @@ emit({{
     "r3_hooks": sum(1 for hooks in HookRegistry._hooks.values() for _, _, s in hooks
                     if s is not None and s.plugin_name == "r3_sidecar"),
     "log": [(r.levelname, r.getMessage()) for r in records],
+    "service": sorted(m for m in _sys.modules if m == "service" or m.startswith("service.")),
 }})
 """
 
@@ -70,6 +71,11 @@ def test_load_plugins_discovers_and_applies_capture_hooks(tmp_path) -> None:
     assert result["wrapped"] == sorted(CAPTURE_TARGETS)
     # one hook per target (two AROUND hooks on one target made SGLang warn at every start)
     assert all(sources.count("r3_sidecar") == 1 for sources in result["sources"].values()), result["sources"]
+    # the engine process loads the spool contract and nothing else of the sidecar (test_plugin_imports.py)
+    assert "service.spool.directory" in result["service"], result["service"]
+    contract = ("service", "service.spool")
+    outside = [m for m in result["service"] if m not in contract and not m.startswith("service.spool.")]
+    assert outside == []
 
 
 @pytest.mark.sglang

@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.vllm.rids import record_rid
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, refusal_report, status_of
 from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, refusal
-from service.engine_report import EngineReport
-from service.responses import vllm_choice_rid
 from service.spool import Spool
+from service.spool.engine_report import EngineReport
+from service.spool.vllm_rids import record_rid, vllm_choice_rid
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -15,8 +15,8 @@ import pytest
 from helpers import random_rows
 
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient
-from service.record_meta import RecordMeta
 from service.spool import Spool
+from service.spool.record_meta import RecordMeta
 
 
 def put(spool: Spool, rid: str, version: str | int | None, *, final: bool = True, spans=()) -> RecordMeta:

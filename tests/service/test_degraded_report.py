@@ -9,9 +9,9 @@ from helpers import engine_report
 
 from engine_ext.core.degraded import DEGRADED, Degraded
 from engine_ext.core.telemetry import Sources, Telemetry
-from service.engine_report import EngineReport, EngineReportError
 from service.metrics import engine_families
 from service.spool import Spool
+from service.spool.engine_report import EngineReport, EngineReportError
 
 
 @pytest.fixture

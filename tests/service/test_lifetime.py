@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.lifetime import exit_reason, live_clients, register_client
+from service.lifetime import exit_reason, live_clients
+from service.spool.sidecar_clients import register_client
 
 
 def test_exit_reasons() -> None:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.record_meta import DTYPES, RecordMeta, SpoolFormatError, safe_name
 from service.spool import Spool
+from service.spool.record_meta import DTYPES, RecordMeta, SpoolFormatError, safe_name
 
 ODD_RIDS = ["../x", "../../etc/passwd", "a/b/c", "..", ".", "~abc", "ünïcødé-rid", "sp ace", "%2F", "a" * 300, "x\ny"]
 rids = st.one_of(

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from helpers import FakeClock, random_rows, write_record
 
-from service.record_meta import RecordMeta
 from service.settings import Settings
 from service.spool import Spool
+from service.spool.record_meta import RecordMeta
 from service.store import Store
 
 

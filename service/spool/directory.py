@@ -1,7 +1,7 @@
-"""The spool contract, v1 (docs/design.md, Contract 1): the one place that knows its names and formats.
+"""A spool directory (docs/design.md, Contract 1): where every file of the contract lives, and how it is read.
 
-The engine extension writes records through `RecordWriter`; the sidecar reads them with `Spool`.
-Both sides meet only here, so a change to the contract is a change to this module alone.
+The engine extension writes records through `RecordWriter` (`Spool.writer`); the sidecar reads them with `Spool`.
+Both sides meet only in this package (`service.spool`), so a change to the contract is a change to it alone.
 
 Invariants a reader relies on (and a writer keeps):
 - `.bin` is appended before `.json` is replaced, so bytes below `rows * row_bytes` are always there;
@@ -23,10 +23,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.engine_report import EngineReport
-from service.files import atomic_write
-from service.record_meta import MAX_META_BYTES, VERSION, RecordMeta, SpoolFormatError, default_dtype, safe_name
-from service.record_writer import RecordWriter
+from service.spool.engine_report import EngineReport
+from service.spool.files import atomic_write
+from service.spool.record_meta import MAX_META_BYTES, VERSION, RecordMeta, SpoolFormatError, default_dtype, safe_name
+from service.spool.record_writer import RecordWriter
+
+DEFAULT_SPOOL_DIR = Path("/dev/shm/r3-spool")
+"""Where engines and the sidecar meet when neither is told otherwise (`R3_SPOOL_DIR`): a tmpfs directory."""
 
 
 class Spool:

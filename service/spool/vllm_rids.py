@@ -11,7 +11,11 @@ Why not the engine's id: vLLM adds 8 random characters to every request inside t
 A record's rid is what the response itself says, with no `n` to know: completion choice `k` is
 `cmpl-B-<k>` (prompt `i`, child `j` is choice `i * n + j`; with `n = 1` that is vLLM's external id); a chat
 response's one choice is `chatcmpl-B`, and with `n > 1` choice `j` is `chatcmpl-B-<j>`. Requests from other
-front doors keep their external id (`-<j>` per child). The client's half is `service.responses.vllm_choice_rid`.
+front doors keep their external id (`-<j>` per child).
+
+Both halves of the rule live here because both sides need one of them and they must agree: the plugin names a
+record from the engine's request (`record_rid`) and points a response's choice at it (`vllm_choice_rid`); a
+client without the pointer names the record from the response alone (`vllm_choice_rid`).
 """
 
 from __future__ import annotations
@@ -29,3 +33,12 @@ def record_rid(external_id: str, child: int | None = None, n: int = 1) -> str:
     if completion:
         return f"{completion.group(1)}-{int(completion.group(2)) * n + child}"
     return f"{external_id}-{child}"
+
+
+def vllm_choice_rid(response_id: str, index: int, choices: int) -> str:
+    """The record rid of choice `index` of a vLLM response with `choices` choices: `cmpl-B-<index>` for a
+    completion; `chatcmpl-B` for a chat response's one choice, `chatcmpl-B-<index>` when it has several
+    (`n > 1`)."""
+    if response_id.startswith("chatcmpl-") and choices == 1:
+        return response_id
+    return f"{response_id}-{index}"
