@@ -47,7 +47,7 @@ $(DEMO)/.demo-stamp: pyproject.toml
 	$(DEMO_BIN)/python -m pip install -q -e .
 	touch $@
 
-test: env env-ray trainers env-vllm env-vllm-0.33.0 env-sglang-0.5.12 ## the suite, as CI runs it
+test: env env-ray trainers env-vllm env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=30
 

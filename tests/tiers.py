@@ -1,11 +1,13 @@
 """Which engine releases CI runs, and which only `make test-matrix` runs (pytest's `matrix` marker).
 
-Why two tiers: CI has 90 minutes on 2 cores, and every release's real servers and classes together take longer
-than that (the run that tried them all was stopped at 66%). CI keeps both ends of SGLang's range, 0.5.23 and
-0.5.12 (verl's pin, the oldest layout), and vLLM 0.32.0's server with 0.33.0's classes. The SGLang releases
-between and vLLM 0.24.0-0.27.1 (each release's three server starts take 5-7 minutes here, and 0.24-0.26 need
-PyPI's 4.6 GB CUDA torch 2.11 as a layer too) run the same tests under `make test-matrix`; docs/testing.md
-records its last run. Tests that repeat a configuration CI proves on another release carry `matrix` themselves.
+Why two tiers: CI has 90 minutes on 2 cores, and every release's real servers together take longer than that
+(the run that tried them all was stopped at 66%). CI starts real servers of both ends of SGLang's range, 0.5.23
+and 0.5.12 (verl's pin, the oldest layout), and of vLLM 0.32.0; every SGLang release's classes, compiled capture
+path and run-time attributes stay in CI (those tests take no tier mark). The SGLang servers between (0.5.20,
+0.5.16) and vLLM 0.24.0-0.27.1 (each release's three server starts take 5-7 minutes here, and 0.24-0.26 need
+PyPI's 4.6 GB CUDA torch 2.11 as a layer too; 0.33.0's classes stay in CI) run the same tests under
+`make test-matrix`; docs/testing.md records its last run. Tests that repeat a configuration CI proves on another
+release carry `matrix` themselves.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from tiers import param
 
 from engine_ext.sglang.versions import supported
 
@@ -94,7 +93,7 @@ def test_the_base_install_names_no_engine_package(our_requirements):
     assert not {Requirement(r).name for r in extra(our_requirements, None)} & ENGINE_PACKAGES
 
 
-@pytest.mark.parametrize("version", [param("sglang", v) for v in supported()])
+@pytest.mark.parametrize("version", supported())  # every supported SGLang, in CI
 def test_the_engine_extra_next_to_each_sglang_installs_nothing(version, our_requirements, tmp_path):
     python = venv_with_sglang(tmp_path / "venv", version)
     engine = extra(our_requirements, "engine")
@@ -146,7 +145,7 @@ def sglang_requirements(version: str) -> dict[str, SpecifierSet]:
     return {r.name.lower(): r.specifier for r in reqs if r.marker is None or r.marker.evaluate(env)}
 
 
-@pytest.mark.parametrize("version", [param("sglang", v) for v in supported()])
+@pytest.mark.parametrize("version", supported())  # every supported SGLang, in CI
 def test_readmes_install_forms_beside_each_sglang_move_no_pin(version, install_forms, our_requirements, tmp_path):
     python = venv_with_sglang(tmp_path / "venv", version)
     for form, spec in install_forms.items():

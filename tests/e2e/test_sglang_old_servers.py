@@ -33,11 +33,15 @@ def python_of(version: str) -> Path:
     return REPO / (".venv" if version == "0.5.23" else f".venv-sglang-{version}") / "bin" / "python"
 
 
-def installed(*versions: str) -> list:
-    """`versions` as parameters, each skipped where its venv is not built."""
+def installed(*versions: str, tiered: bool = True) -> list:
+    """`versions` as parameters, each skipped where its venv is not built (and, `tiered`, marked for its tier)."""
     make = {v: "make env" if v == "0.5.23" else f"make env-sglang-{v}" for v in versions}
     return [
-        param("sglang", v, marks=(pytest.mark.skipif(not python_of(v).exists(), reason=f"needs `{make[v]}`"),))
+        param(
+            "sglang" if tiered else "any",
+            v,
+            marks=(pytest.mark.skipif(not python_of(v).exists(), reason=f"needs `{make[v]}`"),),
+        )
         for v in versions
     ]
 
@@ -60,7 +64,7 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("version", installed("0.5.23", "0.5.20", *VERSIONS))
+@pytest.mark.parametrize("version", installed("0.5.23", "0.5.20", *VERSIONS, tiered=False))
 def test_the_cpu_shim_patches_what_each_version_needs(version):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("R3_", "SGLANG_"))} | {"R3_TEST_SGLANG_CPU": "1"}
     done = subprocess.run(

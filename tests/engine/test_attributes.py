@@ -72,7 +72,6 @@ def test_0_5_12_with_0_5_23_graph_runner_classes_names_the_missing_class():
     assert f"{_ME}.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner (no such class)" in missing, missing
 
 
-@pytest.mark.matrix  # tests/tiers.py: 0.5.20 runs under `make test-matrix`
 def test_0_5_20_forward_batch_has_no_padded_counts_of_0_5_23():
     missing = in_venv(
         ".venv-sglang-0.5.20",
