@@ -148,14 +148,24 @@ class Spool:
         return np.frombuffer(data, dtype=meta.dtype).reshape(-1, len(meta.layers), meta.topk)
 
     def delete(self, rid: str) -> bool:
-        """Remove both files of a record (metadata first, so readers stop trusting the rows)."""
-        found = False
-        for path in (self.meta_path(rid), self.bin_path(rid)):
-            try:
-                path.unlink()
-                found = True
-            except FileNotFoundError:
-                pass
+        """Remove both files of a record: metadata first, so readers stop trusting the rows, then its `.bin`.
+
+        The `.bin` goes only if it is still the file that was there before: a writer that reuses the rid in
+        between (the demo restores an acknowledged rid at once; an engine may reuse one) unlinks the old `.bin`
+        and creates its own, which must survive, or its final metadata would promise rows no file holds. The
+        old file is held open across the check, so its inode number cannot be handed to the new one."""
+        bin_path = self.bin_path(rid)
+        try:
+            held = os.open(bin_path, os.O_RDONLY)
+        except OSError:
+            held = None
+        try:
+            found = _unlink(self.meta_path(rid))
+            if held is not None and _same_file(held, bin_path):
+                found = _unlink(bin_path) or found
+        finally:
+            if held is not None:
+                os.close(held)
         return found
 
     def reclaim_leftovers(self, older_than_s: float, now: float | None = None) -> list[Path]:
@@ -285,3 +295,21 @@ class Spool:
             ]
         except FileNotFoundError:
             return []
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file `fd` holds open."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)

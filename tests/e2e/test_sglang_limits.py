@@ -42,6 +42,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(200 + seed).integers(3, 250, size=n).tolist()
 
 
+@pytest.mark.slow  # SGLang's own defect (sglang#26860), shown by one more server start: `make reliability`
 def test_chunked_prefill_off_upstream_dies_on_a_long_prompt(sglang_stack):
     """sgl-project/sglang#26860: device cache `max(chunked_prefill_size, max_running_requests)` = 16 rows."""
     stack = sglang_stack(CHUNKLESS["upstream"])

@@ -73,7 +73,10 @@ def run(stack: Stack) -> dict:
     return {"stack": stack, "responses": responses, "readers": readers}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# The plugin-off baseline (SGLang's own rows under retraction) is one more server start: `make reliability`.
+@pytest.fixture(
+    scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "upstream" else n for n in CONFIGS]
+)
 def retracted(request, sglang_stack) -> dict:
     return run(sglang_stack(CONFIGS[request.param])) | {"name": request.param}
 

@@ -77,7 +77,8 @@ def test_auth_required_on_every_data_route(make_sidecar, spool_dir):
         assert r.status_code == 200 and r.content.startswith(PATTERN)
         assert client.get("/v1/engines", headers=good).status_code == 200
         assert client.delete("/routed_experts/some-rid", headers=good).status_code == 204
-        assert client.get("/routed_experts/some-rid", headers=good).status_code == 404
+        gone = client.get("/routed_experts/some-rid", headers=good)  # acknowledged: 410 says so (docs/api.md)
+        assert gone.status_code == 410 and "acknowledged" in gone.text, gone.text
 
 
 def _raw_request(port: int, method: str, path: str) -> tuple[int, bytes]:

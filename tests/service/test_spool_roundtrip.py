@@ -202,3 +202,29 @@ def test_a_reused_rid_leaves_readers_of_the_old_record_its_rows(tmp_path: Path) 
         spool.read_array(spool.read_meta("r")).shape == (5, 4, 2)
         and (spool.read_array(spool.read_meta("r")) == 7).all()
     )
+
+
+def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(tmp_path: Path, monkeypatch) -> None:
+    """An ack's delete and a writer recreating the same rid interleave (the demo restores an acknowledged rid at
+    once): the new record's `.bin` survives, whole, so its final metadata never promises rows no file holds.
+    Before, the delete's second unlink removed the new `.bin`: every later fetch was a 410 "corrupt"."""
+    from helpers import random_rows, write_record
+
+    from service.spool import directory
+
+    spool = Spool(tmp_path)
+    write_record(spool, "kept", random_rows(5, layers=2, topk=2))
+    fresh = random_rows(7, layers=2, topk=2, seed=1)
+    check = directory._same_file
+
+    def recreated_in_between(fd: int, path: Path) -> bool:  # after the metadata's unlink, before the .bin's
+        write_record(spool, "kept", fresh)
+        return check(fd, path)
+
+    monkeypatch.setattr(directory, "_same_file", recreated_in_between)
+    assert spool.delete("kept")
+    meta = spool.read_meta("kept")
+    assert meta is not None and meta.final and meta.rows == 7
+    np.testing.assert_array_equal(spool.read_array(meta).astype(fresh.dtype), fresh)
+    monkeypatch.setattr(directory, "_same_file", check)
+    assert spool.delete("kept") and spool.read_meta("kept") is None and not spool.bin_path("kept").exists()
