@@ -206,7 +206,7 @@ def test_refs_through_ray_and_a_node_sidecar_that_survives_the_engine(
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "resources": {"engine": 1}, "object_store_memory": 80 << 20},
+        head_node_args={"num_cpus": 1, "resources": {"engine": 2}, "object_store_memory": 80 << 20},
     )
     try:
         cluster.add_node(num_cpus=1, resources={"trainer": 1}, object_store_memory=80 << 20)
