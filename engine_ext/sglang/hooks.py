@@ -26,6 +26,7 @@ import os
 from collections.abc import MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from torch.compiler import is_compiling as _compiling
@@ -141,8 +142,7 @@ HOOKS: tuple[Hook, ...] = (
 
 def install(settings: EngineSettings) -> None:
     """Register every hook this plugin needs for `settings`, each behind its guard (`guard.py`)."""
-    guard.Guard.on_step_aside[:] = [lambda: PROCESS.step_aside(lambda: degraded_report(settings))]
-    ON_THREAD_FAILURE[:] = [guard.thread_failed]
+    _step_aside_on_failure(settings)
     install_capture_hooks(settings)
     install_budget_hooks(settings)
     if settings.mode is not Mode.OFF:
@@ -187,6 +187,12 @@ def degraded_report(settings: EngineSettings):
         interval_s=settings.telemetry_interval_s,
         sglang=version("sglang"),
     ).start()
+
+
+def _step_aside_on_failure(settings: EngineSettings) -> None:
+    """What a failed hook or plugin thread makes of this process: every hook runs SGLang's own code, loudly."""
+    guard.Guard.on_step_aside[:] = [lambda: PROCESS.step_aside(lambda: degraded_report(settings))]
+    ON_THREAD_FAILURE[:] = [guard.thread_failed]
 
 
 def install_capture_hooks(settings: EngineSettings) -> None:
@@ -593,7 +599,7 @@ def point_workers_here(env_name: str | None, environ: MutableMapping[str, str] =
 def install_worker_hooks(settings: EngineSettings) -> None:
     """In a tokenizer worker process (`http_worker`): the "inline" hooks only. No pointer: none can be attached
     there (`frontdoors.MULTI_TOKENIZER`), so the worker's settings have no sidecar URL."""
-    guard.Guard.on_step_aside[:] = [lambda: PROCESS.step_aside(lambda: degraded_report(settings))]
+    _step_aside_on_failure(settings)
     PROCESS.configure(settings.model_copy(update={"sidecar_url": None}))
     _register("inline")
 
@@ -1084,8 +1090,6 @@ def _around_openai_response(original, self, request, ret, *args, **kwargs):
 async def _around_openai_stream(original, self, adapted_request, request, raw_request, *args, **kwargs):
     """Streaming `/v1/completions`, `/v1/chat/completions`: the choices' pointers in an `sglext` chunk, and the
     shape and start of the inline rows in the chunk that carries them (SGLang's own `sglext` chunk)."""
-    from functools import partial
-
     settings = PROCESS.settings
     stream = None
     if settings is not None and (getattr(request, "return_routed_experts", False) or settings.capture_all):

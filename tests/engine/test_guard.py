@@ -276,7 +276,8 @@ def test_a_plugin_thread_that_dies_degrades_every_hook_as_a_failed_hook_does(tar
     m = target.apply()
     assert m.plain(1) == 11
     monkeypatch.setattr(degraded, "ON_THREAD_FAILURE", [])
-    assert "guard.thread_failed" in inspect.getsource(hooks.install)  # what a real engine process registers
+    registers = inspect.getsource(hooks._step_aside_on_failure)  # what a real engine process registers
+    assert "guard.thread_failed" in registers
     degraded.ON_THREAD_FAILURE[:] = [guard.thread_failed]
 
     def body():
