@@ -47,11 +47,11 @@ $(DEMO)/.demo-stamp: pyproject.toml
 	$(DEMO_BIN)/python -m pip install -q -e .
 	touch $@
 
-test: env env-ray trainers env-vllm env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the suite, as CI runs it
+test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=30
 
-# The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.27.1): the
+# The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0): the
 # same tests, marked `matrix`. Run it before a change to a version adapter lands; docs/testing.md has its last run.
 test-matrix: env env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12
 	$(BIN)/python -m pytest -q -m matrix

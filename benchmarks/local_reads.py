@@ -7,8 +7,12 @@
    buffers (this machine's memcpy) and `ndarray.copy()` (memcpy into a fresh buffer, as a fetch must).
 2. Across nodes: one 8k and one 32k Qwen3 record per `get` over HTTP against raw loopback TCP (one connection
    streaming, and one record per round trip), and `fetch_many` of 32 records over two sidecars.
+3. `--decompose`: where a same-node read's time goes, each step alone in a tight loop (no other path between
+   repetitions to evict the caches): memcpy of the same bytes between touched buffers, the kernel's `pread` out
+   of the tmpfs spool into a reused and into a fresh buffer, a user-space copy out of an `mmap` of the file, and
+   `LocalSpool.read` whole; against memcpy of 64 MB (the machine's memory bandwidth, no cache).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.local_reads [--reps N] [--quick]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.local_reads [--reps N] [--quick] [--decompose]
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import glob
+import mmap
 import os
 import tempfile
 import time
@@ -29,7 +35,9 @@ from benchmarks.limits import loopback_gbps, loopback_round_trips_gbps, memcpy_g
 from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES
 from benchmarks.stats import summary
+from service.buffers import uninitialized
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, fetch_many
+from service.local_spool import LocalSpool, Selection
 from service.refs import SidecarPool
 from service.spool import Spool
 
@@ -153,6 +161,66 @@ def across_nodes(urls: list[str], spools: list[Spool], reps: int) -> list[str]:
     return out
 
 
+def tight(call: Any, reps: int) -> float:
+    """Median seconds of `call` repeated back to back (after one warm-up call)."""
+    call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return summary(times)["p50"]
+
+
+def decompose(reps: int) -> list[str]:
+    """Each step of a same-node read alone, in GB/s: what bounds the read (section 3 of the docstring)."""
+    out = [
+        "| model | tokens | MB | memcpy GB/s | pread, reused buffer | pread, fresh buffer | copy out of mmap "
+        "| `LocalSpool.read` | read ÷ memcpy | read ÷ 64 MB memcpy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    dram = memcpy_gbps(64 << 20, 5)["gbps"]
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        spool = Spool(Path(root))
+        for name, n in [("Qwen3-30B-A3B", 8192), ("Qwen3-30B-A3B", 32768), ("Kimi-K2", 8192), ("Kimi-K2", 32768)]:
+            rid = f"{name}-{n}"
+            nbytes = write(spool, rid, name, n, seed=n)
+            (path,) = glob.glob(f"{root}/**/{rid}.bin", recursive=True)
+            t = _steps(path, rid, nbytes, reps)
+            g = {k: nbytes / v / 1e9 for k, v in t.items()}
+            out.append(
+                f"| {name} | {n} | {nbytes / 1e6:.2f} | {g['memcpy']:.1f} | {g['reused']:.1f} | {g['fresh']:.1f} "
+                f"| {g['mmap']:.1f} | {g['read']:.1f} | {g['read'] / g['memcpy']:.2f}× | {g['read'] / dram:.2f}× |"
+            )
+            print(out[-1], flush=True)
+    out.append(f"memcpy of 64 MB (the machine's memory bandwidth): {dram:.2f} GB/s")
+    return out
+
+
+def _steps(path: str, rid: str, nbytes: int, reps: int) -> dict[str, float]:
+    """Median seconds of each step of reading one record of `nbytes` at `path` (see `decompose`)."""
+    local = LocalSpool(os.path.dirname(path), probe="", ttl_s=1e9)
+    src, dst, reused = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8), uninitialized(nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return {
+            "memcpy": tight(lambda: np.copyto(dst, src), reps),
+            "reused": tight(lambda: os.preadv(fd, [reused], 0), reps),
+            "fresh": tight(lambda: os.preadv(fd, [uninitialized(nbytes)], 0), reps),
+            "mmap": tight(lambda: _copy_mapped(fd, dst), reps),
+            "read": tight(lambda: local.read(rid, Selection()), reps),
+        }
+    finally:
+        os.close(fd)
+
+
+def _copy_mapped(fd: int, dst: np.ndarray) -> None:
+    with mmap.mmap(fd, dst.nbytes, prot=mmap.PROT_READ) as mm:
+        src = np.frombuffer(mm, dtype=np.uint8)
+        np.copyto(dst, src)
+        del src
+
+
 @contextlib.contextmanager
 def two_sidecars() -> Iterator[tuple[Any, Any, list[Spool]]]:
     """Two sidecars, each on its own spool in /dev/shm (the node's shared memory, as deployed)."""
@@ -169,7 +237,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decompose", action="store_true", help="each step of a same-node read alone (section 3)")
     args = ap.parse_args()
+    if args.decompose:
+        print(f"load average before: {os.getloadavg()}")
+        print("\n".join(decompose(max(args.reps, 50))))
+        print(f"load average after: {os.getloadavg()}")
+        return
     models = ["Qwen3-30B-A3B"] if args.quick else ["Qwen3-30B-A3B", "DeepSeek-V3", "Kimi-K2"]
     tokens = [2048] if args.quick else [8192, 32768]
     reps = 3 if args.quick else args.reps

@@ -187,7 +187,7 @@ class RecordMeta:
         layers = need("layers", list)
         if not layers or len(layers) > MAX_LAYERS:
             raise SpoolFormatError("bad_field", f"{len(layers)} layers (1 … {MAX_LAYERS})")
-        if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers):
+        if set(map(type, layers)) != {int} or min(layers) < 0:  # in C: every read parses this (bool is not int)
             raise SpoolFormatError("bad_field", "layers must be non-negative integers")
         if len(set(layers)) != len(layers):
             raise SpoolFormatError("bad_field", "layers repeat")
