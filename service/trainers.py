@@ -38,8 +38,11 @@ class Rows(Protocol):
 def full_layers(rows: Rows, dtype: np.dtype | str, num_hidden_layers: int | None = None, length: int | None = None):
     """`(max(rows, length), num_hidden_layers, topk)` of `dtype`: the MoE rows at their model layers, zeros elsewhere.
 
-    SGLang's inline layout when `dtype` is int32 and `length` is None. One allocation (zeroed pages) and one
-    write that casts; the layer axis is a slice when the MoE layers are contiguous (every all-MoE model).
+    SGLang's inline layout when `dtype` is int32 and `length` is None. One allocation left unfilled, then each
+    byte written once: the MoE rows by one write that casts (a slice when the MoE layers are contiguous, as in
+    every all-MoE model), zeros only in the dense layers and the padding rows. Why not `np.zeros`: its calloc
+    hands out fresh pages that fault in one by one as the rows land, 5x slower than the cast itself
+    (BENCHMARKS.md, "Trainer ingest").
     """
     width = rows.num_hidden_layers if num_hidden_layers is None else num_hidden_layers
     if width is None:
@@ -51,13 +54,17 @@ def full_layers(rows: Rows, dtype: np.dtype | str, num_hidden_layers: int | None
         raise ValueError(f"layer {max(layers)} does not fit num_hidden_layers={width}")
     n = data.shape[0]
     total = n if length is None else max(n, length)
-    out = np.zeros((total, width, data.shape[2]), dtype=dtype)
-    if not layers:
-        return out
-    first = layers[0]
+    out = np.empty((total, width, data.shape[2]), dtype=dtype)
+    out[n:] = 0
+    first = layers[0] if layers else width
     if layers == tuple(range(first, first + len(layers))):
+        out[:n, :first] = 0
         out[:n, first : first + len(layers)] = data
+        out[:n, first + len(layers) :] = 0
     else:
+        dense = np.ones(width, dtype=bool)
+        dense[list(layers)] = False
+        out[:n, dense] = 0
         out[:n, list(layers)] = data
     return out
 

@@ -237,3 +237,20 @@ def test_adapters_say_what_is_missing() -> None:
         trainers.slime(rows_of([0, 1], 4), num_layers=6)
     with pytest.raises(ValueError, match="does not fit"):
         trainers.areal(rows_of([0, 5], None), num_hidden_layers=4)
+
+
+@pytest.mark.parametrize("layers", [[3, 4, 5, 6, 7], [1, 3, 5, 7]], ids=["first-dense", "interleaved"])
+def test_dense_layers_and_padding_are_zero_in_reused_memory(layers: list[int]) -> None:
+    """The adapters fill an unzeroed allocation: its dense layers and padding rows must still read 0 after the
+    process's heap held other bytes there (the allocator hands freed blocks back; fresh pages would hide it)."""
+    rows = np.full((20_000, len(layers), 8), 7, np.uint8)
+    r = RoutedExperts("r", rows, 0, 3, tuple(layers), True, "uint8", num_hidden_layers=8)
+    for _ in range(4):  # dirty blocks of the adapters' sizes, freed, so the next allocations may reuse them
+        for shape, dtype in [((20_000, 8, 8), np.int32), ((20_100, 8, 8), np.int16)]:
+            dirty = np.empty(shape, dtype)
+            dirty.fill(-1)
+            del dirty
+        full, padded = trainers.verl(r), trainers.verl_padded(r, 20_100)
+        dense = [i for i in range(8) if i not in layers]
+        assert not full[:, dense].any() and (full[:, layers] == 7).all()
+        assert not padded[20_000:].any() and not padded[:20_000, dense].any()
