@@ -42,26 +42,16 @@ def test_every_python_block_is_run_or_says_why_not() -> None:
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-OUTSIDE = re.compile(r"DESIGN\.md|shared/research|consumers\.md")
 
 
 def test_every_link_names_a_file_in_the_repository() -> None:
-    """Relative links of README.md and docs/ resolve; no file cites a document that is not in the repository."""
+    """Relative links of README.md and docs/ resolve (every other citation of a document: test_doc_references)."""
     broken = []
     for doc in DOCS:
         for target in LINK.findall((REPO / doc).read_text()):
             if "://" not in target and not ((REPO / doc).parent / target).exists():
                 broken.append((doc, target))
     assert not broken, broken
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    citing = [
-        path
-        for path in tracked
-        if path.endswith((".py", ".md", ".yaml", ".toml", "Makefile", "Dockerfile"))
-        and path != "tests/service/test_docs_run.py"
-        and OUTSIDE.search((REPO / path).read_text(errors="replace"))
-    ]
-    assert not citing, f"cite a document outside the repository (move what they rely on into docs/design.md): {citing}"
 
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.info == "no-run"], ids=lambda b: b.id)
