@@ -14,12 +14,10 @@ SGLang server's responses: `tests/e2e/test_sglang_plain.py`.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import httpx
 import pytest
 from docs_blocks import ALL, DOC_URL, DOCS, MODES, RECIPES, REPO, RUNNABLE, Block
 from helpers import bound_socket
+from waiting import wait_until
 
 from engine_ext.sglang.frontdoors import inline_shape
 
@@ -76,15 +75,13 @@ def demo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, "the demo exited"
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "the demo exited"
-            assert time.monotonic() < deadline, "demo sidecar not ready in 30 s"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.05)
+        wait_until(ready, 30, "the demo sidecar ready", ignore=(httpx.HTTPError,))
         yield url
     finally:
         proc.terminate()
