@@ -25,7 +25,8 @@ from benchmarks.stats import samples, summary, timed
 def _cpu_host_allocation() -> None:
     """SGLang pins its host cache with cudaHostRegister; on a CPU-only torch use the plain allocation.
 
-    The same substitution SGLang's CPU test setup makes (`sglang-cpu/README.md`); the cache is otherwise real.
+    The same substitution the CPU server shim makes (`tests/sglang_cpu/_sglang_cpu_server_shim.py`, item 2); the cache
+    is otherwise real.
     """
     from sglang.srt.mem_cache.pool_host import common as host_common
 

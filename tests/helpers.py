@@ -25,6 +25,7 @@ from typing import TypeVar
 import httpx
 import numpy as np
 import uvicorn
+from waiting import wait_until
 
 from service.api import create_app
 from service.settings import Settings
@@ -50,15 +51,12 @@ def bound_socket() -> socket.socket:
 
 
 def _wait_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"sidecar exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/readyz", timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.02)
-    raise TimeoutError(f"sidecar at {base_url} not ready in {timeout}s")
+        return httpx.get(f"{base_url}/readyz", timeout=1.0).status_code == 200
+
+    wait_until(ready, timeout, f"sidecar at {base_url} ready", interval=0.02, ignore=(httpx.HTTPError,))
 
 
 class FakeClock:
@@ -173,12 +171,14 @@ def live_app(app: object, *, timeout: float = 20.0) -> Iterator[str]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="r3-test-uvicorn")
     thread.start()
+
+    def started() -> bool:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn did not start: its thread ended")
+        return server.started
+
     try:
-        deadline = time.monotonic() + timeout
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        wait_until(started, timeout, "uvicorn started", interval=0.01)
         yield base_url
     finally:
         server.should_exit = True

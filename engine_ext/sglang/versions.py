@@ -63,7 +63,9 @@ MATRIX: dict[str, Version] = {
             missing_targets=(),
             missing_names=(),
             seeds=dict.fromkeys(Seed, Upstream.PRESENT),
-            evidence="research/upstream-sglang-0.5.23.md §1",
+            evidence="state_capturer/routed_experts.py sizes × num_dp_ranks; dp_attention.get_dp_local_slice_cpu; "
+            "runtime_context.cutedsl_moe_max_num_tokens; set_dp_buffer_len(global_num_tokens); "
+            "spec_utils.draft_kv_indices_buffer_width",
         ),
         Version(
             "0.5.20",

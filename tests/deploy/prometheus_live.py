@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 import yaml
 from helpers import REPO, bound_socket, stop_process
+from waiting import wait_until
 
 
 def prometheus_binary() -> str | None:
@@ -47,16 +47,12 @@ def free_port() -> int:
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not ready in {timeout}s")
-        time.sleep(0.1)
+        return httpx.get(url, timeout=1).status_code == 200
+
+    wait_until(answers, timeout, f"{url} ready", interval=0.1, ignore=(httpx.HTTPError,))
 
 
 def r3_sidecar() -> list[str]:

@@ -33,6 +33,7 @@ import yaml
 from deploy_render import DASHBOARD_FILE, RULES_FILE, render
 from helpers import random_rows, stop_process, write_record
 from prometheus_live import CounterExporter, Prometheus, prometheus_binary, shorten_for, sidecar
+from waiting import WaitTimeout, wait_until
 
 from service.spool import Spool
 
@@ -130,12 +131,13 @@ class Watcher:
         return active
 
     def until_firing(self, alerts: list[str], files: list[str], timeout: float = ALERT_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def all_firing() -> bool:
             self.poll()
-            if all((f, a) in self.obs.firing_s for f in files for a in alerts):
-                return
-            time.sleep(0.25)
+            return all((f, a) in self.obs.firing_s for f in files for a in alerts)
+
+        # a miss is not this scenario's failure: the per-alert tests name each alert that never fired
+        with contextlib.suppress(WaitTimeout):
+            wait_until(all_firing, timeout, f"{alerts} firing from {files}", interval=0.25)
 
 
 def engine_file(engine: str, updated: float, fallback: int) -> dict[str, Any]:
@@ -220,17 +222,21 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             t.start()
         # Warm-up: both pods scraped with their engines' series, and the rules evaluated since (an `absent()`
         # rule may fire before the first scrape lands on a loaded machine), before the baseline starts.
-        deadline = time.monotonic() + 90
-        while len(prom.query("r3_engine_stale")) < 2 or len(prom.query("up == 1")) < 2 or prom.active_alerts():
-            assert time.monotonic() < deadline, f"the demo pods never settled in Prometheus: {prom.active_alerts()}"
-            time.sleep(0.5)
+        wait_until(
+            lambda: (
+                len(prom.query("r3_engine_stale")) >= 2 and len(prom.query("up == 1")) >= 2 and not prom.active_alerts()
+            ),
+            90,
+            lambda: f"the demo pods settled in Prometheus (active: {prom.active_alerts()})",
+            interval=0.5,
+        )
         obs.rule_files = sorted({Path(g["file"]).name for g in prom.rule_groups()})
 
         # ---- healthy baseline ------------------------------------------------------------------
         t0 = time.monotonic()
         while time.monotonic() - t0 < BASELINE_S:
             obs.baseline_active += prom.active_alerts()
-            time.sleep(1.0)
+            time.sleep(1.0)  # not a wait: one sample a second over the baseline window, in which nothing may fire
         obs.baseline_s = time.monotonic() - t0
 
         # ---- provoke ---------------------------------------------------------------------------
@@ -283,10 +289,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             for where, expr in dashboard_queries():
                 obs.panel_results[where] = len(prom.query(expr))
             # Once the engine files are there, the absent-telemetry alert resolves.
-            deadline = time.monotonic() + 30
-            while any(a[1] == "R3EngineTelemetryAbsent" for a in watch.poll()):
-                assert time.monotonic() < deadline, "R3EngineTelemetryAbsent did not resolve"
-                time.sleep(0.25)
+            wait_until(
+                lambda: not any(a[1] == "R3EngineTelemetryAbsent" for a in watch.poll()),
+                30,
+                "R3EngineTelemetryAbsent resolved",
+                interval=0.25,
+            )
 
         # ---- pods go away ------------------------------------------------------------------------
         watch.provoke("R3SidecarDown")
@@ -298,10 +306,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         prom.set_targets({"r3-3": exporter.address})
         # Discovery updates reach the scrape manager at most every 5 s: stop the processes once their targets
         # are gone, or their failing scrapes would (rightly) page as R3SidecarDown first.
-        deadline = time.monotonic() + 30
-        while prom.query('up{pod=~"r3-[0-2]"}'):
-            assert time.monotonic() < deadline, "the sidecars' targets were not dropped"
-            time.sleep(0.25)
+        wait_until(lambda: not prom.query('up{pod=~"r3-[0-2]"}'), 30, "the sidecars' targets dropped", interval=0.25)
         for _, proc in (*demo.values(), (addr2, proc2)):
             stop_process(proc)
         watch.until_firing(["R3SidecarMetricsAbsent"], files)

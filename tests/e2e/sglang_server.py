@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,10 @@ from service.spool import Spool
 from service.spool.record_meta import RecordMeta
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also for callers outside pytest (benchmarks)
+    sys.path.append(str(REPO / "tests"))
+from waiting import WaitTimeout, wait_until  # noqa: E402
+
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"
 START_TIMEOUT_S = 240.0
 
@@ -210,12 +213,24 @@ def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(grace_s)
-        time.sleep(0.2)  # the leader is gone; give its children a moment before the group is killed
     except subprocess.TimeoutExpired:
         pass
+    else:  # the leader is gone; its children get up to 0.2 s to follow before the group is killed
+        with contextlib.suppress(WaitTimeout):
+            wait_until(lambda: not _group_runs(proc.pid), 0.2, "the group's children exit", interval=0.02)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie, which no signal moves, does not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
 
 
 def _log_tail(path: Path, lines: int = 60) -> str:
@@ -243,16 +258,14 @@ class Process:
         return self.log.read_text(errors="replace")
 
     def wait_http(self, path: str, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        def answers() -> bool:
             if not self.alive():
                 raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not ready in {timeout:.0f} s:\n{_log_tail(self.log)}")
-            time.sleep(0.25)
+            return httpx.get(self.url + path, timeout=2.0).status_code == 200
+
+        wait_until(
+            answers, timeout, lambda: f"{what} ready:\n{_log_tail(self.log)}", interval=0.25, ignore=(httpx.HTTPError,)
+        )
 
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path, url: str) -> Process:
@@ -319,14 +332,12 @@ class Stack:
 
     def final_record(self, rid: str, timeout: float = 30.0) -> tuple[RecordMeta, np.ndarray]:
         """The record once final: the writer thread publishes it shortly after SGLang answers."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def final() -> tuple[RecordMeta, np.ndarray] | None:
             meta, rows = self.record(rid)
-            if meta is not None and meta.final:
-                return meta, rows
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{rid}: no final record after {timeout:.0f} s (now {meta})")
-            time.sleep(0.05)
+            return (meta, rows) if meta is not None and meta.final else None
+
+        return wait_until(final, timeout, lambda: f"a final record of {rid} (now {self.record(rid)[0]})")
 
     def stop(self) -> None:
         for process in (self.sidecar, self.server):

@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from helpers import bound_socket
+from waiting import wait_until
 
 from service.client import NotReady, R3Error, RecordGone, RoutedExperts, RoutedExpertsClient
 
@@ -42,17 +42,14 @@ def running_demo(tmp_path: Path, *flags: str):
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        return httpx.get(f"{url}/readyz", timeout=1).status_code == 200
+
     try:
-        deadline = time.monotonic() + 120  # a loaded CI machine: a deadline, not a pace
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "demo sidecar not ready in 120 s"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        # a loaded CI machine: a deadline, not a pace
+        wait_until(ready, 120, "the demo sidecar ready", interval=0.1, ignore=(httpx.HTTPError,))
         yield proc, url, tmp_path / "spool"
     finally:
         if proc.poll() is None:
@@ -77,26 +74,29 @@ def first_finished(client: RoutedExpertsClient) -> RoutedExperts:
 
 def a_growing_record(client: RoutedExpertsClient, first: int) -> tuple[str, int, int]:
     """(rid, rows seen first, rows seen later) for a record that streams rows while it is open."""
-    deadline = time.monotonic() + 40
-    while time.monotonic() < deadline:
+    seen: dict[str, int] = {}  # the rows each open record had when first seen
+
+    def grown() -> tuple[str, int, int] | None:
         for rid in (f"demo-{i:06d}" for i in range(first, first + 16)):
-            try:
-                client.get(rid)
-            except NotReady as seen:
-                if not seen.rows:
-                    continue  # open, written whole at the end: not a streamed record
-                time.sleep(0.3)
-                try:
-                    client.get(rid)
-                except NotReady as later:
-                    if later.rows > seen.rows:
-                        return rid, seen.rows, later.rows
-                except R3Error:
-                    pass  # finished or aborted in between
-            except R3Error:
-                pass  # not created yet, or aborted
-        time.sleep(0.1)
-    raise AssertionError("no demo record grew while open")
+            rows = open_rows(client, rid)
+            if not rows:
+                continue  # not created yet, finished or aborted; or open, written whole at the end: not streamed
+            if rows > seen.setdefault(rid, rows):
+                return rid, seen[rid], rows
+        return None
+
+    return wait_until(grown, 40, "a demo record that grew while open", interval=0.1)
+
+
+def open_rows(client: RoutedExpertsClient, rid: str) -> int:
+    """The rows `rid` has while it is open; 0 once it is final or aborted, and before it exists."""
+    try:
+        client.get(rid)
+    except NotReady as still_open:
+        return still_open.rows
+    except R3Error:
+        return 0
+    return 0
 
 
 def test_demo_end_to_end(demo) -> None:
@@ -146,15 +146,15 @@ def test_the_demo_keeps_producing_and_its_documented_rids_come_back(tmp_path: Pa
         # 13 demo records and the 2 kept dsv3 ones: past --max-live 10, so the oldest expired to make room
         late = client.get("demo-000012", wait=600)
         assert late.rows > 0
-        deadline = time.monotonic() + 60
-        while True:
+
+        def gone() -> RecordGone | None:
             try:
                 client.get("demo-000005")
-            except RecordGone as gone:
-                assert "expired" in str(gone)
-                break
-            assert time.monotonic() < deadline, "demo-000005 never expired"
-            time.sleep(0.2)
+            except RecordGone as answer:
+                return answer
+            return None
+
+        assert "expired" in str(wait_until(gone, 60, "demo-000005 expired", interval=0.2))
         for _ in range(2):  # README's block, twice: read, then acknowledge
             assert client.get("demo-000000", wait=30).rows > 0
             client.ack("demo-000000", missing_ok=True)  # may have expired (and come back) already

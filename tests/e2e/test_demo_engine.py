@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
+from waiting import wait_until
 
 from service.demo import DemoConfig, DemoEngine, Router
 from service.spool import Spool
@@ -71,10 +71,10 @@ def test_deepseek_v3_like_records_say_their_dense_layers(tmp_path: Path) -> None
 def test_stop_closes_every_open_record(tmp_path: Path) -> None:
     spool = Spool(tmp_path)
     engine = DemoEngine(spool, DemoConfig(num_layers=2, step_s=0.005, output_len=(500, 600), abort_fraction=0)).start()
-    deadline = time.monotonic() + 10
-    while len(spool.record_names()) < 4 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    engine.stop()
+    try:
+        wait_until(lambda: len(spool.record_names()) >= 4, 10, "four records in the spool", interval=0.01)
+    finally:
+        engine.stop()
     metas = [spool.read_meta(n) for n in spool.record_names()]
     assert metas and all(m.final and m.status == "aborted" for m in metas)
     assert spool.engine_paths(), "the engine file is written from the first step"

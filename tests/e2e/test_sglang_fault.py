@@ -19,12 +19,12 @@ no KV transfer, no CuTe kernels, no `Engine` here); the guard's own tests cover 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import numpy as np
 import pytest
 from sglang_server import Config, Stack
+from waiting import wait_until
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1800)]  # a busy machine: a start takes minutes
 
@@ -137,13 +137,13 @@ def assert_nothing_wrong_served(stack: Stack, answers: dict[str, dict]) -> None:
 
 def reported_faults(stack: Stack, hooks: list[str], timeout: float = 30.0) -> dict[str, dict]:
     """`/v1/engines`' failed hooks, once every one in `hooks` is there (engine files are written once a second)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def every_one() -> dict[str, dict] | None:
         engines = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=30).json()["engines"]
         faults = {f["hook"]: f for engine in engines for f in engine.get("degraded") or ()}
-        if set(hooks) <= set(faults) or time.monotonic() > deadline:
-            return faults
-        time.sleep(0.2)
+        return faults if set(hooks) <= set(faults) else None
+
+    return wait_until(every_one, timeout, f"/v1/engines reports every failed hook of {hooks}", interval=0.2)
 
 
 def assert_loud(stack: Stack, hooks: list[str]) -> None:

@@ -19,6 +19,7 @@ import pytest
 import version_suite
 from docs_blocks import RECIPES
 from sglang_server import Config, Stack
+from waiting import wait_until
 
 from service.client import RoutedExpertsRef
 
@@ -238,14 +239,16 @@ def _engine_reports(stack: Stack) -> list[dict]:
 
 def _settled_engine_file(stack: Stack, key: str = "writer") -> dict:
     """The engine file once two consecutive writes agree on `key` (the server is idle after the requests)."""
-    deadline, last = time.monotonic() + 20, None
-    while time.monotonic() < deadline:
+    last: dict | None = None
+
+    def settled() -> dict | None:
+        nonlocal last
         (report,) = _engine_reports(stack)
-        if last is not None and report["updated"] != last["updated"] and report.get(key) == last.get(key):
-            return report
-        last = report
-        time.sleep(0.6)
-    raise TimeoutError(f"engine file {key} did not settle: {last}")
+        seen, last = last, report
+        agree = seen is not None and report["updated"] != seen["updated"] and report.get(key) == seen.get(key)
+        return report if agree else None
+
+    return wait_until(settled, 20, lambda: f"engine file {key} settled (last: {last})", interval=0.6)
 
 
 def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_metrics(capture_all):
@@ -287,13 +290,14 @@ def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full)
         answer = httpx.get(f"{stack.sidecar_url}/routed_experts/{stack.config.name}-{name}?wait=30", timeout=40)
         assert answer.status_code == 410 and answer.json()["error"] == "record_error", (name, answer.text)
         assert "did not reach the spool" in answer.json()["detail"] and time.monotonic() - began < 10, name
-    deadline, counted = time.monotonic() + 15, 0  # the engine file is rewritten about once a second
-    while counted < len(inline) and time.monotonic() < deadline:
-        time.sleep(0.5)
+
+    def counted() -> int:  # the engine file is rewritten about once a second
         engine = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
         reports = engine if isinstance(engine, list) else engine.get("engines", [])
-        counted = sum(r["writer"]["fallback_inline"] for r in reports)
-    assert counted == len(inline)
+        n = sum(r["writer"]["fallback_inline"] for r in reports)
+        return n if n >= len(inline) else 0
+
+    assert wait_until(counted, 15, f"{len(inline)} inline fallbacks counted", interval=0.5) == len(inline)
 
 
 def test_hook_timers_switched_off_leave_no_hooks_and_no_hook_metrics(spool_full):

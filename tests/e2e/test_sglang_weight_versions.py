@@ -12,12 +12,12 @@ both delivery paths (finish-time and live rows), and the sidecar serves it in he
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 from sglang_server import Config, Stack
+from waiting import wait_until
 
 from service.client import RoutedExpertsClient, RoutedExpertsRef
 
@@ -84,12 +84,12 @@ def decode_across_update(stack: Stack, tag: str, version: str, *, abort_all: boo
     threads = [threading.Thread(target=send, args=(rid,)) for rid in ids]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # both requests are decoding: the live record has rows past its prompt
+
+    def decoding() -> bool:  # both requests are decoding: the live record has rows past its prompt
         meta, _ = stack.record(f"wv-{tag}-live")
-        if meta is not None and meta.end > len(ids[f"wv-{tag}-live"]) + 5:
-            break
-        time.sleep(0.05)
+        return meta is not None and meta.end > len(ids[f"wv-{tag}-live"]) + 5
+
+    wait_until(decoding, 120, f"wv-{tag}-live decoding (its live record 5 rows past the prompt)")
     set_version(stack, version, abort_all=abort_all)
     for thread in threads:
         thread.join(300)

@@ -12,7 +12,6 @@ real against the server, aborted part way and resumed under the same rid.
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 import torch
 import trainer_code
 from sglang_server import GLM, Config, Stack
+from waiting import wait_until
 
 from service import trainers
 from service.client import RoutedExperts, RoutedExpertsClient
@@ -49,14 +49,17 @@ def record_of(client: RoutedExpertsClient, response: dict, *, timeout: float = 3
     meta = response["meta_info"]
     rid = meta["id"]
     want = (meta["prompt_tokens"], meta["prompt_tokens"] + meta["completion_tokens"] - 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        r = client.get(rid, wait=10)
-        if (r.prompt_len, r.end) == want:
-            return r
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{rid}: record has prompt {r.prompt_len} rows to {r.end}, response says {want}")
-        time.sleep(0.02)
+    last: RoutedExperts | None = None
+
+    def matching() -> RoutedExperts | None:
+        nonlocal last
+        last = client.get(rid, wait=10)
+        return last if (last.prompt_len, last.end) == want else None
+
+    def described() -> str:
+        return f"{rid}: prompt and end {want}, as the response says (the record's: {last.prompt_len}, {last.end})"
+
+    return wait_until(matching, timeout, described, interval=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +196,7 @@ class _Server:
         async with httpx.AsyncClient(base_url=self.stack.url, timeout=300) as http:
             request = asyncio.ensure_future(http.post("/generate", json=body))
             if self.calls == 1:
-                await asyncio.sleep(self.abort_after_s)
+                await asyncio.sleep(self.abort_after_s)  # not a wait: how far into the decode the abort lands
                 (await http.post("/abort_request", json={"rid": request_id})).raise_for_status()
             response = (await request).json()
         url = response["meta_info"]["routed_experts_url"]
@@ -263,7 +266,7 @@ def test_a_rid_used_again_is_never_served_the_old_requests_rows(served):
                 body = {"rid": rid, "input_ids": ids, "sampling_params": params, "return_routed_experts": True}
                 async with httpx.AsyncClient(base_url=stack.url, timeout=300) as http:
                     request = asyncio.ensure_future(http.post("/generate", json=body))
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(0.5)  # not a wait: how far into the decode the abort lands
                     (await http.post("/abort_request", json={"rid": rid})).raise_for_status()
                     return (await request).json()
 

@@ -17,10 +17,10 @@ missing or mixed-up row fails.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import io
 import json
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ import pytest
 import vllm_server
 from tiers import param
 from vllm_server import VllmServer, inline_rows
+from waiting import WaitTimeout, wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release
 from service.refs import RoutedExpertsRef, fetch_many
@@ -63,11 +64,15 @@ def _abort(server: VllmServer, route: str) -> dict[str, Any]:
     before = _generated(server)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(server.completion, "Abort me, please", rid="abort", max_tokens=LONG_DECODE)
-        deadline = time.monotonic() + 120
         seen = 0.0
-        while seen < ABORT_AFTER and not pending.done() and time.monotonic() < deadline:
-            time.sleep(0.01)
+
+        def decoding() -> bool:
+            nonlocal seen
             seen = _generated(server) - before
+            return seen >= ABORT_AFTER or pending.done()
+
+        with contextlib.suppress(WaitTimeout):  # the abort goes at the deadline too: `_check_abort` judges it
+            wait_until(decoding, 120, f"{ABORT_AFTER} tokens decoded", interval=0.01)
         httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=10).raise_for_status()
         try:
             return pending.result(timeout=120) | {"seen_before_abort": seen}
@@ -291,13 +296,14 @@ def test_nothing_dropped_and_engine_file(runs: dict, release: Release) -> None:
         expected |= {"cmpl-abort-0"} if release.abort_route else set()
         records = {json.loads(p.read_text())["rid"] for p in (Path(server.spool) / "v1" / "records").glob("*.json")}
         assert records == expected, mode
-        deadline = time.monotonic() + 10  # the engine file is rewritten once a second
-        while True:
+
+        def written(server: VllmServer = server, expected: set[str] = expected) -> dict[str, Any] | None:
             (engine,) = server.engine_files()
-            writer = engine["writer"]
-            if writer["records_written"] == len(expected) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+            return engine if engine["writer"]["records_written"] == len(expected) else None
+
+        # the engine file is rewritten once a second
+        engine = wait_until(written, 10, f"{mode}: the engine file counts {len(expected)} records", interval=0.2)
+        writer = engine["writer"]
         assert writer["records_written"] == len(expected) and writer["fallback_inline"] == 0, mode
         assert not any(writer["undelivered"].values()) and writer["queued_bytes"] == 0, mode
         assert engine["vllm"].split("+")[0] == release.version and engine["delivery"]["mode"] == mode

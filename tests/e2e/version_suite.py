@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from sglang_server import GLM, Config, Stack
 from tiers import tier_marks
+from waiting import wait_until
 
 from service import trainers
 from service.client import RoutedExpertsRef
@@ -87,7 +88,7 @@ def abort_mid_decode(stack: Stack, rid: str, ids: list[int], max_new_tokens: int
 
     thread = threading.Thread(target=send)
     thread.start()
-    time.sleep(after_s)
+    time.sleep(after_s)  # not a wait: how far into the decode the abort lands (a plugin-off server shows no rows)
     httpx.post(f"{stack.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
     thread.join(300)
     return result["response"].json()
@@ -100,14 +101,14 @@ def expected_rows(response: dict, start: int = 0) -> int:
 
 def engine_report(stack: Stack) -> dict:
     """The one engine file the sidecar reads, once the plugin has written it."""
-    deadline = time.monotonic() + 20
-    while True:
+
+    def reports() -> list[dict]:
         body = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
-        reports = body if isinstance(body, list) else body.get("engines", [])
-        if reports or time.monotonic() > deadline:
-            assert len(reports) == 1, body
-            return reports[0]
-        time.sleep(0.5)
+        return body if isinstance(body, list) else body.get("engines", [])
+
+    found = wait_until(reports, 20, "an engine file in /v1/engines", interval=0.5)
+    assert len(found) == 1, found
+    return found[0]
 
 
 # Tests run in this file's order and the pool keeps one server: each server's tests come before the next's.

@@ -22,7 +22,6 @@ import io
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import httpx
 import numpy as np
 from sglang_server import Process, free_port, spawn
+from waiting import wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release
 from service.spool import Spool
@@ -131,15 +131,16 @@ class VllmServer:
 
     def record(self, rid: str, timeout: float = 30.0) -> tuple[RecordMeta, np.ndarray]:
         """The spool's final record of `rid`, read from its files (the writer thread publishes it just after)."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def final() -> tuple[RecordMeta, np.ndarray] | None:
             spool = Spool(self.spool, create=False)
             meta = spool.read_meta(rid)
-            if meta is not None and meta.final:
-                return meta, spool.read_array(meta)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{rid}: no final record in {self.spool} after {timeout:.0f} s (now {meta})")
-            time.sleep(0.05)
+            return (meta, spool.read_array(meta)) if meta is not None and meta.final else None
+
+        def described() -> str:
+            return f"a final record of {rid} in {self.spool} (now {Spool(self.spool, create=False).read_meta(rid)})"
+
+        return wait_until(final, timeout, described)
 
     def engine_files(self) -> list[dict[str, Any]]:
         spool = Spool(self.spool, create=False)

@@ -240,7 +240,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 async def handle(self, recv_obj):
     metas = [{"id": rid} for rid in recv_obj.rids]
     for i, meta in enumerate(metas):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # not a wait: a handler yields between outputs, as SGLang's does
         tm.try_build_beam_search_out_dict(recv_obj, i, meta)
     return metas
 states = {"a b/ü": types.SimpleNamespace(obj=GenerateReqInput(text="x", return_routed_experts=True)),

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
@@ -89,10 +90,10 @@ def test_thread_keeps_writing_when_a_source_fails(tmp_path):
     telemetry = _telemetry(tmp_path, writer, **{})
     telemetry.sources.occupancy = broken
     telemetry.start()
-    deadline = time.monotonic() + 10
-    while telemetry.writes < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    telemetry.close()
+    try:
+        wait_until(lambda: telemetry.writes >= 3, 10, lambda: f"three telemetry writes (now {telemetry.writes})")
+    finally:
+        telemetry.close()
     assert telemetry.writes >= 3
     (path,) = Spool(tmp_path).engine_paths()
     report = Spool(tmp_path).read_engine_file(path)

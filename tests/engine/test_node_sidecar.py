@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import REPO
+from waiting import wait_until
 
 from engine_ext.core.node_sidecar import INFO_NAME, routable_host
 from service.spool import Spool
@@ -43,7 +44,7 @@ def engine_env(**extra: str) -> dict[str, str]:
 WORKER = (
     "import subprocess, sys, time; n = int(sys.argv[1]); "
     "procs = [subprocess.Popen([sys.executable, '-c', sys.argv[2], *sys.argv[3:]]) for _ in range(n)]; "
-    "[p.wait() for p in procs]; sys.stdout.flush(); time.sleep(600)"
+    "[p.wait() for p in procs]; sys.stdout.flush(); time.sleep(600)"  # not a wait: the worker lives until killed
 )
 
 
@@ -86,22 +87,17 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
+    return wait_until(lambda: not alive(pid), timeout, f"process {pid} exits", interval=0.1)
 
 
 def ready(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, f"{url} not ready"
-        time.sleep(0.1)
+    wait_until(
+        lambda: httpx.get(f"{url}/readyz", timeout=2).status_code == 200,
+        timeout,
+        f"{url} ready",
+        interval=0.1,
+        ignore=(httpx.HTTPError,),
+    )
 
 
 @pytest.fixture
@@ -138,7 +134,7 @@ def test_one_detached_sidecar_for_all_engines_and_it_outlives_their_group(tmp_pa
     writer.append(rows)
     writer.finalize()
     first.kill_group()  # the engines' worker and group die (Ray's kill): the sidecar does not
-    time.sleep(0.5)
+    time.sleep(0.5)  # not a wait: a window in which the sidecar must not die with the group
     assert alive(pid)
     _, again = run(engines, spool)  # an engine restart finds the same sidecar
     assert again == [(pid, url)]
@@ -171,7 +167,7 @@ def test_exits_once_idle_and_every_record_is_acknowledged(tmp_path: Path, sideca
     writer = Spool(spool).writer("pending", num_experts=32, topk=4, layers=[0], prompt_len=1)
     writer.append(np.zeros((1, 1, 4), np.uint8))
     writer.finalize()
-    time.sleep(3)  # idle three times over, but a record waits for its trainer
+    time.sleep(3)  # not a wait: idle_s elapses three times over, but a record waits for its trainer
     assert alive(pid)
     assert httpx.request("DELETE", f"{url}/routed_experts/pending").status_code == 204
     assert wait_gone(pid, 15)
@@ -179,12 +175,12 @@ def test_exits_once_idle_and_every_record_is_acknowledged(tmp_path: Path, sideca
 
 def test_exits_with_the_raylet_it_was_started_under(tmp_path: Path, sidecars, engines) -> None:
     spool = tmp_path / "spool"
-    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # not a wait: a stand-in raylet
     try:
         _, ((pid, url),) = run(engines, spool, RAY_RAYLET_PID=str(raylet.pid))
         sidecars.append(pid)
         ready(url)
-        time.sleep(1)
+        time.sleep(1)  # not a wait: a window in which the sidecar stays up while its raylet lives
         assert alive(pid)
     finally:
         raylet.kill()

@@ -11,12 +11,12 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, refusal_report, status_of
@@ -202,15 +202,13 @@ def _served_engines(spool_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "r3-sidecar serve not ready in 90 s"
-            time.sleep(0.2)
+        wait_until(
+            lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200,
+            90,
+            "r3-sidecar serve ready",
+            interval=0.2,
+            ignore=(httpx.TransportError,),
+        )
         return httpx.get(f"http://127.0.0.1:{port}/v1/engines", timeout=10).json()["engines"]
     finally:
         proc.terminate()

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from engine_ext.core.writer import (
     NOT_WRITABLE,
@@ -137,10 +138,7 @@ class _Publishes:
 
 
 def _until(check, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout  # a hang guard: the assertion is `check`, not the time
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.005)
+    wait_until(check, timeout, what, interval=0.005)
 
 
 def _bin_rows(tmp_path, spec: RecordSpec) -> int:

@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 import pytest
 from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+from waiting import wait_until
 
 from service.ray_nodes import start_node_sidecars
 
@@ -58,13 +59,13 @@ class EngineActor:
             self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
 
     def ready(self, timeout: float = 300) -> int:
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self.proc.pid
-            time.sleep(0.5)
-        raise RuntimeError(f"SGLang did not start (exit {self.proc.poll()})")
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang did not start (exit {self.proc.poll()})")
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+
+        wait_until(healthy, timeout, "SGLang's /health answers", interval=0.5, ignore=(httpx.HTTPError,))
+        return self.proc.pid
 
     def rollout(self, prompts: list[list[int]]) -> tuple[list, list[np.ndarray], list[int]]:
         """(refs without inline rows: what is shipped; SGLang's inline rows; each sequence's token count)."""
@@ -167,13 +168,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def check_rows(got: dict, inline: list[np.ndarray], lengths: list[int]) -> None:

@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also in the writer and trainer processes
+    sys.path.append(str(REPO / "tests"))
+from waiting import wait_until  # noqa: E402
+
 PYTHON = sys.executable
 CLI = Path(PYTHON).with_name("r3-sidecar")
 
@@ -87,6 +90,17 @@ def proc_cap_eff(pid: int) -> int:
     raise RuntimeError(f"no CapEff for pid {pid}")
 
 
+def accepted_connections(port: int) -> list[tuple[str, int]]:
+    """(TCP state, bytes in its send queue) of each connection a server on 127.0.0.1:`port` has accepted and not
+    yet closed (`/proc/net/tcp`: state 01 established, 08 the peer closed, we have not)."""
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in ("01", "08"):
+            out.append((fields[3], int(fields[4].split(":")[0], 16)))
+    return out
+
+
 def loadavg() -> str:
     """The 1/5/15-minute load averages, for reports: the machine is shared."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -138,15 +152,12 @@ class Sidecar:
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"sidecar exited with {self.proc.returncode}; log: {self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
-                    return
-            time.sleep(0.05)
-        raise TimeoutError(f"sidecar not ready after {timeout}s; log: {self.log_tail()}")
+            return httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200
+
+        wait_until(ready, timeout, lambda: f"sidecar ready; log: {self.log_tail()}", ignore=(httpx.HTTPError,))
 
     def log_tail(self, n: int = 4000) -> str:
         if self.log_path and self.log_path.exists():

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             if not final:
                 note(rid=rid, rows=w.meta.rows, final=False)
             if args.pace:
-                time.sleep(args.pace)
+                time.sleep(args.pace)  # not a wait: the producer's pace
         if final:
             w.finalize()
             note(rid=rid, rows=args.rows, final=True)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration
     while i < args.first + args.count or time.monotonic() < deadline:
         while args.max_records and len(spool.record_names()) >= args.max_records and time.monotonic() < deadline:
-            time.sleep(0.005)
+            time.sleep(0.005)  # not a wait: the producer's flow control, room in the spool or the run's end
         write_one(f"{args.prefix}-{i:06d}", final=True)
         i += 1
     if engine_writer is not None:
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         write_one(f"{args.prefix}-open-{j:04d}", final=False)
     if args.open:
         note(event="open_done")
-        time.sleep(3600)
+        time.sleep(3600)  # not a wait: the engine hangs with its records open until the test kills it
     return 0
 
 
@@ -118,9 +118,9 @@ def _via_engine_writer(writer, rid: str, rows, chunk: int, pace: float) -> None:
     ops.append(Op(rid, status="ok"))
     for op in ops:
         while not writer.submit(op):  # refused (queue or spool full): the engine would fall back; here we retry
-            time.sleep(0.001)
+            time.sleep(0.001)  # not a wait: the producer retries, as an engine would fall back
         if pace and op.rows is not None:
-            time.sleep(pace)
+            time.sleep(pace)  # not a wait: the producer's pace
 
 
 if __name__ == "__main__":

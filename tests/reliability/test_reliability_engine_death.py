@@ -16,7 +16,8 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import orjson
-from r3_harness import check_record, read_ledger
+from r3_harness import accepted_connections, check_record, read_ledger
+from waiting import wait_until
 
 from service.spool import Spool
 
@@ -46,9 +47,9 @@ def test_killed_engine_records_turn_aborted_and_waiters_get_their_rows(make_side
     writer = make_writer(
         spool_dir, ledger, ["--prefix", "d", "--count", "3", "--rows", str(ROWS), "--chunk", "8", "--open", str(OPEN)]
     )
-    deadline = time.monotonic() + 30
-    while not any(e.get("event") == "open_done" for e in read_ledger(ledger)) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(
+        lambda: any(e.get("event") == "open_done" for e in read_ledger(ledger)), 30, "the writer's open records written"
+    )
     open_rids = [f"d-open-{j:04d}" for j in range(OPEN)]
 
     results: dict[str, tuple] = {}
@@ -74,7 +75,7 @@ def test_killed_engine_records_turn_aborted_and_waiters_get_their_rows(make_side
     waiters += [threading.Thread(target=batch_on, args=(open_rids,))]
     for t in waiters:
         t.start()
-    time.sleep(0.2)
+    wait_until(lambda: len(accepted_connections(side.port)) >= len(waiters), 30, "every waiter connected")
     writer.kill()
     killed_at = time.monotonic()
     for t in waiters:

@@ -18,7 +18,17 @@ import time
 
 import httpx
 import numpy as np
-from r3_harness import LAYERS, NUM_EXPERTS, TOPK, check_record, expected_rows, proc_rss_bytes, read_ledger
+from r3_harness import (
+    LAYERS,
+    NUM_EXPERTS,
+    TOPK,
+    accepted_connections,
+    check_record,
+    expected_rows,
+    proc_rss_bytes,
+    read_ledger,
+)
+from waiting import WaitTimeout, wait_until
 
 from service.client import R3Error, RoutedExpertsClient
 from service.spool import Spool
@@ -83,13 +93,14 @@ def test_sigkill_mid_stream_loses_nothing(make_sidecar, make_writer, spool_dir, 
     for t in threads:
         t.start()
 
-    deadline = time.monotonic() + 30
-    while sum(e.get("final", False) for e in read_ledger(ledger)) < 8 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    written_before = sum(e.get("final", False) for e in read_ledger(ledger))
+    def finals() -> int:
+        return sum(e.get("final", False) for e in read_ledger(ledger))
+
+    wait_until(lambda: finals() >= 8, 30, "8 records final before the kill", interval=0.02)
+    written_before = finals()
     t_kill = time.monotonic()
     side.kill()
-    time.sleep(0.5)  # the writer keeps writing while no sidecar runs
+    wait_until(lambda: finals() > written_before, 30, "the writer finished a record while no sidecar runs")
     side.start()
     downtime = time.monotonic() - t_kill
 
@@ -173,7 +184,7 @@ def test_waiters_without_retries_get_a_clear_error_not_a_hang(make_sidecar, spoo
     threads = [threading.Thread(target=block, args=(k,)) for k in ("wait", "stream")]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(accepted_connections(side.port)) >= 2, 30, "both waiters connected to the sidecar")
     side.kill()
     for t in threads:
         t.join(timeout=10)
@@ -193,18 +204,15 @@ def test_crash_leftovers_are_reclaimed(make_sidecar, spool_dir):
     for path in (orphan_bin, leftover_tmp):
         os.utime(path, (old, old))
     side = make_sidecar(spool_dir, env={"R3_TTL_S": "1", "R3_STALE_S": "1", "R3_RESCAN_S": "0.5"})
-    deadline = time.monotonic() + 4
-    while (orphan_bin.exists() or leftover_tmp.exists()) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    with contextlib.suppress(WaitTimeout):  # judged below, with the sidecar's state
+        wait_until(lambda: not orphan_bin.exists() and not leftover_tmp.exists(), 4, "leftovers gone", interval=0.2)
     assert side.proc.poll() is None
     assert not orphan_bin.exists() and not leftover_tmp.exists(), "crash leftovers still in the spool"
     later = spool.records_dir / "later-record.bin"  # left while the sidecar runs: the periodic rescan takes it
     later.write_bytes(b"\0" * 4096)
     os.utime(later, (old, old))
     t0 = time.monotonic()
-    while later.exists() and time.monotonic() - t0 < 4:
-        time.sleep(0.05)
-    assert not later.exists(), "an orphan .bin left while running is still in the spool"
+    wait_until(lambda: not later.exists(), 4, "an orphan .bin left while running taken by the rescan")
     print(f"crash leftovers: gone by ready at startup; one left while running gone after {time.monotonic() - t0:.2f}s")
 
 
@@ -213,6 +221,8 @@ def test_sigterm_exits_promptly_with_streams_open(make_sidecar, spool_dir):
     w = Spool(spool_dir).writer("live", num_experts=NUM_EXPERTS, topk=TOPK, layers=LAYERS)
     w.append(expected_rows("live", 8))
 
+    streaming = threading.Event()
+
     def hold() -> None:
         with (
             contextlib.suppress(httpx.HTTPError),
@@ -220,12 +230,13 @@ def test_sigterm_exits_promptly_with_streams_open(make_sidecar, spool_dir):
                 "GET", f"{side.url}/routed_experts/live", params={"stream": "true", "wait": "60"}, timeout=90
             ) as r,
         ):
+            streaming.set()
             for _ in r.iter_bytes():
                 pass
 
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
-    time.sleep(0.5)
+    wait_until(streaming.is_set, 30, "the stream open (its response headers arrived)")
     t0 = time.monotonic()
     side.proc.send_signal(signal.SIGTERM)
     try:

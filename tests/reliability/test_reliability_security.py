@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from urllib.parse import quote, unquote
 
@@ -22,6 +21,7 @@ import numpy as np
 import orjson
 import pytest
 from r3_harness import proc_cap_eff, proc_uid
+from waiting import wait_until
 
 from service.spool import Spool
 
@@ -284,8 +284,8 @@ def test_runs_unprivileged_with_only_the_spool_writable(make_sidecar):
             assert client.delete("/routed_experts/p0").status_code == 204
             writable = _writable_fds(side.pid)
             assert all(Path(p).is_relative_to(spool_dir) for p in writable), writable
-            time.sleep(2.5)  # TTL expiry: the sidecar deletes p1, p2 itself
-            assert client.get("/routed_experts/p1").status_code in (404, 410)
+            # TTL expiry: the sidecar deletes p1, p2 itself
+            wait_until(lambda: client.get("/routed_experts/p1").status_code in (404, 410), 30, "p1 expired")
         assert list(ro.iterdir()) == [], f"wrote outside the spool: {list(ro.iterdir())}"
         assert "PermissionError" not in side.log_tail(100_000), side.log_tail()
         assert side.proc.poll() is None

@@ -17,7 +17,8 @@ import time
 import httpx
 import numpy as np
 import pytest
-from r3_harness import check_record, proc_fds, proc_rss_bytes
+from r3_harness import accepted_connections, check_record, proc_fds, proc_rss_bytes
+from waiting import WaitTimeout, wait_until
 
 from service.settings import Settings
 from service.spool import Spool
@@ -62,7 +63,7 @@ def test_stalled_readers_do_not_stall_others_or_grow_memory(make_sidecar, make_w
 
         stalled = [_stalled_socket(side.port) for _ in range(STALLED)]
         try:
-            time.sleep(2.0)  # let every stalled response fill its socket buffers
+            wait_until(_buffers_full(side.port), 30, "every stalled response filled its socket buffers", interval=0.2)
             rss1 = proc_rss_bytes(side.pid)
             lat = []
             for _ in range(5):
@@ -97,6 +98,19 @@ def test_stalled_readers_do_not_stall_others_or_grow_memory(make_sidecar, make_w
     assert fds_stalled >= fds0 + STALLED  # the stalled connections were really open on the server side
 
 
+def _buffers_full(port: int):
+    """A condition: STALLED responses sit in the server's send queues, and those queues stopped growing."""
+    last: list[int] = []
+
+    def full() -> bool:
+        queued = sorted(tx for state, tx in accepted_connections(port) if state == "01" and tx > 0)
+        settled = len(queued) >= STALLED and queued == last
+        last[:] = queued
+        return settled
+
+    return full
+
+
 def _sockets(pid: int) -> int:
     return sum(os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:") for fd in os.listdir(f"/proc/{pid}/fd"))
 
@@ -104,17 +118,19 @@ def _sockets(pid: int) -> int:
 def test_stalled_reader_is_closed_by_a_timeout(make_sidecar, spool_dir):
     _write_big(spool_dir)
     side = make_sidecar(spool_dir, env={"R3_CHUNK_BYTES": str(CHUNK), "R3_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S)})
-    time.sleep(0.3)
+    wait_until(lambda: not accepted_connections(side.port), 10, "the readiness probe's connection closed")
     sockets0 = _sockets(side.pid)
     stalled = [_stalled_socket(side.port) for _ in range(4)]
     try:
-        deadline = time.monotonic() + 1
-        while _sockets(side.pid) < sockets0 + 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _sockets(side.pid) >= sockets0 + 4, 10, "the stalled connections open on the server")
         assert _sockets(side.pid) == sockets0 + 4, "the stalled connections are open on the server"
-        deadline = time.monotonic() + 4 * SEND_TIMEOUT_S
-        while _sockets(side.pid) > sockets0 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        with contextlib.suppress(WaitTimeout):  # the time is the claim: judged below
+            wait_until(
+                lambda: _sockets(side.pid) <= sockets0,
+                4 * SEND_TIMEOUT_S,
+                "the stalled connections closed",
+                interval=0.2,
+            )
         assert _sockets(side.pid) == sockets0, f"stalled connections still open after {4 * SEND_TIMEOUT_S} s"
     finally:
         for s in stalled:

@@ -117,7 +117,7 @@ def test_soak(make_sidecar, make_writer, tmp_path, shm_spool):
                     "loadavg": loadavg(),
                 }
             )
-            time.sleep(SAMPLE_S)
+            time.sleep(SAMPLE_S)  # not a wait: the sampling period of the soak's measurements
         for w in writers.values():
             w.wait(timeout=120)
         trainer_errors = []

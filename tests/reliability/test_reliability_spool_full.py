@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
+from waiting import WaitTimeout, wait_until
 
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
 from service.spool import Spool
@@ -65,11 +66,13 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
     served_final: dict[str, bool] = {}
     bad: list[str] = []
     stop = threading.Event()
+    passes = [0]  # the watcher's finished passes over every rid
 
     def watch() -> None:
         """Poll every rid while the writer works: a 200 must always be the whole, exact record."""
         with httpx.Client(base_url=side.url, timeout=10) as client:
             while not stop.is_set():
+                passes[0] += 1
                 for rid in rids:
                     r = client.get(f"/routed_experts/{rid}", params={"format": "raw"})
                     if r.status_code == 200:
@@ -87,7 +90,8 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
     try:
         inline = {rid: kept for rid in rids if (kept := _offer(writer, rid)) is not None}
         assert writer.flush(10)
-        time.sleep(0.5)
+        flushed = passes[0]  # the pass under way may have begun before the flush: the next one begins after it
+        wait_until(lambda: passes[0] >= flushed + 2, 30, "a watcher pass over every rid after the flush")
     finally:
         stop.set()
         watcher.join(30)
@@ -113,13 +117,13 @@ def test_spool_full_falls_back_inline_and_recovers(make_sidecar, spool_dir):
         # Trainers acknowledge; the writer's next usage refresh sees the room and reservations succeed again.
         for rid in spooled:
             assert client.delete(f"/routed_experts/{rid}").status_code == 204
-        deadline = time.monotonic() + 10
+        t0 = time.monotonic()
         again = [f"again-{i:03d}" for i in range(len(spooled))]
         room = len(again) * ROWS * ROW_BYTES  # the refresh may land between two DELETEs: wait for all the room
-        while writer.reserve(room) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        with contextlib.suppress(WaitTimeout):  # judged below by the records refused again
+            wait_until(lambda: writer.reserve(room) is None, 10, "room for every record again", interval=0.1)
         writer.release(room)
-        recovered_after = 10 - (deadline - time.monotonic())
+        recovered_after = time.monotonic() - t0
         refused_again = [rid for rid in again if _offer(writer, rid) is not None]
         assert writer.flush(10)
         assert len(refused_again) <= 1, refused_again
@@ -170,7 +174,7 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
         rids = [f"enospc-{i:03d}" for i in range(120)]
         inline = {rid for rid in rids if _offer(writer, rid) is not None}
         assert writer.flush(20)
-        time.sleep(2.5)  # anything left non-final turns aborted
+        time.sleep(2.5)  # not a wait: stale_s (1 s) elapses twice over, so what can still be marked turns aborted
         accepted = [rid for rid in rids if rid not in inline]
         served, partial, lost = [], [], []
         with httpx.Client(base_url=side.url, timeout=10) as client:
@@ -185,11 +189,22 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
             waiting = [rid for rid, code in lost if code == 202]
             for rid in served:
                 client.delete(f"/routed_experts/{rid}")
-            time.sleep(2.0)  # with room again, the sidecar can mark the silent records aborted
-            after = {}
-            for rid, _ in lost:
-                r = client.get(f"/routed_experts/{rid}")
-                after[rid] = r.status_code if r.status_code != 200 else r.headers["x-r3-status"]
+
+            def statuses() -> dict:
+                answers = {rid: client.get(f"/routed_experts/{rid}") for rid, _ in lost}
+                return {
+                    rid: r.status_code if r.status_code != 200 else r.headers["x-r3-status"]
+                    for rid, r in answers.items()
+                }
+
+            after: dict = {}
+
+            def ended() -> bool:  # with room again, the sidecar can mark the silent records aborted
+                after.update(statuses())
+                return set(after.values()) <= {404, 410, "aborted"}
+
+            with contextlib.suppress(WaitTimeout):  # judged below, after what else the run says
+                wait_until(ended, 30, "the silent records ended", interval=0.2)
         stats = writer.stats
         writer.close()
         print(

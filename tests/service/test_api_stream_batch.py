@@ -85,7 +85,7 @@ def test_stream_may_start_past_the_rows_written_so_far(serve, spool: Spool) -> N
 
     def produce() -> None:
         for lo, hi in ((5, 12), (12, 30)):
-            time.sleep(0.2)
+            time.sleep(0.2)  # not a wait: the producer's pace, so the stream waits for rows past those written
             writer.append(rows[lo:hi])
         writer.finalize()
 

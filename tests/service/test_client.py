@@ -6,7 +6,6 @@ import asyncio
 import io
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import uvicorn
 from helpers import FakeClock, live_server
+from waiting import wait_until
 
 from service.api import create_app
 from service.client import (
@@ -57,10 +57,12 @@ def sidecar_on_port(spool_dir: Path, port: int) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "sidecar did not start"
-        time.sleep(0.02)
+
+    def started() -> bool:
+        assert thread.is_alive(), "the sidecar's thread ended"
+        return server.started
+
+    wait_until(started, 15, "the sidecar started", interval=0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

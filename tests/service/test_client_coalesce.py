@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import FakeClock, live_app
+from waiting import await_until
 
 from service.api import create_app
 from service.client import (
@@ -178,7 +179,7 @@ def test_a_lone_get_goes_alone(store: Spool, served) -> None:
         async with AsyncRoutedExpertsClient(url, retries=1) as ac:
             app.take()
             first = await ac.get("lone")
-            await asyncio.gather(ac.get("lone"), asyncio.sleep(0))  # with something else that is not a get
+            await asyncio.gather(ac.get("lone"), asyncio.sleep(0))  # not a wait: something else, not a get
             return first
 
     np.testing.assert_array_equal(asyncio.run(main()).array, array)
@@ -215,10 +216,10 @@ def test_cancelling_one_caller_leaves_the_others_their_rows(store: Spool, served
         async with AsyncRoutedExpertsClient(url, retries=1) as ac:
             app.take()
             tasks = [asyncio.create_task(ac.get(r, wait=30)) for r in ("cx-a", "cx-b", "cx-a")]
-            while BATCH not in app.seen:  # the batch (cx-b, cx-a) is on the server, waiting for cx-b
-                await asyncio.sleep(0.01)
+            # the batch (cx-b, cx-a) is on the server, waiting for cx-b
+            await await_until(lambda: BATCH in app.seen, 30, "the batch request on the server")
             tasks[2].cancel()
-            await asyncio.sleep(0.05)
+            await await_until(tasks[2].done, 10, "the cancelled caller has left")
             writer.append(more)
             writer.finalize()
             return await asyncio.gather(*tasks, return_exceptions=True)

@@ -6,9 +6,9 @@ answer, a short body, nothing at all), so the failure paths are the kernel's, no
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import live_server
+from waiting import wait_until
 
 from service.client import RoutedExpertsClient
 from service.connections import Connections
@@ -42,6 +43,7 @@ class ScriptedServer:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.connections = 0
+        self.closed = 0
         self.requests: list[tuple[int, str]] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -55,7 +57,9 @@ class ScriptedServer:
             threading.Thread(target=self._serve, args=(conn, self.connections), daemon=True).start()
 
     def _serve(self, conn: socket.socket, number: int) -> None:
-        with conn:
+        with contextlib.ExitStack() as serving:
+            serving.callback(self._count_close)
+            serving.enter_context(conn)
             pending, served = b"", 0
             while True:
                 while b"\r\n\r\n" not in pending:
@@ -75,6 +79,9 @@ class ScriptedServer:
                 conn.sendall(SHORT if action == "short" else OK)
                 if action != "ok":
                     return
+
+    def _count_close(self) -> None:
+        self.closed += 1
 
     def close(self) -> None:
         self.listener.close()
@@ -119,9 +126,10 @@ def test_a_kept_connection_the_server_dropped_is_replaced_without_a_retry(script
 def test_a_kept_connection_closed_while_idle_is_not_reused(scripted) -> None:
     server = scripted(lambda _conn, _req: "ok-close")  # answers, then closes without saying so
     with RoutedExpertsClient(server.url, retries=0) as client:
-        for _ in range(3):
+        for n in range(1, 4):
             np.testing.assert_array_equal(client.get("r").array, ROWS)
-            time.sleep(0.05)  # the server's FIN arrives while the connection sits in the pool
+            # the server's FIN arrives while the connection sits in the pool
+            wait_until(lambda n=n: server.closed == n, 10, f"the server closed connection {n}")
     assert server.connections == 3 and len(server.requests) == 3
 
 

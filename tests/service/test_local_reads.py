@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from waiting import wait_until
 
 from service import local_spool
 from service.client import (
@@ -269,7 +270,7 @@ def test_rid_reuse_while_readers_read(spool: Spool, url: str) -> None:
 
     w = threading.Thread(target=writer)
     w.start()
-    time.sleep(0.05)
+    wait_until(lambda: len(made) >= 2, 10, "the writer finished its first record")
     readers = [threading.Thread(target=reader) for _ in range(2)]
     for t in readers:
         t.start()

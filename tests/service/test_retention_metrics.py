@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import engine_report, random_rows, write_record
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_until
 
 from service.spool import Spool
 
@@ -44,21 +45,16 @@ def scrape(base: str) -> dict[tuple[str, tuple], float]:
     return samples
 
 
-def until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_final_record_expires_after_ttl(serve, spool: Spool) -> None:
     base = serve(ttl_s=0.6, rescan_s=60)
     write_record(spool, "short-lived", random_rows(10))
     assert httpx.get(f"{base}/routed_experts/short-lived").status_code == 200
-    gone = until(lambda: not spool.meta_path("short-lived").exists() and not spool.bin_path("short-lived").exists())
-    assert gone, "housekeeping did not delete both files"
+    wait_until(
+        lambda: not spool.meta_path("short-lived").exists() and not spool.bin_path("short-lived").exists(),
+        5,
+        "housekeeping deletes both files",
+        interval=0.02,
+    )
     r = httpx.get(f"{base}/routed_experts/short-lived")
     assert r.status_code == 410 and r.json()["error"] == "expired"
     assert scrape(base)[("r3_records_expired_total", ())] == 1
@@ -68,13 +64,15 @@ def test_stale_record_is_aborted_then_expires(serve, spool: Spool) -> None:
     base = serve(stale_s=0.4, ttl_s=1.5, rescan_s=60)
     write_record(spool, "stalled", random_rows(5), final=False)
     assert httpx.get(f"{base}/routed_experts/stalled").status_code == 202
-    assert until(lambda: spool.read_meta("stalled").final)
+    wait_until(lambda: spool.read_meta("stalled").final, 5, "the stale record turns final", interval=0.02)
     meta = spool.read_meta("stalled")
     assert meta.status == "aborted" and meta.rows == 5
     assert spool.read_array(meta).shape == (5, 4, 8), "rows so far are kept"
     r = httpx.get(f"{base}/routed_experts/stalled", params={"format": "raw"})
     assert r.status_code == 200 and r.headers["x-r3-status"] == "aborted" and len(r.content) == 5 * 4 * 8
-    assert until(lambda: not spool.meta_path("stalled").exists()), "an aborted record is kept only for the TTL"
+    wait_until(
+        lambda: not spool.meta_path("stalled").exists(), 5, "an aborted record is kept only for the TTL", interval=0.02
+    )
 
 
 def test_updated_record_is_not_stale(serve, spool: Spool) -> None:
@@ -82,7 +80,7 @@ def test_updated_record_is_not_stale(serve, spool: Spool) -> None:
     writer = spool.writer("busy", num_experts=8, topk=1, layers=[0])
     for _ in range(8):
         writer.append(np.zeros((1, 1, 1)))
-        time.sleep(0.15)
+        time.sleep(0.15)  # not a wait: the producer's pace, 1.2 s in all, twice stale_s, one append per 0.15 s
         assert httpx.get(f"{base}/routed_experts/busy").status_code == 202
     writer.finalize()
     assert httpx.get(f"{base}/routed_experts/busy", params={"format": "raw"}).content == b"\0" * 8

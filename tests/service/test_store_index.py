@@ -84,7 +84,7 @@ def test_waiters_wake_on_events_and_time_out(spool: Spool) -> None:
             meta = await asyncio.wait_for(store.wait_until("ev", lambda m: m is not None and m.rows >= 2, 600), 30)
             reads = clock.reads
             waiting = asyncio.create_task(store.wait_final("ev", 0.3))
-            await asyncio.sleep(0)  # the waiter's first step: it sets its deadline, looks, and waits
+            await asyncio.sleep(0)  # not a wait: one loop step, the waiter's first: it sets its deadline, looks
             assert clock.reads > reads and not waiting.done()
             deadline = clock.now + 0.3
             clock.advance(1)
