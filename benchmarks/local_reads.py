@@ -30,7 +30,7 @@ from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES
 from benchmarks.stats import summary
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, fetch_many
-from service.refs import SidecarPool
+from service.client.refs import SidecarPool
 from service.spool import Spool
 
 

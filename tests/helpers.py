@@ -26,8 +26,8 @@ import httpx
 import numpy as np
 import uvicorn
 
-from service.api import create_app
-from service.settings import Settings
+from service.server.api import create_app
+from service.server.settings import Settings
 from service.spool import Spool
 from service.spool.record_meta import RecordMeta
 
@@ -137,7 +137,7 @@ def live_server(
         "-m",
         "uvicorn",
         "--factory",
-        "service.api:app_from_env",
+        "service.server.api:app_from_env",
         "--fd",
         str(sock.fileno()),
         "--log-level",

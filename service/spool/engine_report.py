@@ -196,8 +196,9 @@ class HookFault:
 class EngineReport:
     """One engine process's file, `<root>/v1/engines/<engine>.json`: exactly the JSON of Contract 1.
 
-    The engine builds it (`engine_ext.core.telemetry`, the demo engine), the sidecar parses it (`service.metrics`);
-    `from_dict` is the one validation both sides run, so a file one side writes is a file the other reads.
+    The engine builds it (`engine_ext.core.telemetry`, the demo engine), the sidecar parses it
+    (`service.server.metrics`); `from_dict` is the one validation both sides run, so a file one side writes is a
+    file the other reads.
     """
 
     engine: str

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def r3_sidecar() -> list[str]:
     """The installed console script when there is one (what `make demo` runs), else the module."""
     script = Path(sys.executable).with_name("r3-sidecar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.server.cli"]
 
 
 @contextlib.contextmanager

@@ -22,8 +22,7 @@ import pytest
 from sglang_server import GLM, Config, Stack
 from tiers import tier_marks
 
-from service import trainers
-from service.client import RoutedExpertsRef
+from service.client import RoutedExpertsRef, trainers
 
 REPO = Path(__file__).resolve().parents[2]
 
