@@ -48,7 +48,7 @@ class _Base:
     ) -> None:
         """`local_reads`: read final records straight from the spool when the sidecar is on this node (default:
         `R3_LOCAL_READS`, on); `local_view`: those reads as read-only arrays over the spool file, no copy;
-        `local_buffers(n)`: where their rows land (e.g. `service.client.pinned.pinned_buffers()` for GPU-bound rows)."""
+        `local_buffers(n)`: where their rows land (e.g. `service.client.pinned_buffers()` for GPU-bound rows)."""
         self._local_args = {"enabled": local_reads, "view": local_view, "alloc": local_buffers}
         self.base_url = sidecar_base(base_url)  # a pointer (…/routed_experts/<rid>) names its sidecar too
         self.timeout = timeout

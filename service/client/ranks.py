@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.client import BatchItem, R3Error, RoutedExperts
+from service.client.calls import BatchItem
+from service.client.decoding import RoutedExperts
+from service.client.errors import R3Error
 from service.client.refs import RoutedExpertsRef, SidecarPool, default_pool
 
 Range = tuple[int, int]

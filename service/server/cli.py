@@ -194,7 +194,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     elif args.out == "-" or args.format in ("json", "sglang_b64"):
         return _to_stdout(body if args.out == "-" else body + b"\n")
     else:
-        from service.client import parse_npy
+        from service.client.decoding import parse_npy
 
         summary = f"{len(body)} bytes"
         if args.format == "npy":

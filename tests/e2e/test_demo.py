@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from helpers import bound_socket
 
-from service.client import NotReady, R3Error, RecordGone, RoutedExperts, RoutedExpertsClient
+from service.client import R3Error, RoutedExperts, RoutedExpertsClient
+from service.client.errors import NotReady, RecordGone
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,24 +17,19 @@ import pytest
 import uvicorn
 from helpers import FakeClock, live_server
 
-from service.client import (
-    AsyncRoutedExpertsClient,
+from service.client import AsyncRoutedExpertsClient, R3Error, RoutedExperts, RoutedExpertsClient
+from service.client.calls import Retry
+from service.client.decoding import FrameDecoder, parse_npy, read_frames
+from service.client.errors import (
     BadRequest,
-    FrameDecoder,
     NotReady,
-    R3Error,
     RangeNotSatisfiable,
     RecordGone,
     RecordNotFound,
     RecordRestarted,
-    RoutedExperts,
-    RoutedExpertsClient,
     Unauthorized,
     error_for,
-    parse_npy,
-    read_frames,
 )
-from service.client.calls import Retry
 from service.server.api import create_app
 from service.server.settings import Settings
 from service.spool import Spool

@@ -13,16 +13,8 @@ import numpy as np
 import pytest
 from helpers import FakeClock, live_app
 
-from service.client import (
-    AsyncRoutedExpertsClient,
-    ConnectionRefused,
-    NotReady,
-    RangeNotSatisfiable,
-    RecordGone,
-    RecordNotFound,
-    RoutedExperts,
-    RoutedExpertsClient,
-)
+from service.client import AsyncRoutedExpertsClient, RoutedExperts, RoutedExpertsClient
+from service.client.errors import ConnectionRefused, NotReady, RangeNotSatisfiable, RecordGone, RecordNotFound
 from service.server.api import create_app
 from service.server.settings import Settings
 from service.spool import Spool

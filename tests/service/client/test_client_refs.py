@@ -23,18 +23,9 @@ from helpers import live_server
 
 from engine_ext.core.records import routed_experts_url
 from engine_ext.sglang.frontdoors import PointerStream, inline_shape, sglext_pointer
-from service.client import (
-    BadRequest,
-    R3Error,
-    RangeNotSatisfiable,
-    RecordNotFound,
-    RoutedExperts,
-    RoutedExpertsClient,
-    RoutedExpertsRef,
-    afetch_many,
-    fetch_many,
-)
+from service.client import R3Error, RoutedExperts, RoutedExpertsClient, RoutedExpertsRef, afetch_many, fetch_many
 from service.client.engine_responses import sidecar_base, split_pointer
+from service.client.errors import BadRequest, RangeNotSatisfiable, RecordNotFound
 from service.client.refs import AsyncSidecarPool, SidecarPool
 from service.server.settings import Settings
 from service.spool import Spool

@@ -14,15 +14,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from service.client import (
-    AsyncRoutedExpertsClient,
-    ConnectionRefused,
-    HostNotFound,
-    R3Error,
-    ReadTimedOut,
-    RoutedExpertsClient,
-    SidecarUnreachable,
-)
+from service.client import AsyncRoutedExpertsClient, R3Error, RoutedExpertsClient
+from service.client.errors import ConnectionRefused, HostNotFound, ReadTimedOut, SidecarUnreachable
 
 
 @pytest.fixture

@@ -26,16 +26,13 @@ import pytest
 from service.client import (
     AsyncRoutedExpertsClient,
     BatchItem,
-    NotReady,
-    RecordGone,
-    RecordNotFound,
-    RecordRestarted,
     RoutedExpertsClient,
     RoutedExpertsRef,
     afetch_many,
     fetch_many,
     local_spool,
 )
+from service.client.errors import NotReady, RecordGone, RecordNotFound, RecordRestarted
 from service.client.refs import AsyncSidecarPool, SidecarPool
 from service.spool import Spool
 

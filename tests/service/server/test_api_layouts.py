@@ -16,15 +16,8 @@ import pybase64
 import pytest
 from helpers import live_server, random_rows
 
-from service.client import (
-    AsyncRoutedExpertsClient,
-    BadRequest,
-    BatchItem,
-    R3Error,
-    RangeNotSatisfiable,
-    RoutedExperts,
-    RoutedExpertsClient,
-)
+from service.client import AsyncRoutedExpertsClient, BatchItem, R3Error, RoutedExperts, RoutedExpertsClient
+from service.client.errors import BadRequest, RangeNotSatisfiable
 from service.server.settings import Settings
 from service.spool import Spool
 from service.wire.frames import parse_frames

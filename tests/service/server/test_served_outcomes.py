@@ -20,7 +20,7 @@ import pytest
 from helpers import random_rows, write_record
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import FrameDecoder
+from service.client.decoding import FrameDecoder
 from service.spool import Spool
 
 
