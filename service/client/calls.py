@@ -6,12 +6,10 @@ each public method is a `Call` built here, sent with the shared `Retry` policy, 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -20,10 +18,7 @@ import orjson
 from service.client.decoding import Frame, FrameDecoder, RoutedExperts
 from service.client.errors import RESTARTED_DETAIL, ConnectionLost, RecordRestarted
 
-__all__ = ["BatchItem", "BatchRid", "Call", "ClientConfig", "Layers", "Retry", "StreamState", "sends"]
-
-P = ParamSpec("P")
-T = TypeVar("T")
+__all__ = ["BatchItem", "BatchRid", "Call", "ClientConfig", "Layers", "Retry", "StreamState"]
 
 # Transport failures worth another try: the request never reached a server, or the connection dropped.
 # Timeouts on reads are not retried (the server is alive and slow; a retry would only double its load).
@@ -100,42 +95,6 @@ class ClientConfig:
     @property
     def plain(self) -> bool:
         return self.base_url.startswith("http://")
-
-
-def sends(
-    build: Callable[P, Call], **fixed: Any
-) -> Callable[[Callable[[Any, Call], T]], Callable[Concatenate[Any, P], T]]:
-    """Declare a client method by the request it sends: its parameters are `build`'s (less those `fixed`), its
-    body turns the built `Call` into the answer. Both clients' methods so take one declared parameter list, and
-    a blocking method stays a plain function, an asyncio one a coroutine function."""
-    params = [p for name, p in inspect.signature(build).parameters.items() if name not in fixed]
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-    def declare(method: Callable[[Any, Call], T]) -> Callable[Concatenate[Any, P], T]:
-        returns = inspect.signature(method).return_annotation
-        signature = inspect.Signature([self_param, *params], return_annotation=returns)
-
-        def call_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Call]:
-            bound = signature.bind(*args, **kwargs)
-            self = bound.arguments.pop("self")
-            return self, build(**bound.arguments, **fixed)
-
-        if inspect.iscoroutinefunction(method):
-
-            @functools.wraps(method)
-            async def public(*args: Any, **kwargs: Any) -> Any:
-                return await method(*call_of(args, kwargs))
-
-        else:
-
-            @functools.wraps(method)
-            def public(*args: Any, **kwargs: Any) -> Any:
-                return method(*call_of(args, kwargs))
-
-        public.__signature__ = signature  # type: ignore[attr-defined]
-        return public  # type: ignore[return-value]
-
-    return declare
 
 
 def layers_param(layers: Layers) -> str:

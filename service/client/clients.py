@@ -98,22 +98,38 @@ class RoutedExpertsClient(_Base):
     def _body(self, call: Call) -> bytearray:
         return self._run(self._io.send, call).checked(call.rid).body
 
-    @req.sends(req.get_call, fmt="npy")
-    def get(self, call: Call) -> RoutedExperts:
+    def get(
+        self,
+        rid: str,
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> RoutedExperts:
         """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final.
 
         `layers`: model layer indices, or a range such as `"0-15"` (a pipeline stage: the MoE layers inside).
         `clamp=True`: a range past the record's rows returns the rows that exist (`.clamped` says so), not a 416.
         """
+        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
         local = self.local.read(call)
         if local is not None:
             return local
         return record_of(call.rid, self._run(self._io.send, call).checked(call.rid))
 
-    @req.sends(req.get_call)
-    def fetch_bytes(self, call: Call) -> bytes:
+    def fetch_bytes(
+        self,
+        rid: str,
+        fmt: str = "npy",
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> bytes:
         """The body in any of the server's formats (`npy`, `raw`, `json`, `sglang_b64`) as bytes."""
-        return bytes(self._body(call))
+        return bytes(self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
 
     def get_many(
         self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
@@ -222,10 +238,18 @@ class AsyncRoutedExpertsClient(_Base):
     async def _body(self, call: Call) -> bytearray:
         return (await self._run(self._io.send, call)).checked(call.rid).body
 
-    @req.sends(req.get_call, fmt="npy")
-    async def get(self, call: Call) -> RoutedExperts:
+    async def get(
+        self,
+        rid: str,
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> RoutedExperts:
         """`RoutedExpertsClient.get`. Calls made before the loop next runs, with the same `layers`, `wait` and
         `clamp`, go as one batch request (`service.client.coalesce`); each still gets its own rows or error."""
+        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
         if self.local.on:
             local = await self._io.off_loop(self.local.read, call)
             if local is not None:
@@ -237,10 +261,18 @@ class AsyncRoutedExpertsClient(_Base):
             return frame.result()
         return record_of(call.rid, (await self._run(self._io.send, call)).checked(call.rid))
 
-    @req.sends(req.get_call)
-    async def fetch_bytes(self, call: Call) -> bytes:
+    async def fetch_bytes(
+        self,
+        rid: str,
+        fmt: str = "npy",
+        start: int | None = None,
+        end: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        clamp: bool = False,
+    ) -> bytes:
         """`RoutedExpertsClient.fetch_bytes`."""
-        return bytes(await self._body(call))
+        return bytes(await self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
 
     async def get_many(
         self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False

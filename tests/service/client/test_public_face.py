@@ -4,6 +4,7 @@ exported before still resolve for one release with a DeprecationWarning."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
 
 import pytest
@@ -41,3 +42,17 @@ def test_a_former_export_is_the_same_object_with_a_warning(name: str) -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         service.client.no_such_name  # noqa: B018
+
+
+def test_the_two_clients_declare_the_same_methods_in_plain_code() -> None:
+    """Each method's parameters are written in its `def` (no wrapper builds them), and the twins agree."""
+    sync, asyncio_ = service.client.RoutedExpertsClient, service.client.AsyncRoutedExpertsClient
+    public = sorted(n for n in vars(sync) if not n.startswith("_") and callable(getattr(sync, n)))
+    assert public == ["ack", "ack_many", "close", "engines", "fetch_bytes", "get", "get_many", "stream"]
+    for name in public:
+        if name == "close":
+            continue
+        blocking, coroutine = getattr(sync, name), getattr(asyncio_, name)
+        assert not hasattr(blocking, "__wrapped__") and not hasattr(coroutine, "__wrapped__"), name
+        assert inspect.signature(blocking).parameters == inspect.signature(coroutine).parameters, name
+    assert list(inspect.signature(sync.get).parameters) == ["self", "rid", "start", "end", "layers", "wait", "clamp"]
