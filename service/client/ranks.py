@@ -51,21 +51,31 @@ def stage_layers(
     if first_stage is not None or last_stage is not None:
         if vp_size is not None:
             raise ValueError("uneven first/last stages with virtual stages: not supported here; pass layers yourself")
-        first, last = first_stage or 0, last_stage or 0
-        middle_stages = pp_size - (first_stage is not None) - (last_stage is not None)
-        middle = num_layers - first - last
-        if middle < 0 or (middle_stages > 0 and middle % middle_stages) or (middle_stages == 0 and middle):
-            raise ValueError(
-                f"{num_layers} layers do not split as first={first_stage}, last={last_stage}, pp={pp_size}"
-            )
-        per = middle // middle_stages if middle_stages else 0
-        if pp_rank == 0 and first_stage is not None:
-            return ((0, first),)
-        if pp_rank == pp_size - 1 and last_stage is not None:
-            return ((num_layers - last, num_layers),)
-        lo = first + (pp_rank - (first_stage is not None)) * per
-        return ((lo, lo + per),)
-    vp = vp_size or 1
+        return (_uneven_stage(num_layers, pp_size, pp_rank, first_stage, last_stage),)
+    return _even_stages(num_layers, pp_size, pp_rank, vp_size or 1)
+
+
+def _uneven_stage(
+    num_layers: int, pp_size: int, pp_rank: int, first_stage: int | None, last_stage: int | None
+) -> Range:
+    """Megatron-LM's `decoder_first_pipeline_num_layers` / `..._last_...`: the first and last stages hold the layers
+    given, the stages between split the rest evenly."""
+    first, last = first_stage or 0, last_stage or 0
+    middle_stages = pp_size - (first_stage is not None) - (last_stage is not None)
+    middle = num_layers - first - last
+    if middle < 0 or (middle_stages > 0 and middle % middle_stages) or (middle_stages == 0 and middle):
+        raise ValueError(f"{num_layers} layers do not split as first={first_stage}, last={last_stage}, pp={pp_size}")
+    per = middle // middle_stages if middle_stages else 0
+    if pp_rank == 0 and first_stage is not None:
+        return (0, first)
+    if pp_rank == pp_size - 1 and last_stage is not None:
+        return (num_layers - last, num_layers)
+    lo = first + (pp_rank - (first_stage is not None)) * per
+    return (lo, lo + per)
+
+
+def _even_stages(num_layers: int, pp_size: int, pp_rank: int, vp: int) -> tuple[Range, ...]:
+    """Every stage the same number of layers; with `vp` virtual stages, rank `pp_rank` holds one chunk in each."""
     if num_layers % (pp_size * vp):
         raise ValueError(f"num_layers={num_layers} is not a multiple of pp×vp={pp_size * vp}")
     per = num_layers // pp_size // vp
