@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from service.server.store import Store
-from service.spool.engine_report import EngineReport, EngineReportError
+from service.spool.engine_report import EngineReport, EngineReportError, WriterCounters
 
 log = logging.getLogger("r3.metrics")
 T = TypeVar("T")
@@ -138,101 +138,106 @@ class Fetch:
             m.wait_seconds.observe(self.waited)
 
 
-def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: float) -> list[Any]:
-    """Contract 3's per-engine gauges from engine files (pure: no I/O); a malformed file leaves out its engine."""
-    g = {
-        name: GaugeMetricFamily(name, doc, labels=labels)
-        for name, doc, labels in (
-            ("r3_buffer_capacity", "Capacity of an engine buffer, in its unit.", ["engine", "buffer"]),
-            ("r3_buffer_peak", "Peak use of an engine buffer over the last window.", ["engine", "buffer"]),
-            ("r3_buffer_headroom_ratio", "1 - peak/capacity over the last window.", ["engine", "buffer"]),
-            ("r3_budget_capacity", "Budgeted capacity of a buffer at launch.", ["engine", "buffer"]),
-            ("r3_budget_demand", "Worst-case demand on a buffer at launch.", ["engine", "buffer"]),
-            ("r3_budget_ok", "1 when the buffer's capacity covers its worst-case demand.", ["engine", "buffer"]),
-            ("r3_host_cache_used_tokens", "Tokens held in the host routed-experts cache.", ["engine"]),
-            ("r3_host_cache_capacity_tokens", "Capacity of the host routed-experts cache in tokens.", ["engine"]),
-            ("r3_engine_queued_bytes", "Bytes queued in the engine's spool writer.", ["engine"]),
-            ("r3_engine_stale", "1 when the engine file was not updated within engine_stale_s.", ["engine"]),
-        )
-    }
-    fallback = CounterMetricFamily(
-        "r3_engine_fallback_inline", "Requests that kept SGLang's inline payload (spool refused).", labels=["engine"]
-    )
-    undelivered = CounterMetricFamily(
+_ENGINE_GAUGES = (
+    ("r3_buffer_capacity", "Capacity of an engine buffer, in its unit.", ["engine", "buffer"]),
+    ("r3_buffer_peak", "Peak use of an engine buffer over the last window.", ["engine", "buffer"]),
+    ("r3_buffer_headroom_ratio", "1 - peak/capacity over the last window.", ["engine", "buffer"]),
+    ("r3_budget_capacity", "Budgeted capacity of a buffer at launch.", ["engine", "buffer"]),
+    ("r3_budget_demand", "Worst-case demand on a buffer at launch.", ["engine", "buffer"]),
+    ("r3_budget_ok", "1 when the buffer's capacity covers its worst-case demand.", ["engine", "buffer"]),
+    ("r3_host_cache_used_tokens", "Tokens held in the host routed-experts cache.", ["engine"]),
+    ("r3_host_cache_capacity_tokens", "Capacity of the host routed-experts cache in tokens.", ["engine"]),
+    ("r3_engine_queued_bytes", "Bytes queued in the engine's spool writer.", ["engine"]),
+    ("r3_engine_stale", "1 when the engine file was not updated within engine_stale_s.", ["engine"]),
+)
+_ENGINE_COUNTERS = (
+    ("r3_engine_fallback_inline", "Requests that kept SGLang's inline payload (spool refused).", ["engine"]),
+    (
         "r3_engine_undelivered",
         "Requests whose rows the engine could not deliver to the spool, by reason (spool_full, queue_full, "
         "spool_not_writable, mirror_mismatch, write_error); those that asked for routed experts kept SGLang's "
         "inline payload (r3_engine_fallback_inline), the rest are lost.",
-        labels=["engine", "reason"],
-    )
-    written = CounterMetricFamily(
-        "r3_engine_records_written", "Records the engine's writer thread finalized in the spool.", labels=["engine"]
-    )
-    refused = CounterMetricFamily(
+        ["engine", "reason"],
+    ),
+    ("r3_engine_records_written", "Records the engine's writer thread finalized in the spool.", ["engine"]),
+    (
         "r3_engine_reservations_refused",
         "Spool reservations the engine refused, by reason (spool_full, queue_full); live-row appends included, "
         "so one request may count several times (r3_engine_undelivered_total counts requests).",
-        labels=["engine", "reason"],
-    )
-    write_errors = CounterMetricFamily(
-        "r3_engine_write_errors", "Spool writes that failed on the engine's writer thread.", labels=["engine"]
-    )
-    hook_seconds = CounterMetricFamily(
+        ["engine", "reason"],
+    ),
+    ("r3_engine_write_errors", "Spool writes that failed on the engine's writer thread.", ["engine"]),
+    (
         "r3_engine_hook_seconds",
         "Seconds of the plugin's own work on the scheduler thread, by hook (forward_extent, forward_end, "
         "batch_result, live_step, collect, finalize) and forward kind (extend, decode, verify, idle, "
         "other); the SGLang code each hook wraps is not counted. Absent when R3_HOOK_TIMERS=0.",
-        labels=["engine", "hook", "kind"],
-    )
-    hook_calls = CounterMetricFamily(
-        "r3_engine_hook_calls",
-        "Calls of each timed hook (see r3_engine_hook_seconds).",
-        labels=["engine", "hook", "kind"],
-    )
-    degraded = CounterMetricFamily(
+        ["engine", "hook", "kind"],
+    ),
+    ("r3_engine_hook_calls", "Calls of each timed hook (see r3_engine_hook_seconds).", ["engine", "hook", "kind"]),
+    (
         "r3_engine_degraded_hooks",
         "Hooks whose plugin code failed in an engine process (the engine file's `degraded`): that process runs "
         "SGLang's own code at every hook since, rows inline, nothing new in the spool. 0 for a healthy engine.",
-        labels=["engine", "hook"],
-    )
+        ["engine", "hook"],
+    ),
+)
+
+
+def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: float) -> list[Any]:
+    """Contract 3's per-engine gauges from engine files (pure: no I/O); a malformed file leaves out its engine."""
+    g = {name: GaugeMetricFamily(name, doc, labels=labels) for name, doc, labels in _ENGINE_GAUGES}
+    c = {name: CounterMetricFamily(name, doc, labels=labels) for name, doc, labels in _ENGINE_COUNTERS}
     for obj in engines:
         try:
             report = EngineReport.from_dict(obj)
         except EngineReportError as exc:
             log.warning("engine file of %r is malformed (%s); its gauges are left out", obj.get("engine"), exc)
             continue
-        engine, w = report.engine, report.writer
-        for occ in report.occupancy:
-            cap, peak = float(occ.capacity), float(occ.peak)
-            g["r3_buffer_capacity"].add_metric([engine, occ.buffer], cap)
-            g["r3_buffer_peak"].add_metric([engine, occ.buffer], peak)
-            g["r3_buffer_headroom_ratio"].add_metric([engine, occ.buffer], 1.0 - peak / cap if cap > 0 else 0.0)
-        for bud in report.budget:
-            g["r3_budget_capacity"].add_metric([engine, bud.buffer], float(bud.capacity))
-            g["r3_budget_demand"].add_metric([engine, bud.buffer], float(bud.demand))
-            g["r3_budget_ok"].add_metric([engine, bud.buffer], 1.0 if bud.ok else 0.0)
+        engine = report.engine
+        _add_buffers(g, report)
         g["r3_host_cache_used_tokens"].add_metric([engine], float(report.used_tokens))
         g["r3_host_cache_capacity_tokens"].add_metric([engine], float(report.capacity_tokens))
-        g["r3_engine_queued_bytes"].add_metric([engine], float(w.queued_bytes))
-        fallback.add_metric([engine], float(w.fallback_inline))
-        written.add_metric([engine], float(w.records_written))
-        refused.add_metric([engine, "spool_full"], float(w.spool_full))
-        if w.queue_full is not None:
-            refused.add_metric([engine, "queue_full"], float(w.queue_full))
-        if w.write_errors is not None:
-            write_errors.add_metric([engine], float(w.write_errors))
-        not_delivered = [(reason, float(count)) for reason, count in sorted((w.undelivered or {}).items())]
-        for reason, count in not_delivered:
-            undelivered.add_metric([engine, reason], count)
-        if any(count for _, count in not_delivered):
-            _log_undelivered(engine, not_delivered)
+        g["r3_engine_queued_bytes"].add_metric([engine], float(report.writer.queued_bytes))
         g["r3_engine_stale"].add_metric([engine], 1.0 if now - report.updated > stale_after_s else 0.0)
+        _add_writer(c, engine, report.writer)
         for hook, kinds in sorted((report.hooks or {}).items()):
             for kind, t in sorted(kinds.items()):
-                hook_seconds.add_metric([engine, hook, kind], float(t.seconds))
-                hook_calls.add_metric([engine, hook, kind], float(t.calls))
-        _add_degraded(degraded, engine, report)
-    return [*g.values(), fallback, undelivered, written, refused, write_errors, hook_seconds, hook_calls, degraded]
+                c["r3_engine_hook_seconds"].add_metric([engine, hook, kind], float(t.seconds))
+                c["r3_engine_hook_calls"].add_metric([engine, hook, kind], float(t.calls))
+        _add_degraded(c["r3_engine_degraded_hooks"], engine, report)
+    return [*g.values(), *c.values()]
+
+
+def _add_buffers(g: dict[str, GaugeMetricFamily], report: EngineReport) -> None:
+    """Each engine buffer's use over the last window (occupancy) and its budget at launch."""
+    engine = report.engine
+    for occ in report.occupancy:
+        cap, peak = float(occ.capacity), float(occ.peak)
+        g["r3_buffer_capacity"].add_metric([engine, occ.buffer], cap)
+        g["r3_buffer_peak"].add_metric([engine, occ.buffer], peak)
+        g["r3_buffer_headroom_ratio"].add_metric([engine, occ.buffer], 1.0 - peak / cap if cap > 0 else 0.0)
+    for bud in report.budget:
+        g["r3_budget_capacity"].add_metric([engine, bud.buffer], float(bud.capacity))
+        g["r3_budget_demand"].add_metric([engine, bud.buffer], float(bud.demand))
+        g["r3_budget_ok"].add_metric([engine, bud.buffer], 1.0 if bud.ok else 0.0)
+
+
+def _add_writer(c: dict[str, CounterMetricFamily], engine: str, w: WriterCounters) -> None:
+    """The engine's spool writer: what it wrote, refused and could not deliver (a counter absent from an older
+    engine's file is left out, not reported as 0)."""
+    c["r3_engine_fallback_inline"].add_metric([engine], float(w.fallback_inline))
+    c["r3_engine_records_written"].add_metric([engine], float(w.records_written))
+    c["r3_engine_reservations_refused"].add_metric([engine, "spool_full"], float(w.spool_full))
+    if w.queue_full is not None:
+        c["r3_engine_reservations_refused"].add_metric([engine, "queue_full"], float(w.queue_full))
+    if w.write_errors is not None:
+        c["r3_engine_write_errors"].add_metric([engine], float(w.write_errors))
+    not_delivered = [(reason, float(count)) for reason, count in sorted((w.undelivered or {}).items())]
+    for reason, count in not_delivered:
+        c["r3_engine_undelivered"].add_metric([engine, reason], count)
+    if any(count for _, count in not_delivered):
+        _log_undelivered(engine, not_delivered)
 
 
 def _add_degraded(family: CounterMetricFamily, engine: str, report: EngineReport) -> None:
