@@ -11,6 +11,7 @@ from service.server.errors import ApiError
 from service.server.metrics import Fetch
 from service.server.record_answer import (
     CountedResponse,
+    OpenBin,
     counted,
     gone,
     missing,
@@ -60,18 +61,8 @@ async def fetch_record(
     sglang = fmt == "sglang_b64" and items is None  # SGLang's own payload: every model layer, dense as zeros
     width = sglang_layers(meta) if sglang else 0
     row_lo, row_hi = lo - meta.start, hi - meta.start
-    try:
-        bin_file = open_bin(store, meta, row_hi)
-    except ApiError:
-        if tries > 1 and replaced(store, meta):  # its `.bin` was unlinked for the new record's
-            return await fetch_record(
-                store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
-            )
-        raise
-    if replaced(store, meta):
-        bin_file.close()
-        if tries <= 1:  # reused on every try: say so rather than serve rows the metadata does not describe
-            raise ApiError(409, "record_replaced", f"record {rid!r} was replaced while read: ask again")
+    bin_file = open_unreplaced(store, rid, meta, row_hi, last_try=tries <= 1)
+    if bin_file is None:  # the rid was reused meanwhile: answer from the new record
         return await fetch_record(
             store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
         )
@@ -94,6 +85,24 @@ async def fetch_record(
         headers["Content-Length"] = str(length)
     body = counted(body, fetch, ok=(200, meta.status), bin_file=bin_file)
     return CountedResponse(body, media_type=formats.MEDIA_TYPES[fmt], headers=headers)
+
+
+def open_unreplaced(store: Store, rid: str, meta: RecordMeta, row_hi: int, last_try: bool) -> OpenBin | None:
+    """The record's `.bin`, opened before the headers; None when its rid was reused for a new record meanwhile
+    (the `.bin` unlinked for the new record's, or the one opened no longer the metadata's): ask again. On the last
+    try a failed open raises as it is, and a reused rid is a 409 rather than rows the metadata does not describe."""
+    try:
+        bin_file = open_bin(store, meta, row_hi)
+    except ApiError:
+        if not last_try and replaced(store, meta):
+            return None
+        raise
+    if replaced(store, meta):
+        bin_file.close()
+        if last_try:
+            raise ApiError(409, "record_replaced", f"record {rid!r} was replaced while read: ask again")
+        return None
+    return bin_file
 
 
 def sglang_wire(
