@@ -157,10 +157,8 @@ def _is_openai(obj: Any) -> bool:
 def parse_openai(resp: Any, start_len: int) -> list[Output] | None:
     """`/v1/completions`, `/v1/chat/completions`: a response, one streamed chunk, or a stream's chunks / SSE text."""
     del start_len  # the OpenAI shapes carry no per-choice token counts to check rows with
-    if _is_openai(resp):
-        resp = [resp]
-    chunks = _sse_objects(resp) if isinstance(resp, str | bytes) else resp
-    if not isinstance(chunks, list) or not chunks or not all(_is_openai(c) for c in chunks):
+    chunks = _openai_chunks(resp)
+    if chunks is None:
         return None
     rids: dict[int, str] = {}
     sglext: dict[str, Any] = {}
@@ -178,6 +176,16 @@ def parse_openai(resp: Any, start_len: int) -> list[Output] | None:
     if len(chunks) == 1 and len(chunks[0]["choices"]) > 1:
         rids = {0: rids[0]} if 0 in rids else {}  # a plain response's id is its first choice's rid
     return _openai_outputs(n, sglext, rids, usage)
+
+
+def _openai_chunks(resp: Any) -> list[dict[str, Any]] | None:
+    """The OpenAI objects of a response (itself), a stream's chunks, or its SSE text; None for any other shape."""
+    if _is_openai(resp):
+        return [resp]
+    chunks = _sse_objects(resp) if isinstance(resp, str | bytes) else resp
+    if not isinstance(chunks, list) or not chunks or not all(_is_openai(c) for c in chunks):
+        return None
+    return chunks
 
 
 def _sse_objects(text: str | bytes) -> list[Any]:
@@ -228,8 +236,8 @@ def parse_vllm_openai(resp: Any, start_len: int) -> list[Output] | None:
 
 def _parse_vllm_stream(resp: Any) -> list[Output] | None:
     """A stream whose last chunk before `[DONE]` holds the plugin's `routed_experts_urls` (one per choice)."""
-    chunks = _sse_objects(resp) if isinstance(resp, str | bytes) else resp
-    if not isinstance(chunks, list) or not chunks or not all(_is_openai(c) for c in chunks):
+    chunks = None if isinstance(resp, dict) else _openai_chunks(resp)  # a stream, never one response
+    if chunks is None:
         return None
     pointer = next((c for c in chunks if isinstance(c.get("routed_experts_urls"), list) and "sglext" not in c), None)
     if pointer is None or not isinstance(pointer.get("id"), str):
