@@ -5,8 +5,8 @@ Four packages, one per side: `spool` is the file contract shared with the engine
 public names are `service.client`'s `__all__`); `wire` holds what both of them read and write over HTTP (the body
 formats, frames, the node identity a sidecar advertises).
 
-The flat module paths of the previous release (`service.refs`, `service.api`, ...) still import, each as the
-moved module under its old name with a `DeprecationWarning`, until the next release (`MOVED`).
+The flat module paths of the previous releases (`service.refs`, `service.api`, `service.record_meta`, ...) still
+import, each as the moved module under its old name with a `DeprecationWarning`, until the next release (`MOVED`).
 """
 
 import importlib
@@ -29,8 +29,10 @@ MOVED = {
     "coalesce": "client.coalesce",
     "connections": "client.connections",
     "demo": "server.demo",
+    "engine_report": "spool.engine_report",
     "errors": "server.errors",
     "fetch": "server.fetch",
+    "files": "spool.files",
     "formats": "wire.formats",
     "frames": "wire.frames",
     "heap": "server.heap",
@@ -43,6 +45,8 @@ MOVED = {
     "pinned": "client.pinned",
     "ranks": "client.ranks",
     "ray_nodes": "client.ray_nodes",
+    "record_meta": "spool.record_meta",
+    "record_writer": "spool.record_writer",
     "records": "server.record_answer",
     "refs": "client.refs",
     "requests": "client.calls",
