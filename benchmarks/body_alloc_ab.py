@@ -1,5 +1,5 @@
 """A/B of how the client's reader threads allocate body buffers (BENCHMARKS.md §7): `np.empty` (holds the GIL
-through glibc's `mmap`) against `service.buffers.uninitialized` (the same `malloc` through ctypes, GIL released),
+through glibc's `mmap`) against `service.wire.buffers.uninitialized` (the same `malloc` through ctypes, GIL released),
 interleaved in one process against one sidecar, with the probe-alone control and the load at every repetition.
 
 `PYTHONPATH=. .venv/bin/python -m benchmarks.body_alloc_ab [--stall-reps 7] [--reps 15]`; its `get` ×64 are
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-import service.connections
-import service.frames
+import service.client.connections
+import service.wire.frames
 from benchmarks.servers import serve
 from benchmarks.trainer_api import CONTROL, Stall, stall_during, stall_summary, write
-from service.buffers import uninitialized
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, afetch_many
-from service.refs import AsyncSidecarPool
+from service.client.refs import AsyncSidecarPool
 from service.spool import Spool
+from service.wire.buffers import uninitialized
 
 
 def numpy_empty(n: int) -> memoryview:
@@ -38,8 +38,8 @@ ALLOCATORS: dict[str, Callable[[int], memoryview]] = {"np.empty": numpy_empty, "
 
 
 def use(name: str) -> None:
-    service.connections.uninitialized = ALLOCATORS[name]
-    service.frames.uninitialized = ALLOCATORS[name]
+    service.client.connections.uninitialized = ALLOCATORS[name]
+    service.wire.frames.uninitialized = ALLOCATORS[name]
 
 
 async def compare(url: str, rids: list[str], nbytes: int, reps: int, stall_reps: int) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 
 from benchmarks.shapes import ModelShape, relabel
 from benchmarks.stats import summary
-from service.client import R3Error, RoutedExpertsClient, parse_npy
+from service.client import R3Error, RoutedExpertsClient
+from service.client.decoding import parse_npy
 from service.spool import Spool
 
 

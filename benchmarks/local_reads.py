@@ -35,11 +35,11 @@ from benchmarks.limits import loopback_gbps, loopback_round_trips_gbps, memcpy_g
 from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES
 from benchmarks.stats import summary
-from service.buffers import uninitialized
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, fetch_many
-from service.local_spool import LocalSpool, Selection
-from service.refs import SidecarPool
+from service.client.local_spool import LocalSpool, Selection
+from service.client.refs import SidecarPool
 from service.spool import Spool
+from service.wire.buffers import uninitialized
 
 
 def write(spool: Spool, rid: str, name: str, tokens: int, seed: int) -> int:

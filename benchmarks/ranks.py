@@ -1,7 +1,7 @@
 """Per-rank fetch vs whole records, and what a ref costs in Ray's object store vs the rows it stands for.
 
 One record per case (a rollout of N tokens: N−1 rows) in a spool served by the sidecar in its own process.
-Each training rank fetches its pipeline stage's layers and context-parallel chunks (`service.ranks.fetch_rank`,
+Each training rank fetches its pipeline stage's layers and context-parallel chunks (`service.client.ranks.fetch_rank`,
 server-side slicing); the whole record is what a rank fetches without it. Bytes are the sidecar's own count of
 body bytes served (`r3_served_bytes_total`, read before and after); time is the median of repeated fetches on
 a kept-alive connection. Ref sizes are `pickle.dumps` of the `RoutedExpertsRef` a trainer ships between actors
@@ -27,8 +27,8 @@ from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES, routing
 from benchmarks.stats import summary
 from engine_ext.core.records import routed_experts_url
-from service.ranks import Place, fetch_rank
-from service.refs import RoutedExpertsRef, SidecarPool
+from service.client.ranks import Place, fetch_rank
+from service.client.refs import RoutedExpertsRef, SidecarPool
 from service.spool import Spool
 
 OUT = Path(__file__).resolve().parent / "ranks.md"

@@ -25,7 +25,7 @@ RANKS_INTRO = """## Per-rank fetch and refs through Ray
 .venv/bin/python -m benchmarks.ranks --reps 25   # writes benchmarks/ranks.md; `make bench` keeps it here
 ```
 
-What one training rank fetches with `service.ranks.fetch_rank` (its pipeline stage's layers, its load-balanced
+What one training rank fetches with `service.client.ranks.fetch_rank` (its pipeline stage's layers, its load-balanced
 context-parallel chunks, sliced by the sidecar) against the whole record. Rank 0 of each place (DeepSeek-V3's
 first stage holds its 3 dense layers, so it fetches fewer MoE layers than a quarter). Bytes are the sidecar's
 own count of body bytes served (`r3_served_bytes_total`); time is the median of a kept-alive loopback fetch, the
@@ -572,7 +572,8 @@ def render(results: dict, plot_names: list[str], plot_dir: str, kept: str | None
             "request, `orjson_response`, served by uvicorn in its own process; the trainer parses the body with "
             "orjson and runs `extract_routed_experts_from_meta_info(...).reshape(-1, num_hidden_layers, topk)`. "
             "Ours: compaction of the same int32 rows to the spool dtype, `Spool.writer` append + finalize, the "
-            "sidecar (`service.api.create_app`, its own uvicorn process) and `RoutedExpertsClient.get(...).array`. "
+            "sidecar (`service.server.api.create_app`, its own uvicorn process) and "
+            "`RoutedExpertsClient.get(...).array`. "
             "Both start from the engine's int32 rows and stop at a numpy array; both decode to the same experts "
             "(checked every case). Bytes are the full HTTP response (status line, headers, body). The last two "
             "columns replace the client's fetch by the `http.client` reference reader of section 2 (same spool "

@@ -70,9 +70,9 @@ def _app(kind: str, directory: Path):
         from benchmarks.inline_path import create_inline_app
 
         return create_inline_app(directory)
-    from service.api import create_app
-    from service.heap import keep_freed_chunks
-    from service.settings import Settings
+    from service.server.api import create_app
+    from service.server.heap import keep_freed_chunks
+    from service.server.settings import Settings
 
     settings = Settings(spool_dir=directory, host="127.0.0.1")
     keep_freed_chunks(settings.chunk_bytes)  # as `r3-sidecar serve` does

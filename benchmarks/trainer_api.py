@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.servers import serve
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, afetch_many
-from service.refs import AsyncSidecarPool
+from service.client.refs import AsyncSidecarPool
 from service.spool import Spool
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128

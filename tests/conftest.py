@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import live_server
 
-from service.settings import Settings
+from service.server.settings import Settings
 from service.spool import Spool
 
 

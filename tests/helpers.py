@@ -27,8 +27,8 @@ import numpy as np
 import uvicorn
 from waiting import wait_until
 
-from service.api import create_app
-from service.settings import Settings
+from service.server.api import create_app
+from service.server.settings import Settings
 from service.spool import Spool
 from service.spool.record_meta import RecordMeta
 
@@ -135,7 +135,7 @@ def live_server(
         "-m",
         "uvicorn",
         "--factory",
-        "service.api:app_from_env",
+        "service.server.api:app_from_env",
         "--fd",
         str(sock.fileno()),
         "--log-level",

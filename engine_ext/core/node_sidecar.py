@@ -10,7 +10,7 @@ the plugin, in each SGLang process, makes sure the node's sidecar runs and learn
 - the sidecar leaves the engine's process tree and group (a new session, then a fork whose parent exits), so
   Ray's kill of the actor, its worker's children and its process group do not reach it: it outlives an engine
   restart and keeps serving records;
-- it exits by itself (`service/lifetime.py`): when no engine has reported for `R3_SIDECAR_IDLE_S` and no
+- it exits by itself (`service/server/lifetime.py`): when no engine has reported for `R3_SIDECAR_IDLE_S` and no
   record is left, or at once when Ray's raylet of this node (`RAY_RAYLET_PID`) is gone;
 - pointers name an address other nodes can reach: `R3_ADVERTISE_HOST`, else the address of the interface of
   the default route (what Ray itself reports as the node IP), never a loopback address unless asked.
@@ -111,7 +111,7 @@ def ensure(
     env = dict(os.environ if env is None else env)
     with open(spool / LOCK_NAME, "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held while starting: a few ms (the server starts after we return)
-        register_client(spool, os.getpid())  # the sidecar stays while this process lives (service/lifetime.py)
+        register_client(spool, os.getpid())  # the sidecar stays while this process lives (service/server/lifetime.py)
         found = _alive_sidecar(spool)
         if found is not None:
             return found
@@ -162,7 +162,7 @@ def _spawn_detached(fd: int, spool: Path, idle_s: float, env: dict[str, str], lo
     if raylet := env.get("RAY_RAYLET_PID"):  # under Ray: end with this node's raylet (the cluster went away)
         env.setdefault("R3_EXIT_WITH_PID", raylet)
     cmd = [sys.executable, "-m", "engine_ext.core.node_sidecar", str(fd), str(log_path), sys.executable]
-    cmd += ["-m", "service.cli", "serve", "--fd", str(fd), "--spool-dir", str(spool)]
+    cmd += ["-m", "service.server.cli", "serve", "--fd", str(fd), "--spool-dir", str(spool)]
     out = subprocess.run(cmd, env=env, pass_fds=(fd,), capture_output=True, start_new_session=True, timeout=30)
     if out.returncode != 0:
         raise RuntimeError(f"could not start the node sidecar: {out.stderr.decode(errors='replace')[-2000:]}")

@@ -196,8 +196,9 @@ class HookFault:
 class EngineReport:
     """One engine process's file, `<root>/v1/engines/<engine>.json`: exactly the JSON of Contract 1.
 
-    The engine builds it (`engine_ext.core.telemetry`, the demo engine), the sidecar parses it (`service.metrics`);
-    `from_dict` is the one validation both sides run, so a file one side writes is a file the other reads.
+    The engine builds it (`engine_ext.core.telemetry`, the demo engine), the sidecar parses it
+    (`service.server.metrics`); `from_dict` is the one validation both sides run, so a file one side writes is a
+    file the other reads.
     """
 
     engine: str
@@ -219,18 +220,7 @@ class EngineReport:
     @classmethod
     def from_dict(cls, report: dict[str, Any]) -> EngineReport:
         """Check every field Contract 1 names (types and presence); raises `EngineReportError` naming the field."""
-        if not isinstance(report, dict):
-            raise EngineReportError("an engine report is a JSON object")
-        if report.get("v", VERSION) != VERSION:
-            raise EngineReportError(f"v={report.get('v')!r}, this reader knows v={VERSION}")
-        if not isinstance(report.get("engine"), str) or not report["engine"]:
-            raise EngineReportError("engine must be a non-empty string")
-        dp_rank = report.get("dp_rank")
-        if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)):
-            raise EngineReportError(f"dp_rank={dp_rank!r}")
-        pid, updated = _count(report, "pid", "report"), _count(report, "updated", "report")
-        if not isinstance(report.get("sglang"), str):
-            raise EngineReportError("sglang must be the version string")
+        dp_rank, pid, updated = _identity(report)
         if not isinstance(report.get("budget"), list) or not isinstance(report.get("occupancy"), list):
             raise EngineReportError("budget and occupancy must be lists")
         budget = tuple(BudgetEntry.from_dict(row, f"budget[{i}]") for i, row in enumerate(report["budget"]))
@@ -285,6 +275,24 @@ class EngineReport:
         out |= {} if self.vllm is None else {"vllm": self.vllm}
         out |= {} if self.hooks is None else {"hooks": HookTime.dump_all(self.hooks)}
         return out | ({} if self.degraded is None else {"degraded": [fault.to_dict() for fault in self.degraded]})
+
+
+def _identity(report: Any) -> tuple[int | None, int | float, int | float]:
+    """Which process wrote the report, checked before its parts: a JSON object of this version naming its engine,
+    dp rank, pid, update time and SGLang version. Returns `(dp_rank, pid, updated)`."""
+    if not isinstance(report, dict):
+        raise EngineReportError("an engine report is a JSON object")
+    if report.get("v", VERSION) != VERSION:
+        raise EngineReportError(f"v={report.get('v')!r}, this reader knows v={VERSION}")
+    if not isinstance(report.get("engine"), str) or not report["engine"]:
+        raise EngineReportError("engine must be a non-empty string")
+    dp_rank = report.get("dp_rank")
+    if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)):
+        raise EngineReportError(f"dp_rank={dp_rank!r}")
+    pid, updated = _count(report, "pid", "report"), _count(report, "updated", "report")
+    if not isinstance(report.get("sglang"), str):
+        raise EngineReportError("sglang must be the version string")
+    return dp_rank, pid, updated
 
 
 def validate_engine_report(report: dict[str, Any]) -> dict[str, Any]:

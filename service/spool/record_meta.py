@@ -184,13 +184,7 @@ class RecordMeta:
         topk = count("topk", 1)
         if topk > MAX_TOPK:
             raise SpoolFormatError("bad_field", f"topk={topk} > {MAX_TOPK}")
-        layers = need("layers", list)
-        if not layers or len(layers) > MAX_LAYERS:
-            raise SpoolFormatError("bad_field", f"{len(layers)} layers (1 … {MAX_LAYERS})")
-        if set(map(type, layers)) != {int} or min(layers) < 0:  # in C: every read parses this (bool is not int)
-            raise SpoolFormatError("bad_field", "layers must be non-negative integers")
-        if len(set(layers)) != len(layers):
-            raise SpoolFormatError("bad_field", "layers repeat")
+        layers = _checked_layers(need("layers", list))
         status = need("status", str)
         if status not in STATUSES:
             raise SpoolFormatError("bad_field", f"status={status!r}")
@@ -221,6 +215,17 @@ class RecordMeta:
             updated=float(need("updated", int | float)),
             num_hidden_layers=num_hidden_layers,
         )
+
+
+def _checked_layers(layers: list[Any]) -> list[int]:
+    """A record's `layers`: 1 to `MAX_LAYERS` distinct model-layer indices, or `SpoolFormatError`."""
+    if not layers or len(layers) > MAX_LAYERS:
+        raise SpoolFormatError("bad_field", f"{len(layers)} layers (1 … {MAX_LAYERS})")
+    if set(map(type, layers)) != {int} or min(layers) < 0:  # in C: every read parses this (bool is not int)
+        raise SpoolFormatError("bad_field", "layers must be non-negative integers")
+    if len(set(layers)) != len(layers):
+        raise SpoolFormatError("bad_field", "layers repeat")
+    return layers
 
 
 def parse_weight_versions(value: Any) -> tuple[tuple[int, str | int], ...]:

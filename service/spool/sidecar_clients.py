@@ -1,7 +1,7 @@
 """The processes that keep a spool's sidecar: a pid file each in `<spool>/sidecar.d/`.
 
 An engine process that starts or finds the node's sidecar (`engine_ext/core/node_sidecar.py`) registers here;
-the sidecar counts the ones still alive before it exits for want of engines (`service/lifetime.py`).
+the sidecar counts the ones still alive before it exits for want of engines (`service/server/lifetime.py`).
 """
 
 from __future__ import annotations

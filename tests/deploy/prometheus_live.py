@@ -56,9 +56,9 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) ->
 
 
 def r3_sidecar() -> list[str]:
-    """The CLI of the code under test: `python -m service.cli` from the repository (an installed console script
+    """The CLI of the code under test: `python -m service.server.cli` from the repository (an installed console script
     may belong to another checkout of the project)."""
-    return [sys.executable, "-m", "service.cli"]
+    return [sys.executable, "-m", "service.server.cli"]
 
 
 @contextlib.contextmanager

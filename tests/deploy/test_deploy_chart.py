@@ -48,8 +48,8 @@ from deploy_render import (
 )
 from pod_security import restricted_violations
 
-from service.api import create_app
-from service.settings import Settings
+from service.server.api import create_app
+from service.server.settings import Settings
 from service.spool import Spool
 
 SCENARIOS = scenarios()
@@ -596,7 +596,7 @@ def test_hooks_are_only_the_test_pod(rendered: tuple[dict, list]) -> None:
 def test_notes_tell_how_to_fetch_a_rid() -> None:
     notes = render_manifests()["r3-sidecar/templates/NOTES.txt"]
     assert "/routed_experts/<rid>" in notes and "Authorization: Bearer" in notes and "helm test" in notes
-    from service.cli import build_parser
+    from service.server.cli import build_parser
 
     (exec_line,) = [line for line in notes.splitlines() if "kubectl exec" in line]
     args = build_parser().parse_args(exec_line.split(" -- ", 1)[1].split()[1:])
@@ -648,7 +648,7 @@ def test_engine_command_line_parses_with_sglang_0_5_23() -> None:
 
 
 def test_sidecar_command_line_parses_with_the_real_cli(rendered: tuple[dict, list]) -> None:
-    from service.cli import build_parser
+    from service.server.cli import build_parser
 
     values, objects = rendered
     v = _values(values)

@@ -105,7 +105,7 @@ def live_metrics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]
     """Sample name → label names, scraped from a real sidecar after the traffic every series needs."""
     from helpers import live_server
 
-    from service.settings import Settings
+    from service.server.settings import Settings
 
     root = tmp_path_factory.mktemp("spool")
     spool = Spool(root)
@@ -171,7 +171,7 @@ def test_code_matchers_select_the_codes_the_sidecar_emits(tmp_path) -> None:
     applies them) pick out exactly the answers they are named for."""
     from helpers import live_server
 
-    from service.settings import Settings
+    from service.server.settings import Settings
 
     spool = Spool(tmp_path / "spool")
     write_record(spool, "there", random_rows(4))

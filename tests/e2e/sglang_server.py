@@ -390,7 +390,7 @@ def start(config: Config, workdir: Path) -> Stack:
     if config.sidecar:
         sidecar_port = free_port()
         sidecar = spawn(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(sidecar_port)],
+            [sys.executable, "-m", "service.server.cli", "serve", "--host", "127.0.0.1", "--port", str(sidecar_port)],
             {**env, "R3_TEST_SGLANG_CPU": "0"},
             workdir / "sidecar.log",
             f"http://127.0.0.1:{sidecar_port}",

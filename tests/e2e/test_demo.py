@@ -16,7 +16,8 @@ import pytest
 from helpers import bound_socket
 from waiting import wait_until
 
-from service.client import NotReady, R3Error, RecordGone, RoutedExperts, RoutedExpertsClient
+from service.client import R3Error, RoutedExperts, RoutedExpertsClient
+from service.client.errors import NotReady, RecordGone
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def r3_sidecar() -> list[str]:
     """The installed console script when there is one (what `make demo` runs), else the module."""
     script = Path(sys.executable).with_name("r3-sidecar")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.server.cli"]
 
 
 @contextlib.contextmanager

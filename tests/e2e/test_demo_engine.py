@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from waiting import wait_until
 
-from service.demo import DemoConfig, DemoEngine, Router
+from service.server.demo import DemoConfig, DemoEngine, Router
 from service.spool import Spool
 
 

@@ -370,7 +370,7 @@ def test_offline_engine_returns_the_pointer(mirror, sglang_exclusive):
     env = server_env(SIDECAR, spool)
     port = free_port()
     sidecar = spawn(
-        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "service.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
         env | {"R3_TEST_SGLANG_CPU": "0"},
         root / "sidecar.log",
         f"http://127.0.0.1:{port}",

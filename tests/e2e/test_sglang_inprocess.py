@@ -34,7 +34,7 @@ def launch(root, *, skip_tokenizer_init: bool) -> tuple[list[dict], Process]:
     env = server_env(config, root / "spool")
     port = free_port()
     sidecar = spawn(
-        [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "service.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
         {**env, "R3_TEST_SGLANG_CPU": "0"},
         root / "sidecar.log",
         f"http://127.0.0.1:{port}",

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from sglang_server import Config, Stack
 
-from service.client import RecordRestarted, RoutedExpertsClient
+from service.client import RoutedExpertsClient
+from service.client.errors import RecordRestarted
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 

@@ -4,7 +4,7 @@ A real SGLang 0.5.23 server in mirror mode (each response carries SGLang's inlin
 the plugin's record of the same request) running a model with a dense layer (GLM-4.5's layout: layer 0 dense),
 so a layer axis that drops or misplaces the dense slot shows. For each request the trainer's real code builds
 its tensor twice: from the inline payload, as it does today, and from the project's output (the sidecar's
-`sglang_b64` body spliced into the response, or `service.trainers`' adapter of the fetched rows). Both must be
+`sglang_b64` body spliced into the response, or `service.client.trainers`' adapter of the fetched rows). Both must be
 equal in dtype, shape and every value. verl's resume loop (`FullyAsyncLLMServerClient.generate`) runs for
 real against the server, aborted part way and resumed under the same rid.
 """
@@ -23,8 +23,7 @@ import trainer_code
 from sglang_server import GLM, Config, Stack
 from waiting import wait_until
 
-from service import trainers
-from service.client import RoutedExperts, RoutedExpertsClient
+from service.client import RoutedExperts, RoutedExpertsClient, trainers
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
@@ -178,7 +177,7 @@ class _Server:
     Its body is `SGLangHttpServer.generate` reduced to what the loop reads (`rid`, `max_tokens` →
     `max_new_tokens`, `return_routed_experts`; TokenOutput of output ids, routed experts, finish type), with
     the routed-experts lines replaced as the verl and AReaL pages say: the response's pointer, fetched, through
-    `service.trainers.verl`. The first call is aborted once it has produced tokens, as a weight update does.
+    `service.client.trainers.verl`. The first call is aborted once it has produced tokens, as a weight update does.
     """
 
     def __init__(self, stack: Stack, abort_after_s: float) -> None:

@@ -34,8 +34,8 @@ from vllm_server import VllmServer, inline_rows
 from waiting import WaitTimeout, wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release
-from service.refs import RoutedExpertsRef, fetch_many
-from service.responses import vllm_choice_rid
+from service.client.engine_responses import vllm_choice_rid
+from service.client.refs import RoutedExpertsRef, fetch_many
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # three server starts per release, in its fixture
 

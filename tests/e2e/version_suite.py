@@ -23,8 +23,7 @@ from sglang_server import GLM, Config, Stack
 from tiers import tier_marks
 from waiting import wait_until
 
-from service import trainers
-from service.client import RoutedExpertsRef
+from service.client import RoutedExpertsRef, trainers
 
 REPO = Path(__file__).resolve().parents[2]
 

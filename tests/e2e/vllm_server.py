@@ -186,7 +186,7 @@ def start(
     if sidecar:
         port = free_port()
         side = spawn(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "service.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
             base,
             workdir / "sidecar.log",
             f"http://127.0.0.1:{port}",

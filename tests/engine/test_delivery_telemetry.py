@@ -12,7 +12,7 @@ from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
 from engine_ext.sglang import capturer
 from engine_ext.sglang.budget import BudgetInputs, budget_rows
-from service.metrics import engine_families
+from service.server.metrics import engine_families
 from service.spool import Spool
 from service.spool.engine_report import EngineReportError, validate_engine_report
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import engine_report
 
 from engine_ext.sglang import timers
-from service.metrics import engine_families
+from service.server.metrics import engine_families
 from service.spool.engine_report import EngineReport, EngineReportError
 
 

@@ -18,7 +18,7 @@ from helpers import live_server
 from sglang_env import run_sglang
 
 from service.client import RoutedExpertsClient
-from service.settings import Settings
+from service.server.settings import Settings
 from service.spool import Spool
 
 _CHILD = r"""

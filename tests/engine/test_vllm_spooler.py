@@ -199,7 +199,7 @@ def _served_engines(spool_dir: Path) -> list[dict]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "R3_SPOOL_DIR": str(spool_dir), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "service.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until(

@@ -11,7 +11,7 @@ both Ray nodes here share one kernel, so that fetch runs in a child process that
 (`unshare -m` with the boot-id file bound over), what a client compares to tell nodes apart; the per-rank
 fetch runs in the task itself. Then the actor is killed (its server dies; the sidecar does not), the sidecar is
 killed by pid, and the next engine start brings it back on the same address: the first refs resolve again, nothing lost.
-The explicit alternative, one sidecar actor per node (`service.ray_nodes`), serves on both nodes and goes
+The explicit alternative, one sidecar actor per node (`service.client.ray_nodes`), serves on both nodes and goes
 with its actors. After the job and cluster end, no r3 or SGLang process of the test is left.
 """
 
@@ -35,7 +35,7 @@ import pytest
 from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
 from waiting import wait_until
 
-from service.ray_nodes import start_node_sidecars
+from service.client.ray_nodes import start_node_sidecars
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -69,7 +69,7 @@ class EngineActor:
 
     def rollout(self, prompts: list[list[int]]) -> tuple[list, list[np.ndarray], list[int]]:
         """(refs without inline rows: what is shipped; SGLang's inline rows; each sequence's token count)."""
-        from service.refs import RoutedExpertsRef
+        from service.client.refs import RoutedExpertsRef
 
         refs, inline, lengths = [], [], []
         for i, ids in enumerate(prompts):
@@ -93,7 +93,7 @@ class EngineActor:
 # file bound over), which is all a client compares to tell another node from its sidecar's.
 ANOTHER_NODE = (
     "import pickle, sys\n"
-    "from service.refs import fetch_many\n"
+    "from service.client.refs import fetch_many\n"
     "got = fetch_many(pickle.load(sys.stdin.buffer), wait=30)\n"
     "sys.stdout.buffer.write(pickle.dumps([(r.array, r.layers, r.start, r.source) for r in got]))\n"
 )
@@ -112,7 +112,7 @@ def train(refs: list, lengths: list[int], workdir: str) -> dict:
     """On the trainer node: resolve the refs received through the object store, whole and for one rank."""
     import ray as ray_
 
-    from service.ranks import Place, fetch_rank
+    from service.client.ranks import Place, fetch_rank
 
     whole = fetch_as_another_node(refs, workdir)
     place = Place(pp_size=2, pp_rank=1, cp_size=2, cp_rank=1)
@@ -127,10 +127,10 @@ def train(refs: list, lengths: list[int], workdir: str) -> dict:
 
 
 def resolve_on_engine_node(refs: list) -> dict:
-    """On the engine's node: the refs resolve straight from the node's spool (service.local_reads)."""
+    """On the engine's node: the refs resolve straight from the node's spool (service.client.local_reads)."""
     import ray as ray_
 
-    from service.refs import fetch_many
+    from service.client.refs import fetch_many
 
     got = fetch_many(refs, wait=30)
     return {

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from r3_harness import Sidecar, Writer
 
-import service.api  # noqa: F401  # the sidecar processes run it: an import error fails the suite, never skips it
+import service.server.api  # noqa: F401  # the sidecar processes run it: an import error fails the suite, never skips it
 
 
 @pytest.fixture

@@ -125,8 +125,8 @@ class Sidecar:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        """The deployed entry point; `python -m service.cli` when the console script is not installed."""
-        entry = [str(CLI)] if CLI.exists() else [PYTHON, "-m", "service.cli"]
+        """The deployed entry point; `python -m service.server.cli` when the console script is not installed."""
+        entry = [str(CLI)] if CLI.exists() else [PYTHON, "-m", "service.server.cli"]
         return [*entry, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
 
     def start(self, ready_timeout: float = 30.0) -> Sidecar:

@@ -19,7 +19,8 @@ import httpx
 import numpy as np
 from r3_harness import LAYERS, expected_rows
 
-from service.client import NotReady, R3Error, RecordNotFound, RoutedExpertsClient
+from service.client import R3Error, RoutedExpertsClient
+from service.client.errors import NotReady, RecordNotFound
 
 WAIT_S = 5
 

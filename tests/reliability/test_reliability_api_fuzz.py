@@ -66,8 +66,8 @@ def _load_schema(env: dict[str, str], modes: tuple[GenerationMode, ...]):
     (schemathesis' lazy `from_fixture` loader does not work with pytest 9, so the schema is built at import and
     `test_live_schema_is_the_same` checks the live server publishes the same document.)
     """
-    from service.api import create_app  # an import error fails the suite: it must never skip silently
-    from service.settings import Settings
+    from service.server.api import create_app  # an import error fails the suite: it must never skip silently
+    from service.server.settings import Settings
 
     settings = Settings(
         spool_dir=Path(tempfile.mkdtemp(prefix="r3-schema-")),

@@ -20,7 +20,7 @@ import pytest
 from r3_harness import accepted_connections, check_record, proc_fds, proc_rss_bytes
 from waiting import WaitTimeout, wait_until
 
-from service.settings import Settings
+from service.server.settings import Settings
 from service.spool import Spool
 
 STALLED = 64
@@ -142,7 +142,7 @@ def test_send_timeout_interrupts_a_server_without_a_transport(tmp_path) -> None:
     """Not every ASGI server exposes its transport on `send`: the watchdog then cancels the stuck send."""
     import asyncio
 
-    from service.api import create_app
+    from service.server.api import create_app
 
     app = create_app(Settings(spool_dir=tmp_path, send_timeout_s=0.2))
     scope = {

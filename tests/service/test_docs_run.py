@@ -65,7 +65,7 @@ def demo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = sock.getsockname()[1]
     sock.close()
     script = Path(sys.executable).with_name("r3-sidecar")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "service.server.cli"]
     env = {**os.environ, "R3_SPOOL_DIR": str(tmp_path_factory.mktemp("docs") / "spool")}
     proc = subprocess.Popen(
         [*cmd, "demo", "--host", "127.0.0.1", "--port", str(port), "--step-ms", "5"],

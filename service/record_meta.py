@@ -1,9 +1,0 @@
-"""Deprecated alias of `service.spool.record_meta` (the spool contract's package): removed in the next release."""
-
-import sys
-import warnings
-
-from service.spool import record_meta as _moved
-
-warnings.warn("service.record_meta is deprecated: import service.spool.record_meta", DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _moved  # one module under both names: what one patches, the other sees
