@@ -187,7 +187,8 @@ def test_refs_through_ray_and_a_node_sidecar_that_survives_the_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     t0 = time.monotonic()
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]  # tests/: the `waiting` helper
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the roles below travel by value
     spool, model = tmp_path / "spool", write_model(tmp_path / "model")
     config = Config("ray", env={"R3_MODE": "mirror", "R3_SIDECAR": "auto", "R3_SIDECAR_IDLE_S": "30"})
