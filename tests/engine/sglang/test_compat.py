@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from sglang_env import run_sglang
 
-from engine_ext.sglang import compat
+from engine_ext.sglang import compat, compat_shims
 from engine_ext.sglang.versions import MATRIX
 
 
@@ -52,7 +52,7 @@ def test_split_read():
 
 
 def test_a_single_entry_per_replica_list_is_this_rank_without_asking_sglang():
-    assert compat.slot_in_by_attention_dp_rank([17]) == 0
+    assert compat_shims.slot_in_by_attention_dp_rank([17]) == 0
 
 
 @pytest.mark.sglang

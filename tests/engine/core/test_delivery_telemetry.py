@@ -7,8 +7,9 @@ import time
 import numpy as np
 import pytest
 
+from engine_ext.core.records import RecordSpec
 from engine_ext.core.telemetry import Sources, Telemetry
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.core.writer import Op, SpoolWriter
 from engine_ext.sglang import capturer
 from engine_ext.sglang.budget import BudgetInputs, budget_rows
 from service.metrics import engine_families
