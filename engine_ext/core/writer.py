@@ -14,22 +14,28 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine_ext.core.bounded_rids import BoundedRids
 from engine_ext.core.degraded import guarded_thread
+from engine_ext.core.records import RecordSpec
+from engine_ext.core.writer_counts import (
+    NOT_WRITABLE,
+    QUEUE_FULL,
+    SPOOL_FULL,
+    UNDELIVERED_LOG_EVERY_S,
+    Refusal,
+    WriterStats,
+    undelivered_reason,
+)
 from service.spool import Spool
-from service.spool.engine_report import UNDELIVERED_REASONS, WriterCounters
-from service.spool.record_meta import Weights, default_dtype, dtype_holds
+from service.spool.record_meta import Weights
 from service.spool.record_writer import RecordWriter
-
-# `UNDELIVERED_REASONS` (Contract 1, `service.spool`): why a request's rows did not reach the spool: refused
-# reservations (`spool_full`, `queue_full`, `spool_not_writable`), a mirror-mode inline payload that did not
-# match its reservation, or a write that failed on the writer thread.
 
 logger = logging.getLogger("r3_sidecar.writer")
 
@@ -52,41 +58,6 @@ Why one cadence for all records rather than a timer each: the sidecar pays per b
 as per file, so the open records grown since the last publish are published together."""
 
 
-def spool_dtype(configured: str, num_experts: int) -> str:
-    """The record dtype: `R3_DTYPE` when set and wide enough, else the smallest that holds every id."""
-    if configured in ("", "auto"):
-        return default_dtype(num_experts)
-    if not dtype_holds(configured, num_experts):
-        raise ValueError(f"R3_DTYPE={configured} cannot hold expert id {num_experts - 1}")
-    return configured
-
-
-def compact(rows: np.ndarray, dtype: str) -> np.ndarray:
-    """Rows `(n, layers, topk)` as a C-contiguous array of the spool dtype (a copy unless already so)."""
-    return np.ascontiguousarray(rows, dtype=dtype)
-
-
-@dataclass(frozen=True, slots=True)
-class RecordSpec:
-    """Everything a record's metadata needs besides its rows."""
-
-    rid: str
-    num_experts: int
-    topk: int
-    layers: tuple[int, ...]
-    start: int
-    prompt_len: int
-    dtype: str
-    engine: str = ""
-    weight_version: str | int | None = None
-    weight_versions: tuple[tuple[int, str | int], ...] = ()  # (position, version) when the rows span an update
-    num_hidden_layers: int | None = None  # the model's layer count: SGLang's payload has this many slots
-
-    @property
-    def row_bytes(self) -> int:
-        return len(self.layers) * self.topk * np.dtype(self.dtype).itemsize
-
-
 @dataclass(slots=True)
 class Op:
     """One unit of work for the writer thread.
@@ -104,49 +75,6 @@ class Op:
 
     def __post_init__(self) -> None:
         self.nbytes = 0 if self.rows is None else int(self.rows.nbytes)
-
-
-UNDELIVERED_LOG_EVERY_S = 10.0
-
-
-@dataclass(slots=True)
-class WriterStats:
-    """The counters behind the engine file's `writer` object (Contract 1); all of them are exported."""
-
-    queued_bytes: int = 0
-    records_written: int = 0
-    fallback_inline: int = 0
-    spool_full: int = 0  # refused reservations for lack of room (live appends included)
-    queue_full: int = 0
-    write_errors: int = 0
-    undelivered: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNDELIVERED_REASONS, 0))
-
-    def contract(self) -> dict[str, Any]:
-        """The engine file's `writer` object (`service.spool.WriterCounters`)."""
-        return WriterCounters(
-            queued_bytes=self.queued_bytes,
-            records_written=self.records_written,
-            fallback_inline=self.fallback_inline,
-            spool_full=self.spool_full,
-            queue_full=self.queue_full,
-            write_errors=self.write_errors,
-            undelivered=dict(self.undelivered),
-        ).to_dict()
-
-
-class Refusal(str):
-    """Why a reservation was refused: `spool_full`, `queue_full` or `not_writable`."""
-
-
-SPOOL_FULL = Refusal("spool_full")
-QUEUE_FULL = Refusal("queue_full")
-NOT_WRITABLE = Refusal("not_writable")
-_REFUSAL_REASON = {SPOOL_FULL: "spool_full", QUEUE_FULL: "queue_full", NOT_WRITABLE: "spool_not_writable"}
-
-
-def undelivered_reason(refusal: str) -> str:
-    """The `undelivered` reason of a refused reservation."""
-    return _REFUSAL_REASON.get(refusal, str(refusal))
 
 
 class SpoolWriter:
@@ -193,7 +121,8 @@ class SpoolWriter:
         self._dirty: dict[str, RecordWriter] = {}
         self._next_publish = 0.0
         self._publish_all = False  # `flush` asks for every waiting publish now
-        self._recent: OrderedDict[str, None] = OrderedDict()  # rids of finished records, newest last (under _lock)
+        self._recent = BoundedRids(RECENT_RIDS)  # rids of finished records
+        self._claimed = BoundedRids(RECENT_RIDS)  # rids whose record was claimed at finish
         self._probe()
 
     # ---- scheduler thread: in-memory counters only ---------------------------------------------------
@@ -225,10 +154,7 @@ class SpoolWriter:
             return None
 
     def release(self, nbytes: int, *, opens: bool = True) -> None:
-        """Give back a reservation that will not be submitted (e.g. the request vanished)."""
-        self._settle(nbytes, opens)
-
-    def _settle(self, nbytes: int, opens: bool) -> None:
+        """Give back a reservation: one that will not be submitted (the request vanished), or a written op's."""
         size, blocks = self._costs(nbytes, opens)
         with self._lock:
             self._reserved -= size
@@ -250,6 +176,26 @@ class SpoolWriter:
             self._wake.notify()
         return True
 
+    def claim(self, spec: RecordSpec, nbytes: int, *, inline: bool, reopened: bool = False) -> Refusal | None:
+        """Reserve a finished request's record, or settle its refusal here: None, or why not.
+
+        A refusal is counted (`undelivered`; `inline`: SGLang's inline payload is kept) and, where the spool can
+        take metadata, the record ends `error` at once, no rows (`reopened`: it is open): a pointer to it gets
+        410 at once, not 404 after its whole `wait`. A claimed rid is `known` from now on.
+        """
+        refusal = self.reserve(nbytes)
+        if refusal is None:
+            self._claimed.add(spec.rid)
+            return None
+        self.note_undelivered(undelivered_reason(refusal), rid=spec.rid, inline=inline)
+        if refusal != NOT_WRITABLE:  # no record could be written there either
+            self.end_refused(spec.rid, None if reopened else spec)
+        return refusal
+
+    def end_refused(self, rid: str, spec: RecordSpec | None) -> None:
+        """End a request's record `error`, no rows (`spec` None: it is open): metadata only, outside any reservation."""
+        self.submit(Op(rid, spec=spec, status="error"), reserved=True)
+
     def note_fallback(self) -> None:
         """Count a request that kept SGLang's inline payload because the spool refused it."""
         with self._lock:
@@ -265,8 +211,7 @@ class SpoolWriter:
         with self._lock:
             counts = self.stats.undelivered
             counts[reason] = counts.get(reason, 0) + 1
-            if inline:
-                self.stats.fallback_inline += 1
+            self.stats.fallback_inline += inline
             total = counts[reason]
             due = now - self._undelivered_logged.get(reason, -UNDELIVERED_LOG_EVERY_S) >= UNDELIVERED_LOG_EVERY_S
             if due:
@@ -282,8 +227,11 @@ class SpoolWriter:
 
     def written(self, rid: str) -> bool:
         """Whether this writer finished a record of `rid` recently (the last `RECENT_RIDS` rids)."""
-        with self._lock:
-            return rid in self._recent
+        return rid in self._recent
+
+    def known(self, rid: str) -> bool:
+        """Whether a record of `rid` was claimed or finished recently: a new request under it replaces it."""
+        return rid in self._claimed or rid in self._recent
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -355,26 +303,14 @@ class SpoolWriter:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._ops and not self._stopping and not self._publish_all:
-                    due = self._next_publish if self._dirty else None
-                    wait = USAGE_REFRESH_S if due is None else min(USAGE_REFRESH_S, due - time.monotonic())
-                    if wait > 0:
-                        self._wake.wait(wait)
-                    now = time.monotonic()
-                    if self._ops or (due is not None and now >= due) or now - self._last_refresh >= USAGE_REFRESH_S:
-                        break
-                stopping = not self._ops and self._stopping
-                ops = [self._ops.popleft() for _ in range(min(len(self._ops), MAX_OPS_PER_PUBLISH))]
-                self._busy = bool(ops)
-                publish_all, self._publish_all = self._publish_all or stopping, False
+            ops, publish_all, stopping = self._next_batch()
             if ops:
                 touched: dict[str, RecordWriter] = {}
                 for op in ops:
                     self._apply(op, touched)
                 self._dirty.update(touched)
                 for op in ops:
-                    self._settle(op.nbytes, op.spec is not None)
+                    self.release(op.nbytes, opens=op.spec is not None)
             self._publish_due(publish_all)
             with self._lock:
                 self._busy = False
@@ -382,6 +318,29 @@ class SpoolWriter:
                 return
             if time.monotonic() - self._last_refresh >= USAGE_REFRESH_S:
                 self._probe(scan=time.monotonic() - self._last_scan >= self._scan_every)
+
+    def _next_batch(self) -> tuple[list[Op], bool, bool]:
+        """Wait for work (ops, a publish due, a probe due, `flush`, `close`); take up to `MAX_OPS_PER_PUBLISH` ops.
+
+        Returns (ops, publish every waiting record now, stop after this batch)."""
+        with self._lock:
+            while not (self._ops or self._stopping or self._publish_all):
+                if self._due():
+                    break
+            stopping = not self._ops and self._stopping
+            ops = [self._ops.popleft() for _ in range(min(len(self._ops), MAX_OPS_PER_PUBLISH))]
+            self._busy = bool(ops)
+            publish_all, self._publish_all = self._publish_all or stopping, False
+        return ops, publish_all, stopping
+
+    def _due(self) -> bool:
+        """Wait (under `_lock`) up to the next publish or probe; True when either is due or ops came."""
+        due = self._next_publish if self._dirty else None
+        wait = USAGE_REFRESH_S if due is None else min(USAGE_REFRESH_S, due - time.monotonic())
+        if wait > 0:
+            self._wake.wait(wait)
+        now = time.monotonic()
+        return bool(self._ops) or (due is not None and now >= due) or now - self._last_refresh >= USAGE_REFRESH_S
 
     def _publish_due(self, now_anyway: bool) -> None:
         """Publish the grown open records, together, once the interval since the last publish has run out
@@ -403,75 +362,89 @@ class SpoolWriter:
 
     def _apply(self, op: Op, touched: dict[str, RecordWriter]) -> None:
         """Apply one op; appends to records that stay open are published by the caller, once per batch."""
-        spool = self._spool
-        assert spool is not None
         writer = self._open.get(op.rid)
         try:
             if op.spec is not None:
-                if writer is not None:
-                    writer.close()  # starting over: the new record replaces it, never final in between
-                self._forget(op.rid)  # a publish still waiting would put the old record's rows back
-                s = op.spec
-                writer = spool.writer(
-                    s.rid,
-                    num_experts=s.num_experts,
-                    topk=s.topk,
-                    layers=s.layers,
-                    start=s.start,
-                    prompt_len=s.prompt_len,
-                    engine=s.engine,
-                    dtype=s.dtype,
-                    weight_version=s.weight_version,
-                    weight_versions=s.weight_versions,
-                    num_hidden_layers=s.num_hidden_layers,
-                )
-                self._open[op.rid] = writer
-                size, blocks = self._costs(0, True)
-                with self._lock:
-                    self._usage += size  # until the next rescan measures it
-                    self._free -= blocks
+                writer = self._open_record(op.spec, writer)
             if writer is None:
-                logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
-                if op.status is not None and op.rid not in self._failed:  # its rows never became a record
-                    self.note_undelivered("write_error", rid=op.rid, inline=False)
-                if op.status is not None:
-                    self._failed.discard(op.rid)
+                self._orphan(op)
                 return
-            if op.rows is not None and op.rows.shape[0]:
-                block, before = self._block, writer.nbytes
-                grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
-                writer.append(op.rows, publish=False)
-                if op.status is None:
-                    touched[op.rid] = writer
-                with self._lock:
-                    self._usage += op.nbytes
-                    self._free -= grown  # whole pages, as tmpfs charges them
-            elif op.spec is not None and op.status is None:
+            grows = op.rows is not None and op.rows.shape[0] > 0
+            if grows:
+                self._append(writer, op)
+            if op.status is None and (grows or op.spec is not None):
                 touched[op.rid] = writer
             if op.status is not None:
-                self._open.pop(op.rid, None)
                 touched.pop(op.rid, None)
-                self._forget(op.rid)
-                writer.finalize(op.status, weights=op.weights)
-                with self._lock:
-                    self.stats.records_written += op.status != "error"  # a refused request's tombstone is no record
-                    self._recent[op.rid] = None
-                    self._recent.move_to_end(op.rid)
-                    if len(self._recent) > RECENT_RIDS:
-                        self._recent.popitem(last=False)
+                self._finalize(writer, op)
         except Exception as exc:  # the writer thread must outlive any one record
-            logger.error("r3-sidecar: writing record %r failed: %s", op.rid, exc)
-            if op.rid not in self._failed:  # once per request; its later ops find no open record
-                self.note_undelivered("write_error", rid=op.rid, inline=False)  # the record ends `error` (410)
-            if op.status is None:
-                self._failed.add(op.rid)
-            with self._lock:
-                self.stats.write_errors += 1
-                if isinstance(exc, OSError):
-                    self._writable = False  # refuse until the next probe (<= USAGE_REFRESH_S) finds it usable
-            self._open.pop(op.rid, None)
             touched.pop(op.rid, None)
-            self._forget(op.rid)
-            if writer is not None and not writer.closed:
-                with contextlib.suppress(OSError):
-                    writer.finalize("error")
+            self._write_failed(op, writer, exc)
+
+    def _open_record(self, s: RecordSpec, old: RecordWriter | None) -> RecordWriter:
+        """Start (or start over) the record of `s`: the new record replaces the old, never final in between."""
+        spool = self._spool
+        assert spool is not None
+        if old is not None:
+            old.close()
+        self._forget(s.rid)  # a publish still waiting would put the old record's rows back
+        writer = spool.writer(
+            s.rid,
+            num_experts=s.num_experts,
+            topk=s.topk,
+            layers=s.layers,
+            start=s.start,
+            prompt_len=s.prompt_len,
+            engine=s.engine,
+            dtype=s.dtype,
+            weight_version=s.weight_version,
+            weight_versions=s.weight_versions,
+            num_hidden_layers=s.num_hidden_layers,
+        )
+        self._open[s.rid] = writer
+        size, blocks = self._costs(0, True)
+        with self._lock:
+            self._usage += size  # until the next rescan measures it
+            self._free -= blocks
+        return writer
+
+    def _orphan(self, op: Op) -> None:
+        """Rows or a final for a record that is not open (its open failed): dropped, counted once."""
+        logger.warning("r3-sidecar: rows for %r without an open record; dropped", op.rid)
+        if op.status is not None and op.rid not in self._failed:  # its rows never became a record
+            self.note_undelivered("write_error", rid=op.rid, inline=False)
+        if op.status is not None:
+            self._failed.discard(op.rid)
+
+    def _append(self, writer: RecordWriter, op: Op) -> None:
+        block, before = self._block, writer.nbytes
+        grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
+        writer.append(op.rows, publish=False)
+        with self._lock:
+            self._usage += op.nbytes
+            self._free -= grown  # whole pages, as tmpfs charges them
+
+    def _finalize(self, writer: RecordWriter, op: Op) -> None:
+        self._open.pop(op.rid, None)
+        self._forget(op.rid)
+        writer.finalize(op.status, weights=op.weights)
+        with self._lock:
+            self.stats.records_written += op.status != "error"  # a refused request's tombstone is no record
+        self._recent.add(op.rid)
+
+    def _write_failed(self, op: Op, writer: RecordWriter | None, exc: Exception) -> None:
+        """A write failed: the record ends `error` (410), counted once per request; its later ops find no record."""
+        logger.error("r3-sidecar: writing record %r failed: %s", op.rid, exc)
+        if op.rid not in self._failed:
+            self.note_undelivered("write_error", rid=op.rid, inline=False)
+        if op.status is None:
+            self._failed.add(op.rid)
+        with self._lock:
+            self.stats.write_errors += 1
+            if isinstance(exc, OSError):
+                self._writable = False  # refuse until the next probe (<= USAGE_REFRESH_S) finds it usable
+        self._open.pop(op.rid, None)
+        self._forget(op.rid)
+        if writer is not None and not writer.closed:
+            with contextlib.suppress(OSError):
+                writer.finalize("error")

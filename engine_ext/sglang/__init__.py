@@ -58,10 +58,10 @@ def announce_front_door(settings) -> str | None:
     """At start, in every process: under `SGLANG_RUST_SERVER` the front-door hooks never fire, so say (once,
     loudly) what still works and what does not, instead of pointers that silently never appear. Never raises:
     an unreadable setting is SGLang's to report."""
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang import frontdoor_hooks
 
     try:
-        note = hooks.rust_server_note(settings)
+        note = frontdoor_hooks.rust_server_note(settings)
     except Exception:  # SGLang rejects a malformed SGLANG_RUST_SERVER itself
         return None
     if note:

@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"r3-budget: SGLang rejects these arguments: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
-    from engine_ext.sglang.hooks import budget_table
+    from engine_ext.sglang.budget_hooks import budget_table
 
     rows = budget_table(server_args)
     blocking = blocking_rows(rows)

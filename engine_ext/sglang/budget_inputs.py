@@ -67,69 +67,114 @@ def inputs_from_server_args(
     server_args: Any, model_config: Any = None, environ: Mapping[str, str] | None = None
 ) -> BudgetInputs:
     """Budget inputs from SGLang's public ServerArgs fields (a resolved record, its `resolved_dict()`, or any
-    object with those attributes) and the env caps from `environ` (default `os.environ`).
-
-    `model_path` dummy/none stops SGLang's resolution before DP handling, so there the per-rank chunk is
-    divided here as `parallel_hook.py:326-331` would.
-    """
+    object with those attributes) and the env caps from `environ` (default `os.environ`)."""
     env = os.environ if environ is None else environ
     if hasattr(server_args, "resolved_dict") and callable(server_args.resolved_dict):
         server_args = server_args.resolved_dict()
-    attn_dp = int(_get(server_args, "attn_dp_size", 1) or 1)
-    if _get(server_args, "enable_dp_attention") and attn_dp == 1:
-        attn_dp = int(_get(server_args, "dp_size", 1) or 1)  # legacy spelling, unresolved
-    dp_size = int(_get(server_args, "dp_size", 1) or 1) if attn_dp == 1 else 1
-    cps = _get(server_args, "chunked_prefill_size")
-    dummy = str(_get(server_args, "model_path", "")).lower() in ("dummy", "none")
-    if dummy and cps is not None and cps > 0 and attn_dp > 1:
-        cps = cps // attn_dp
-    _, decode_bs = _graph_phase(server_args, "decode")
-    prefill_backend, prefill_bs = _graph_phase(server_args, "prefill")
-    tp = int(_get(server_args, "tp_size", 1) or 1)
-    hf = getattr(model_config, "hf_text_config", None)
-    context = getattr(model_config, "context_len", None) or _get(server_args, "context_length")
     values: dict[str, Any] = {
-        "tp_size": tp,
-        "dp_size": dp_size,
-        "attn_dp_size": attn_dp,
-        "ep_size": int(_get(server_args, "ep_size", 1) or 1),
-        "attn_tp_size": max(1, tp // attn_dp // int(_get(server_args, "attn_cp_size", 1) or 1)),
-        "chunked_prefill_size": cps,
-        "max_prefill_tokens": int(_get(server_args, "max_prefill_tokens", 16384) or 16384),
-        "pp_size": int(_get(server_args, "pp_size", 1) or 1),
-        "enable_dynamic_chunking": bool(_get(server_args, "enable_dynamic_chunking", False)),
-        "max_running_requests": _get(server_args, "max_running_requests"),
-        "context_length": context,
-        "max_total_tokens": _get(server_args, "max_total_tokens"),
-        "page_size": int(_get(server_args, "page_size", 1) or 1),
-        "decode_graph_max_bs": decode_bs,
-        "prefill_graph_mode": prefill_backend,
-        "prefill_graph_max_tokens": prefill_bs,
-        "speculative_algorithm": _get(server_args, "speculative_algorithm"),
-        "speculative_num_draft_tokens": _get(server_args, "speculative_num_draft_tokens"),
-        "speculative_num_steps": _get(server_args, "speculative_num_steps"),
-        "speculative_eagle_topk": _get(server_args, "speculative_eagle_topk"),
-        "moe_a2a_backend": str(_get(server_args, "moe_a2a_backend", "none") or "none"),
-        "moe_runner_backend": str(_get(server_args, "moe_runner_backend", "auto") or "auto"),
-        "deepep_mode": str(_get(server_args, "deepep_mode", "auto") or "auto"),
-        "enable_return_routed_experts": bool(_get(server_args, "enable_return_routed_experts", False)),
-        "enable_return_indexer_topk": bool(_get(server_args, "enable_return_indexer_topk", False)),
+        **_parallelism(server_args),
+        **_batching(server_args, model_config),
+        **_graphs(server_args),
+        **_speculative_and_moe(server_args),
+        **_model_fields(getattr(model_config, "hf_text_config", None)),
     }
     defaults = BudgetInputs()
     for field, var in ENV_CAPS.items():
         values[field] = _env_int(env, var, getattr(defaults, field))
-    if hf is not None:
-        values["num_layers"] = getattr(hf, "num_hidden_layers", None)
-        values["topk"] = getattr(hf, "num_experts_per_tok", None)
-        values["hidden_size"] = getattr(hf, "hidden_size", None)
-        values["index_topk"] = int(getattr(hf, "index_topk", 0) or 0)
-        if values["index_topk"]:
-            values["num_indexer_layers"] = values["num_layers"] or 0
     inputs = BudgetInputs(**values)
     if inputs.moe_a2a_backend == "flashinfer":
         nbytes = flashinfer_workspace_bytes(inputs, flashinfer_a2a_capacity(inputs))
         inputs = replace(inputs, flashinfer_a2a_workspace_bytes=nbytes)
     return inputs
+
+
+def _int(server_args: Any, name: str, default: int) -> int:
+    """An integer setting; unset (None, 0) reads as `default`."""
+    return int(_get(server_args, name, default) or default)
+
+
+def _str(server_args: Any, name: str, default: str) -> str:
+    return str(_get(server_args, name, default) or default)
+
+
+def _parallelism(server_args: Any) -> dict[str, Any]:
+    """TP/DP/EP/PP sizes; DP attention in its legacy spelling too (`enable_dp_attention` with `dp_size`).
+
+    `model_path` dummy/none stops SGLang's resolution before DP handling, so there the per-rank chunk is
+    divided here as `parallel_hook.py:326-331` would.
+    """
+    attn_dp = _int(server_args, "attn_dp_size", 1)
+    if _get(server_args, "enable_dp_attention") and attn_dp == 1:
+        attn_dp = _int(server_args, "dp_size", 1)  # legacy spelling, unresolved
+    cps = _get(server_args, "chunked_prefill_size")
+    dummy = str(_get(server_args, "model_path", "")).lower() in ("dummy", "none")
+    if dummy and cps is not None and cps > 0 and attn_dp > 1:
+        cps = cps // attn_dp
+    tp = _int(server_args, "tp_size", 1)
+    return {
+        "tp_size": tp,
+        "dp_size": _int(server_args, "dp_size", 1) if attn_dp == 1 else 1,
+        "attn_dp_size": attn_dp,
+        "ep_size": _int(server_args, "ep_size", 1),
+        "attn_tp_size": max(1, tp // attn_dp // _int(server_args, "attn_cp_size", 1)),
+        "chunked_prefill_size": cps,
+        "pp_size": _int(server_args, "pp_size", 1),
+    }
+
+
+def _batching(server_args: Any, model_config: Any) -> dict[str, Any]:
+    """What bounds one forward's and the pool's tokens."""
+    context = getattr(model_config, "context_len", None) or _get(server_args, "context_length")
+    return {
+        "max_prefill_tokens": _int(server_args, "max_prefill_tokens", 16384),
+        "enable_dynamic_chunking": bool(_get(server_args, "enable_dynamic_chunking", False)),
+        "max_running_requests": _get(server_args, "max_running_requests"),
+        "context_length": context,
+        "max_total_tokens": _get(server_args, "max_total_tokens"),
+        "page_size": _int(server_args, "page_size", 1),
+    }
+
+
+def _graphs(server_args: Any) -> dict[str, Any]:
+    """The CUDA-graph extents: decode batch size, prefill backend and tokens."""
+    _, decode_bs = _graph_phase(server_args, "decode")
+    prefill_backend, prefill_bs = _graph_phase(server_args, "prefill")
+    return {
+        "decode_graph_max_bs": decode_bs,
+        "prefill_graph_mode": prefill_backend,
+        "prefill_graph_max_tokens": prefill_bs,
+    }
+
+
+def _speculative_and_moe(server_args: Any) -> dict[str, Any]:
+    """Speculative decoding's draft shape, the MoE backends, and which captures are on."""
+    return {
+        "speculative_algorithm": _get(server_args, "speculative_algorithm"),
+        "speculative_num_draft_tokens": _get(server_args, "speculative_num_draft_tokens"),
+        "speculative_num_steps": _get(server_args, "speculative_num_steps"),
+        "speculative_eagle_topk": _get(server_args, "speculative_eagle_topk"),
+        "moe_a2a_backend": _str(server_args, "moe_a2a_backend", "none"),
+        "moe_runner_backend": _str(server_args, "moe_runner_backend", "auto"),
+        "deepep_mode": _str(server_args, "deepep_mode", "auto"),
+        "enable_return_routed_experts": bool(_get(server_args, "enable_return_routed_experts", False)),
+        "enable_return_indexer_topk": bool(_get(server_args, "enable_return_indexer_topk", False)),
+    }
+
+
+def _model_fields(hf: Any) -> dict[str, Any]:
+    """Layers, top-k, hidden size and the indexer's top-k from the HF text config (none: the table does without)."""
+    if hf is None:
+        return {}
+    index_topk = int(getattr(hf, "index_topk", 0) or 0)
+    values = {
+        "num_layers": getattr(hf, "num_hidden_layers", None),
+        "topk": getattr(hf, "num_experts_per_tok", None),
+        "hidden_size": getattr(hf, "hidden_size", None),
+        "index_topk": index_topk,
+    }
+    if index_topk:
+        values["num_indexer_layers"] = values["num_layers"] or 0
+    return values
 
 
 __all__ = ["flashinfer_workspace_bytes", "inputs_from_server_args"]

@@ -1,10 +1,9 @@
-"""Sync-free collection of finished requests' routed experts, and the spool-or-inline decision.
+"""Finished requests to the spool or to SGLang's inline path: the spool-or-inline decision, and the collector.
 
-Upstream `get_topk` reads `req_to_token[pool_idx, start:seqlen-1].cpu()` once per finished request: a
-blocking device read on the scheduler thread. Here the finished requests of one step are batched into
-one device-side concatenation of their `req_to_token` rows and one non-blocking copy into pinned host
-memory (`StepGather.launch`); nothing waits. The rows are gathered from the host cache later
-(`StepGather.drain`), before any host-cache write that could land on a freed slot:
+A finished request's record goes one way (docs/design.md, "Where each idea lives"): the collector decides its route and
+builds its spec (`core.records`), the writer claims its bytes or settles its refusal (`core.writer`), and the
+step's batched slot read (`gather.StepGather`) hands the rows to the writer later. The rows are gathered from
+the host cache before any host-cache write that could land on a freed slot:
 
 - overlap scheduling: a slot freed while processing step N can be handed out at the earliest to step N+2
   (step N+1 was allocated before N was processed), whose host-cache write is `TopkCaptureOutput.finalize`
@@ -19,16 +18,14 @@ to SGLang's `[start_len, seqlen - 1)` rows.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import Mode
-from engine_ext.core.writer import NOT_WRITABLE, RECENT_RIDS, Op, RecordSpec, SpoolWriter, undelivered_reason
+from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.sglang.gather import StepGather, Ticket, WholeRecord, to_spool_rows
 from engine_ext.sglang.weight_versions import Span, record_weights
 from service.spool.record_meta import Weights
 
@@ -73,136 +70,12 @@ def choose_route(*, mode: Mode, wants_inline: bool, capture_all: bool, publisher
     return Route.SPOOL
 
 
-# ---- one batched, non-blocking slot read per step --------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Batch:
-    tickets: list[Any]
-    lengths: list[int]
-    slots: torch.Tensor  # host, pinned when the pool lives on a device
-    event: Any = None  # torch.cuda.Event recorded after the copy; None when already on the host
-
-    def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())
-
-
-@dataclass(slots=True)
-class StepGather:
-    """Finished requests' slot ids: queued during a step, copied to host once per step, gathered later."""
-
-    _queued: list[tuple[Any, int, int, int]] = field(default_factory=list)
-    _inflight: list[_Batch] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    launches: int = 0
-    waits: int = 0
-
-    def add(self, ticket: Any, pool_idx: int, lo: int, hi: int) -> None:
-        """Queue rows `[lo, hi)` of `req_to_token[pool_idx]` for `ticket` (scheduler thread, host ints)."""
-        self._queued.append((ticket, pool_idx, lo, hi))
-
-    def pending(self) -> bool:
-        return bool(self._queued or self._inflight)
-
-    def queued(self) -> bool:
-        """Requests added this step and not yet launched."""
-        return bool(self._queued)
-
-    def inflight(self) -> bool:
-        """Launched reads whose rows have not been drained."""
-        return bool(self._inflight)
-
-    def launch(self, req_to_token: torch.Tensor) -> None:
-        """Read every queued request's slot ids with one concatenation and one non-blocking copy."""
-        if not self._queued:
-            return
-        queued, self._queued = self._queued, []
-        views = [req_to_token[pool_idx, lo:hi] for _, pool_idx, lo, hi in queued]
-        flat = torch.cat(views) if len(views) > 1 else views[0]
-        if flat.device.type == "cpu":
-            host, event = flat.clone(), None
-        else:
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda)
-            host.copy_(flat, non_blocking=True)  # pinned: the host does not wait for the stream
-            event = None
-            if flat.is_cuda:
-                event = torch.cuda.Event()
-                event.record()
-        batch = _Batch([t for t, *_ in queued], [hi - lo for *_, lo, hi in queued], host, event)
-        with self._lock:
-            self._inflight.append(batch)
-            self.launches += 1
-
-    def discard(self) -> list[Any]:
-        """Forget every queued and launched read without reading the host cache; returns their tickets."""
-        with self._lock:
-            tickets = [t for t, *_ in self._queued] + [t for batch in self._inflight for t in batch.tickets]
-            self._queued, self._inflight = [], []
-        return tickets
-
-    def drain(self, host_buffer: torch.Tensor, *, wait: bool) -> list[tuple[Any, torch.Tensor]]:
-        """Rows of every launched batch whose copy is done (all of them with `wait`), in launch order.
-
-        Call before any write to `host_buffer` that could reuse a freed slot. Returns host int32 tensors
-        of shape `(rows, layers, topk)`, one per ticket.
-        """
-        out: list[tuple[Any, torch.Tensor]] = []
-        with self._lock:
-            while self._inflight:
-                batch = self._inflight[0]
-                if not batch.ready():
-                    if not wait:
-                        break
-                    self.waits += 1
-                    batch.event.synchronize()
-                self._inflight.pop(0)
-                rows = gather_slots(host_buffer, batch.slots)
-                offset = 0
-                for ticket, n in zip(batch.tickets, batch.lengths, strict=True):
-                    out.append((ticket, rows[offset : offset + n]))
-                    offset += n
-        return out
-
-
-def gather_slots(host_buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`host_buffer[slots]`; on the host one numpy `take`, which copies about twice as fast as torch's index."""
-    if host_buffer.device.type == "cpu" and slots.device.type == "cpu":
-        return torch.from_numpy(np.take(host_buffer.numpy(), slots.numpy(), axis=0))
-    return host_buffer[slots]
-
-
-def select_layers(rows: np.ndarray, layer_slots: Sequence[int] | None) -> np.ndarray:
-    """Keep the host-cache layer slots that route (`None`: all); a contiguous run is a view, not a copy."""
-    if layer_slots is None:
-        return rows
-    first, count = layer_slots[0], len(layer_slots)
-    if tuple(layer_slots) == tuple(range(first, first + count)):
-        return rows[:, first : first + count]
-    return np.take(rows, layer_slots, axis=1)
-
-
-def to_spool_rows(rows: torch.Tensor, layer_slots: Sequence[int] | None, dtype: str) -> np.ndarray:
-    """Host int32 rows → C-contiguous rows of the spool dtype, routing layers only: one copy that also casts."""
-    return np.ascontiguousarray(select_layers(rows.numpy(), layer_slots), dtype=dtype)
-
-
 # ---- the finish-time path: reserve, gather without waiting, hand to the writer ---------------------
 
 
 @dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What every record of one engine shares: expert count, top-k, and which host-cache slots route."""
-
-    num_experts: int
-    topk: int
-    layers: tuple[int, ...]  # model layer index of each stored layer
-    layer_slots: tuple[int, ...] | None  # host-cache layer slots to keep (None: all, = layers)
-    num_hidden_layers: int | None = None  # host-cache layer slots = the model's layers (SGLang's payload width)
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """One finished request, as plain values read off SGLang's `Req`."""
+class FinishedReq:
+    """One finished request, as plain values read off SGLang's `Req` (its record: `record()`)."""
 
     rid: str
     wants_inline: bool
@@ -222,32 +95,20 @@ class Finished:
         lo, hi = row_range(self.start_len, self.seqlen)
         return max(lo, min(self.first_pos, hi)), hi
 
+    def inline_start(self) -> int:
+        """First position of SGLang's own inline rows (`start_len`, clamped), which may precede `rows()`."""
+        return row_range(self.start_len, self.seqlen)[0]
+
     def weights(self) -> Weights:
         """The record's `(weight_version, weight_versions)`."""
         lo, hi = self.rows()
         return record_weights(self.version_spans, self.weight_version, prompt_len=self.prompt_len, lo=lo, hi=hi)
 
-
-class Ticket(Protocol):
-    """Whoever asked for a request's rows: called with them once the batched read has landed."""
-
-    def deliver(self, rows: torch.Tensor) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _WholeRecord:
-    """A finished request's whole record: compacted and handed to the writer in one op."""
-
-    collector: Collector
-    spec: RecordSpec
-    nbytes: int
-    status: str
-
-    def deliver(self, rows: torch.Tensor) -> None:
-        data = to_spool_rows(rows, self.collector.shape.layer_slots, self.spec.dtype)
-        if data.nbytes != self.nbytes:
-            raise AssertionError(f"{self.spec.rid}: gathered {data.nbytes} bytes, reserved {self.nbytes}")
-        self.collector.writer.submit(Op(self.spec.rid, spec=self.spec, rows=data, status=self.status), reserved=True)
+    def record(self) -> Finished:
+        """The finished record, rows still in the host cache: what its spec is built from."""
+        version, versions = self.weights()
+        status = "aborted" if self.aborted else "ok"
+        return Finished(self.rid, None, self.rows()[0], self.prompt_len, status, version, versions)
 
 
 class Collector:
@@ -273,128 +134,67 @@ class Collector:
         self.dropped = 0  # requests whose rows reached neither the spool nor an inline payload (also in the writer)
         self._host_buffer: torch.Tensor | None = None
         self._ready = threading.Event()
-        self._mirror: dict[str, tuple[RecordSpec, int, str]] = {}
+        self._mirror: dict[str, tuple[RecordSpec, int, str, int]] = {}
         self._reopened: set[str] = set()  # rids whose old record `reopen` replaced, until their finish
-        self._spooled: OrderedDict[str, None] = OrderedDict()  # rids sent to the spool at finish, newest last
         self._drain_lock = threading.Lock()  # the ticker and the scheduler: a batch's rows reach the writer in order
 
-    def spec(self, fin: Finished) -> RecordSpec:
-        lo, _ = fin.rows()
-        version, versions = fin.weights()
-        return RecordSpec(
-            rid=fin.rid,
-            num_experts=self.shape.num_experts,
-            topk=self.shape.topk,
-            layers=self.shape.layers,
-            start=lo,
-            prompt_len=fin.prompt_len,
-            dtype=self.dtype,
-            engine=self.engine,
-            weight_version=version,
-            weight_versions=versions,
-            num_hidden_layers=self.shape.num_hidden_layers,
-        )
-
     def reopen(self, rid: str, *, prompt_len: int, start_len: int) -> bool:
-        """A new request under a rid this writer already wrote: replace the old record now, at arrival.
+        """A new request under a rid this writer already claimed or wrote: replace the old record now, at arrival.
 
         Why: its finish-time record reaches the spool only after SGLang has answered, so a trainer fetching at
         once would be served the old request's rows (verl resumes an aborted request under the same rid). The
         replacement (`rows=0`, not final) makes the sidecar wait for this request's record instead. One
         metadata write, only for reused rids; refused like any reservation (then nothing changes).
         """
-        if rid not in self._spooled and not self.writer.written(rid):
+        if not self.writer.known(rid):
             return False
         if self.gather.inflight():  # the old request's rows may still be on their way: they go to the writer first
             self.drain(wait=True)
-        spec = RecordSpec(
-            rid=rid,
-            num_experts=self.shape.num_experts,
-            topk=self.shape.topk,
-            layers=self.shape.layers,
-            start=start_len,
-            prompt_len=prompt_len,
-            dtype=self.dtype,
-            engine=self.engine,
-            num_hidden_layers=self.shape.num_hidden_layers,
-        )
+        spec = self.shape.spec(Finished(rid, None, start_len, prompt_len), dtype=self.dtype, engine=self.engine)
         if self.writer.reserve(0) is not None:
             return False
         self.writer.submit(Op(rid, spec=spec), reserved=True)
         self._reopened.add(rid)
         return True
 
-    def finish(self, fin: Finished, *, publisher: bool) -> str:
-        """Decide and, for the spool, reserve and queue the request's slot read. Returns its `Route`."""
+    def finish(self, fin: FinishedReq, *, publisher: bool) -> str:
+        """Decide and, for the spool, claim the record's bytes and queue its slot read. Returns its `Route`."""
         reopened = fin.rid in self._reopened
         self._reopened.discard(fin.rid)
-        route = choose_route(
-            mode=self.mode,
-            wants_inline=fin.wants_inline,
-            capture_all=self.capture_all,
-            publisher=publisher,
-            reserved=None,
-        )
+        asked = {"mode": self.mode, "wants_inline": fin.wants_inline, "capture_all": self.capture_all}
+        route = choose_route(**asked, publisher=publisher, reserved=None)
         if route != Route.SPOOL:
             return route
-        spec = self.spec(fin)
-        lo, hi = fin.rows()
-        nbytes = (hi - lo) * spec.row_bytes
-        refusal = self.writer.reserve(nbytes)
-        route = choose_route(
-            mode=self.mode,
-            wants_inline=fin.wants_inline,
-            capture_all=self.capture_all,
-            publisher=publisher,
-            reserved=refusal is None,
-        )
-        if refusal is not None:
-            inline = route == Route.INLINE
-            self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
-            self.dropped += 0 if inline else 1
-            if refusal != NOT_WRITABLE:  # no record could be written there either
-                self._end_refused(fin.rid, None if reopened else spec)
-            return route
-        status = "aborted" if fin.aborted else "ok"
-        self._note_spooled(fin.rid)
-        if route == Route.BOTH:  # SGLang's inline rows start at start_len: skip those this server did not route
-            self._mirror[fin.rid] = (spec, nbytes, status, lo - row_range(fin.start_len, fin.seqlen)[0])
-        else:
-            self.gather.add(_WholeRecord(self, spec, nbytes, status), fin.pool_idx, lo, hi)
-        return route
+        refused = choose_route(**asked, publisher=publisher, reserved=False)
+        reserved = choose_route(**asked, publisher=publisher, reserved=True)
+        inline = refused == Route.INLINE
+        spooled = self._spool(fin, inline=inline, reopened=reopened, mirror=reserved == Route.BOTH)
+        return reserved if spooled else refused
 
-    def spool_whole(self, fin: Finished) -> bool:
-        """Write the whole record of a finished request from the host cache (live rows' fallback)."""
-        spec = self.spec(fin)
+    def spool_whole(self, fin: FinishedReq) -> bool:
+        """Write the whole record of a finished request from the host cache (live rows' fallback).
+
+        A refusal: the live record broke; only mirror mode built an inline payload besides."""
+        return self._spool(fin, inline=self.mode is Mode.MIRROR and fin.wants_inline, reopened=False, mirror=False)
+
+    def _spool(self, fin: FinishedReq, *, inline: bool, reopened: bool, mirror: bool) -> bool:
+        """The record's one way: spec (`core.records`), then the writer's claim, then the step's slot read (or,
+        mirrored, SGLang's own inline payload: `mirror`). False when the writer refused it (settled there)."""
         lo, hi = fin.rows()
+        skip = lo - fin.inline_start()  # SGLang's inline rows start at start_len: skip those this server did not route
+        record = fin.record()
+        spec = self.shape.spec(record, dtype=self.dtype, engine=self.engine)
         nbytes = (hi - lo) * spec.row_bytes
-        refusal = self.writer.reserve(nbytes)
-        if refusal is not None:  # the live record broke; only mirror mode built an inline payload besides
-            inline = self.mode is Mode.MIRROR and fin.wants_inline
-            self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=inline)
+        if self.writer.claim(spec, nbytes, inline=inline, reopened=reopened) is not None:
             self.dropped += 0 if inline else 1
-            if refusal != NOT_WRITABLE:
-                self._end_refused(fin.rid, spec)
             return False
-        self._note_spooled(fin.rid)
-        self.gather.add(_WholeRecord(self, spec, nbytes, "aborted" if fin.aborted else "ok"), fin.pool_idx, lo, hi)
+        if mirror:
+            self._mirror[fin.rid] = (spec, nbytes, record.status, skip)
+        else:
+            self.gather.add(
+                WholeRecord(self.writer, self.shape.layer_slots, spec, nbytes, record.status), fin.pool_idx, lo, hi
+            )
         return True
-
-    def _note_spooled(self, rid: str) -> None:
-        """Remember a rid whose rows go to the spool (`reopen` must replace its record even before it is written)."""
-        self._spooled[rid] = None
-        self._spooled.move_to_end(rid)
-        if len(self._spooled) > RECENT_RIDS:
-            self._spooled.popitem(last=False)
-
-    def _end_refused(self, rid: str, spec: RecordSpec | None) -> None:
-        """A request whose rows the spool refused gets a record that ends at once, `error`, with no rows.
-
-        Why: a pointer to it (mirror mode attaches one beside the inline rows; a trainer may also hold the
-        rid) must get 410 from the sidecar at once, not 404 after its whole `wait`. Metadata only, a few
-        hundred bytes, outside the byte reservation; `spec` None: the record is already open (`reopen`).
-        """
-        self.writer.submit(Op(rid, spec=spec, status="error"), reserved=True)
 
     def read_rows(self, ticket: Ticket, pool_idx: int, lo: int, hi: int) -> None:
         """Queue rows `[lo, hi)` of a running request for this step's batched slot read (live prefixes)."""
@@ -410,7 +210,7 @@ class Collector:
             self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None)
             if rows is None:
                 self.dropped += 1
-            self._end_refused(rid, spec)
+            self.writer.end_refused(rid, spec)
             return
         data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
         self.writer.submit(Op(rid, spec=spec, rows=data, status=status), reserved=True)
@@ -441,15 +241,15 @@ class Collector:
             self._host_buffer = None  # `drain` reads nothing from here on
             tickets = self.gather.discard()
         for ticket in tickets:
-            if isinstance(ticket, _WholeRecord):
+            if isinstance(ticket, WholeRecord):
                 self.writer.release(ticket.nbytes)
-                self._end_refused(ticket.spec.rid, ticket.spec)
+                self.writer.end_refused(ticket.spec.rid, ticket.spec)
         for rid, (spec, nbytes, *_) in self._mirror.items():
             self.writer.release(nbytes)
-            self._end_refused(rid, spec)
+            self.writer.end_refused(rid, spec)
         self._mirror.clear()
         for rid in self._reopened:
-            self._end_refused(rid, None)
+            self.writer.end_refused(rid, None)
         self._reopened.clear()
 
     def run_ticker(self, stop: threading.Event, poll_s: float = 0.002) -> None:

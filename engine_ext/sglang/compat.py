@@ -1,6 +1,6 @@
 """Where each proven SGLang keeps what the hooks patch and read, as data: targets, settings, helpers.
 
-Why: `hooks.py` is written in 0.5.23's spelling, and the trainers pin older SGLangs (docs/versions.md) whose
+Why: the hooks are written in 0.5.23's spelling, and the trainers pin older SGLangs (docs/versions.md) whose
 settings sit on other objects and whose helpers have other names. A version's `Layout` lists only what
 differs from 0.5.23; `use(version)` makes it this process's layout before any hook is registered, and the
 hook bodies read through `target`, `read` and `function`, so they hold no version check of their own.
@@ -21,6 +21,7 @@ _SA = "sglang.srt.server_args.get_global_server_args()"  # ≤ 0.5.16: the setti
 _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _MIX = "sglang.srt.managers.scheduler_output_processor_mixin.SchedulerOutputProcessorMixin"  # ≤ 0.5.12
+_SHIMS = "engine_ext.sglang.compat_shims"  # what older SGLangs lack, written here
 
 # 0.5.23: the settings the hooks read, by the name the hooks use.
 READS: Mapping[str, str] = {
@@ -50,7 +51,7 @@ FUNCTIONS: Mapping[str, str] = {
     "moe_input_scattered": "sglang.srt.layers.moe.utils.is_moe_input_scattered_across_dp_ranks",
     "resolving_view": "sglang.srt.arg_groups.overrides.resolving_view",  # ServerArgs fields as resolved so far
     "model_config_of": "sglang.srt.arg_groups.overrides.model_config_of",  # a ServerArgs' ModelConfig
-    "capture_output_to_host": f"{__name__}.host_copies_by_map",  # a TopkCaptureOutput's tensors to the host
+    "capture_output_to_host": f"{_SHIMS}.host_copies_by_map",  # a TopkCaptureOutput's tensors to the host
 }
 
 # 0.5.23: the classes of the objects SGLang builds at run time that the hooks read attributes off, by role (a
@@ -212,76 +213,6 @@ class Layout:
         return (value,) if isinstance(value, str) else tuple(value or ())
 
 
-def slot_in_by_attention_dp_rank(per_rank: Sequence[int]) -> int:
-    """`dp_slot_in` where SGLang has none (≤ 0.5.20): a per-replica list's entry is the attention-DP rank's."""
-    if len(per_rank) == 1:
-        return 0
-    from sglang.srt.layers.dp_attention import get_attention_dp_rank
-
-    return get_attention_dp_rank()
-
-
-def server_args_as_resolved(server_args: Any) -> Any:
-    """`resolving_view` where there is no resolution pipeline (≤ 0.5.16): a ServerArgs is resolved when built."""
-    return server_args
-
-
-def model_config_from_server_args(server_args: Any) -> Any:
-    """`model_config_of` where SGLang has none (≤ 0.5.16)."""
-    from sglang.srt.configs.model_config import ModelConfig
-
-    return ModelConfig.from_server_args(server_args)
-
-
-def host_copies_by_map(out: Any) -> None:
-    """A `TopkCaptureOutput`'s device tensors to the host, synchronously (`map_device_tensors`, ≥ 0.5.16)."""
-    out.map_device_tensors(lambda t: t.cpu())
-
-
-def host_copies_by_fields(out: Any) -> None:
-    """The same where `TopkCaptureOutput` has only its two tensor fields (≤ 0.5.12)."""
-    out.out_cache_loc = out.out_cache_loc.cpu()
-    out.topk = out.topk.cpu()
-
-
-def graph_config_from_flags() -> Any:
-    """0.5.23's `cuda_graph_config` shape (per phase: backend, max_bs, bs) from ≤ 0.5.12's flat flags: decode
-    graphs unless `disable_cuda_graph`, piecewise prefill graphs up to `piecewise_cuda_graph_max_tokens`."""
-    from types import SimpleNamespace
-
-    from sglang.srt.server_args import get_global_server_args
-
-    args = get_global_server_args()
-    decode_on, prefill_on = not args.disable_cuda_graph, not args.disable_piecewise_cuda_graph
-    return SimpleNamespace(
-        decode=SimpleNamespace(
-            backend="full" if decode_on else "disabled", max_bs=args.cuda_graph_max_bs, bs=args.cuda_graph_bs
-        ),
-        prefill=SimpleNamespace(
-            backend="tc_piecewise" if prefill_on else "disabled",
-            max_bs=args.piecewise_cuda_graph_max_tokens,
-            bs=args.piecewise_cuda_graph_tokens,
-        ),
-    )
-
-
-def no_replica_rank() -> None:
-    """The DP replica rank where SGLang publishes none to the model process (≤ 0.5.16): unknown."""
-    return None
-
-
-def no_rust_server() -> bool:
-    """Where SGLang has no Rust HTTP front end (≤ 0.5.16): the Python tokenizer manager always serves."""
-    return False
-
-
-def moe_input_scattered_without_dwdp() -> bool:
-    """`is_moe_input_scattered_across_dp_ranks` where SGLang has none (≤ 0.5.16, which has no DWDP either)."""
-    from sglang.srt.layers.moe.utils import get_moe_a2a_backend, should_use_flashinfer_cutlass_moe_fp4_allgather
-
-    return not get_moe_a2a_backend().is_none() or bool(should_use_flashinfer_cutlass_moe_fp4_allgather())
-
-
 # ≤ 0.5.16: every setting is a field of the global ServerArgs.
 _SERVER_ARGS_READS: Mapping[str, str] = {
     name: f"{_SA}.{name}"
@@ -298,15 +229,15 @@ _SERVER_ARGS_READS: Mapping[str, str] = {
 } | {
     "server_args": _SA,
     "num_dp_ranks": f"{_SA}.dp_size",  # their capturers size × server_args.dp_size
-    "dp_rank": f"{__name__}.no_replica_rank()",
-    "rust_server": f"{__name__}.no_rust_server()",
+    "dp_rank": f"{_SHIMS}.no_replica_rank()",
+    "rust_server": f"{_SHIMS}.no_rust_server()",
 }
 _OLD_FUNCTIONS: Mapping[str, str] = {
-    "dp_slot_in": f"{__name__}.slot_in_by_attention_dp_rank",
+    "dp_slot_in": f"{_SHIMS}.slot_in_by_attention_dp_rank",
     "dp_gather_slot": f"{_DP}.get_attention_dp_rank",
-    "moe_input_scattered": f"{__name__}.moe_input_scattered_without_dwdp",
-    "resolving_view": f"{__name__}.server_args_as_resolved",
-    "model_config_of": f"{__name__}.model_config_from_server_args",
+    "moe_input_scattered": f"{_SHIMS}.moe_input_scattered_without_dwdp",
+    "resolving_view": f"{_SHIMS}.server_args_as_resolved",
+    "model_config_of": f"{_SHIMS}.model_config_from_server_args",
 }
 
 LAYOUTS: dict[str, Layout] = {
@@ -317,7 +248,7 @@ LAYOUTS: dict[str, Layout] = {
             "0.5.20",
             reads={"num_dp_ranks": f"{_RC}.get_parallel().dp_size"},
             functions={
-                "dp_slot_in": f"{__name__}.slot_in_by_attention_dp_rank",
+                "dp_slot_in": f"{_SHIMS}.slot_in_by_attention_dp_rank",
                 "dp_gather_slot": f"{_DP}.get_attention_dp_rank",
             },
             padded_counts="global_num_tokens_cpu",  # forward_batch_info.py: prepare_mlp_sync_batch's last line
@@ -354,13 +285,13 @@ LAYOUTS: dict[str, Layout] = {
             },
             reads=_SERVER_ARGS_READS
             | {
-                "cuda_graph_config": f"{__name__}.graph_config_from_flags()",
+                "cuda_graph_config": f"{_SHIMS}.graph_config_from_flags()",
                 "attn_tp_size": f"{_DP}.get_attention_tp_size()",
                 "attn_tp_rank": f"{_DP}.get_attention_tp_rank()",
                 "attn_dp_rank": f"{_DP}.get_attention_dp_rank()",
                 "attn_dp_size": f"{_DP}.get_attention_dp_size()",
             },
-            functions=_OLD_FUNCTIONS | {"capture_output_to_host": f"{__name__}.host_copies_by_fields"},
+            functions=_OLD_FUNCTIONS | {"capture_output_to_host": f"{_SHIMS}.host_copies_by_fields"},
             padded_counts="global_num_tokens_cpu",  # forward_batch_info.py:921
             req_pool_idx="req_pool_idx",
             budget_at_resolution=False,

@@ -3,7 +3,7 @@
 Why one object: the scheduler's hooks need the same writer, collector, live rows and telemetry at every step,
 and SGLang calls hooks as plain functions. So the process holds one `Process` (`PROCESS` below): the settings
 set at `install`, and the `Delivery` created from them, once, at the first batch result that has a capturer.
-Everything here takes plain values; `hooks.py` reads them off SGLang's objects.
+Everything here takes plain values; `delivery_hooks` reads them off SGLang's objects.
 
     from engine_ext.sglang.delivery import PROCESS
     delivery = PROCESS.current(build)   # None until the settings ask for delivery and a capturer exists
@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from engine_ext.core.degraded import guarded_thread
+from engine_ext.core.records import ModelShape, spool_dtype
 from engine_ext.core.settings import EngineSettings
 from engine_ext.core.telemetry import Sources, Telemetry
-from engine_ext.core.writer import SpoolWriter, spool_dtype
+from engine_ext.core.writer import SpoolWriter
 from engine_ext.sglang import frontdoors
-from engine_ext.sglang.collect import Collector, ModelShape
+from engine_ext.sglang.collect import Collector
 from engine_ext.sglang.live import LiveRows, wants_live
 from engine_ext.sglang.timers import TIMERS
 
@@ -37,7 +38,7 @@ log = logging.getLogger("r3_sidecar")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where this scheduler process sits, and what its launch allows (read from SGLang by `hooks.py`)."""
+    """Where this scheduler process sits, and what its launch allows (read from SGLang by `delivery_hooks`)."""
 
     publisher: bool  # attn-tp rank 0 of its DP group: the one process of the group that writes records
     dp_rank: int | None  # names the engine (`R3_ENGINE_NAME-dp<N>`); None without DP

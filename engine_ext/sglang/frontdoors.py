@@ -169,31 +169,46 @@ class PointerStream:
             self.done = True
             extra = self._pointer_chunk()
             return [extra, chunk] if extra else [chunk]
+        obj = self._parsed(chunk)
+        if obj is None:
+            return [chunk]
+        self._last = obj
+        self._note_rids(obj)
+        if isinstance(obj.get("sglext"), dict) and not obj.get("choices"):
+            return self._into_sglext(obj) or [chunk]
+        return [chunk]
+
+    def _parsed(self, chunk: str) -> dict | None:
+        """A data chunk's JSON, where it can name a pointer's rid or carries an `sglext`; None: pass it as it is."""
         if not chunk.startswith("data: {"):
-            return [chunk]
+            return None
         wants_ids = bool(self.base_url) and len(self.rids) < self.n  # the rids name the pointers
-        has_sglext = '"sglext"' in chunk
-        if not (wants_ids or has_sglext):
-            return [chunk]
+        if not (wants_ids or '"sglext"' in chunk):
+            return None
         try:
             obj = json.loads(chunk[len("data: ") :])
         except ValueError:
-            return [chunk]
-        self._last = obj
+            return None
+        return obj if isinstance(obj, dict) else None
+
+    def _note_rids(self, obj: dict) -> None:
+        """Each choice's rid: the chunk's `id`, for its `choices[].index`."""
         rid = obj.get("id")
         for choice in obj.get("choices") or ():
             if isinstance(rid, str) and isinstance(choice, dict) and isinstance(choice.get("index"), int):
                 self.rids.setdefault(choice["index"], rid)
-        if has_sglext and isinstance(obj.get("sglext"), dict) and not obj.get("choices"):
-            pointer = sglext_pointer(self.urls())
-            rows = obj["sglext"].get("routed_experts")
-            shape = self.shape_of(rows) if self.shape_of and isinstance(rows, str) else None
-            if pointer:
-                self.done = True  # the pointers went out with SGLang's own sglext chunk
-            if pointer or shape:
-                obj["sglext"].update((shape or {}) | (pointer or {}))
-                return [f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"]
-        return [chunk]
+
+    def _into_sglext(self, obj: dict) -> list[str] | None:
+        """SGLang's own response-level `sglext` chunk with the pointers and the inline rows' shape (None: neither)."""
+        pointer = sglext_pointer(self.urls())
+        rows = obj["sglext"].get("routed_experts")
+        shape = self.shape_of(rows) if self.shape_of and isinstance(rows, str) else None
+        if pointer:
+            self.done = True  # the pointers went out with SGLang's own sglext chunk
+        if not (pointer or shape):
+            return None
+        obj["sglext"].update((shape or {}) | (pointer or {}))
+        return [f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"]
 
     def _pointer_chunk(self) -> str | None:
         pointer = sglext_pointer(self.urls())

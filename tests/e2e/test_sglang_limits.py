@@ -119,7 +119,7 @@ def test_ngram_speculative_decoding_cannot_run_on_a_cpu_only_sglang(tmp_path):
     """NGRAM's worker imports reconstruct_tree.py, whose lines 49-50 import `sgl_kernel.speculative` on any
     device but CUDA, HIP and XPU; sgl-kernel's CPU build is not on PyPI. The sizing fix for
     `max_running_requests × num_draft_tokens > chunked_prefill_size` (sgl-project/sglang#38717) is proven on
-    SGLang's real classes in tests/engine/test_capture_cases.py instead. If this starts to pass, add the
+    SGLang's real classes in tests/engine/sglang/test_capture_cases.py instead. If this starts to pass, add the
     real-server case (`--speculative-algorithm NGRAM`, no draft model needed)."""
     env = server_env(Config("spec-probe", sidecar=False), tmp_path / "spool")
     probe = subprocess.run(

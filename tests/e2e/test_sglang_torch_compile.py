@@ -18,7 +18,7 @@ this CI machine (no AMX, no CPU build of `sgl_kernel`) SGLang falls back to `tor
 
 So the server test runs on a host with SGLang's CPU engine (`R3_TEST_SGLANG_CPU_ENGINE=1`: Intel AMX and
 `sgl_kernel` built for the CPU in each venv) and is skipped here with that reason; the check below keeps the
-reason true for every installed version, and `tests/engine/test_capture_compiled.py` compiles the hooked
+reason true for every installed version, and `tests/engine/sglang/test_capture_compiled.py` compiles the hooked
 capture path itself (Inductor, `fullgraph=True`) on all four.
 """
 

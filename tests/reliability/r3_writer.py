@@ -101,7 +101,8 @@ def _engine_writer(spool_dir: str):
 
 def _via_engine_writer(writer, rid: str, rows, chunk: int, pace: float) -> None:
     """The live-rows path of the engine: an open op, one op per block of rows, a final op; never blocking."""
-    from engine_ext.core.writer import Op, RecordSpec
+    from engine_ext.core.records import RecordSpec
+    from engine_ext.core.writer import Op
 
     spec = RecordSpec(
         rid=rid,

@@ -21,7 +21,9 @@ import pytest
 from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
 from waiting import WaitTimeout, wait_until
 
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter, undelivered_reason
+from engine_ext.core.records import RecordSpec
+from engine_ext.core.writer import Op, SpoolWriter
+from engine_ext.core.writer_counts import undelivered_reason
 from service.spool import Spool
 
 ROWS = 64
@@ -255,8 +257,10 @@ def test_finish_path_keeps_inline_when_the_spool_refuses(make_sidecar, spool_dir
     hand-off) over a host cache on CPU: refused requests are routed INLINE (SGLang keeps their payload) and
     counted; accepted ones are routed SPOOL and served exact."""
     torch = pytest.importorskip("torch")
+    from engine_ext.core.records import ModelShape
     from engine_ext.core.settings import Mode
-    from engine_ext.sglang.collect import Collector, Finished, ModelShape, Route
+    from engine_ext.sglang.collect import Collector, Route
+    from engine_ext.sglang.collect import FinishedReq as Finished
 
     n_req, seqlen = 30, ROWS + 1  # a finished request returns seqlen - 1 rows
     side = make_sidecar(spool_dir, env={"R3_SPOOL_MAX_BYTES": str(CAPACITY)})

@@ -21,9 +21,9 @@ export PYTHONPATH="$SITE:$PWD/tests/engine/gpu:$PWD" PYTHONUNBUFFERED=1 PYTHONWA
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'
 } 2>&1 | tee "$OUT/machine.txt"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_step_gather_cuda.py 2>&1 | tee "$OUT/step_gather.log"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_capture_sync.py::test_per_forward_path_has_no_cuda_sync \
-  tests/engine/test_collect_sync.py::test_collection_reads_no_device_value_on_cuda tests/engine/test_capture_graph_cuda.py \
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/sglang/test_step_gather_cuda.py 2>&1 | tee "$OUT/step_gather.log"
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/sglang/test_capture_sync.py::test_per_forward_path_has_no_cuda_sync \
+  tests/engine/sglang/test_collect_sync.py::test_collection_reads_no_device_value_on_cuda tests/engine/sglang/test_capture_graph_cuda.py \
   2>&1 | tee "$OUT/sync.log"
 [ "${R3_GPU_BENCH:-1}" = 0 ] && exit 0
 timeout 360 python3 -m benchmarks.hooks --device cuda --out "$OUT/hooks_cuda.json" 2>&1 | tee "$OUT/hooks_cuda.log"

@@ -3,7 +3,7 @@
 Two sidecars (threaded uvicorn on 127.0.0.1), each over its own real spool, stand for two pods. The response shapes
 are built with the engine's own code (`engine_ext.sglang.frontdoors`, `engine_ext.core.records.routed_experts_url`),
 and SGLang's inline string is the sidecar's `format=sglang_b64`, itself tested byte-identical to SGLang 0.5.23's
-encoder (tests/engine/test_sglang_layout.py).
+encoder (tests/engine/sglang/test_sglang_layout.py).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_versions_that_build_meta_info_inline_follow_the_same_rule():
         import asyncio
         from types import SimpleNamespace
         from engine_ext.core.settings import EngineSettings
-        from engine_ext.sglang import hooks
+        from engine_ext.sglang import frontdoor_hooks
         from engine_ext.sglang.delivery import PROCESS
 
         async def original(self, obj):
@@ -140,7 +140,7 @@ def test_versions_that_build_meta_info_inline_follow_the_same_rule():
             obj = SimpleNamespace(return_routed_experts=True)
             hf = SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)
             manager = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf), rid_to_state={})
-            outs = hooks._around_wait_one_response(original, manager, obj)
+            outs = frontdoor_hooks._around_wait_one_response(original, manager, obj)
             return [sorted(out["meta_info"]) async for out in outs]
 
         emit({mode: asyncio.run(run(mode)) for mode in ("sidecar", "mirror")})
@@ -198,7 +198,7 @@ def test_inline_rows_get_their_shape_and_the_requests_start_where_meta_info_is_b
         import asyncio, base64
         from types import SimpleNamespace
         from engine_ext.core.settings import EngineSettings
-        from engine_ext.sglang import hooks
+        from engine_ext.sglang import frontdoor_hooks
         from engine_ext.sglang.delivery import PROCESS
 
         rows = base64.b64encode(bytes(4 * 3 * 6 * 2)).decode()  # 3 rows of 6 layers x top-2, int32
@@ -214,7 +214,7 @@ def test_inline_rows_get_their_shape_and_the_requests_start_where_meta_info_is_b
         async def run(url):
             PROCESS.settings = EngineSettings(mode="mirror", sidecar_url=url)
             obj = SimpleNamespace(return_routed_experts=True, routed_experts_start_len=17)
-            return [out["meta_info"] async for out in hooks._around_wait_one_response(original, manager, obj)]
+            return [out["meta_info"] async for out in frontdoor_hooks._around_wait_one_response(original, manager, obj)]
 
         emit({str(url): asyncio.run(run(url)) for url in (None, "http://sc:1")})
         """

@@ -13,7 +13,7 @@ import pytest
 import torch
 from syncguard import ForbidHostReads, cuda_sync_errors
 
-from engine_ext.sglang.collect import StepGather
+from engine_ext.sglang.gather import StepGather
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

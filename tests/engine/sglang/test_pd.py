@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.runtime_context import get_disagg
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import hooks
+from engine_ext.sglang import delivery_hooks, hooks
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
@@ -63,7 +63,7 @@ def configure(**env):
 
 def finish(req):
     proc._maybe_collect_routed_experts(req)
-    hooks.end_delivery_step(proc)
+    delivery_hooks.end_delivery_step(proc)
     PROCESS.delivery.writer.flush()
     meta = Spool(SPOOL).read_meta(req.rid)
     return meta, Spool(SPOOL).read_array(meta).astype(np.int32)

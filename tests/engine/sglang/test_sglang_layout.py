@@ -33,7 +33,7 @@ from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import hooks
+from engine_ext.sglang import delivery_hooks, hooks
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.core.settings import EngineSettings
 
@@ -91,7 +91,7 @@ def run(m, rid, prompt, output, start_len=0, abort=False):
     with open(os.path.join(OUT, rid + ".b64"), "w") as f:
         f.write(upstream)
     m.proc._maybe_collect_routed_experts(req)           # the plugin's finish path (sidecar mode)
-    hooks.end_delivery_step(m.proc)
+    delivery_hooks.end_delivery_step(m.proc)
     PROCESS.delivery.writer.flush()
     results[rid] = dict(inline=req.routed_experts is not None, rows=int(rows.shape[0]), width=int(rows.shape[1]))
 

@@ -10,18 +10,11 @@ import numpy as np
 import pytest
 from waiting import wait_until
 
-from engine_ext.core.writer import (
-    NOT_WRITABLE,
-    QUEUE_FULL,
-    SPOOL_FULL,
-    UNDELIVERED_REASONS,
-    Op,
-    RecordSpec,
-    SpoolWriter,
-    compact,
-    spool_dtype,
-)
+from engine_ext.core.records import RecordSpec, compact, spool_dtype
+from engine_ext.core.writer import Op, SpoolWriter
+from engine_ext.core.writer_counts import NOT_WRITABLE, QUEUE_FULL, SPOOL_FULL
 from service.spool import Spool
+from service.spool.engine_report import UNDELIVERED_REASONS
 
 
 def _spec(rid: str, *, layers=(0, 1, 3), topk: int = 2, num_experts: int = 8, start: int = 0) -> RecordSpec:

@@ -21,7 +21,7 @@ from tiers import param
 
 from engine_ext.vllm.versions import MATRIX
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NEWEST_CPU = "0.32.0"  # `.venv-vllm`; the others are `.venv-vllm-<version>` (Makefile)
 
 

@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 from waiting import wait_until
 
+from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.vllm.spooler import Finished, ModelShape, Spooler, refusal_report, status_of
+from engine_ext.vllm.spooler import Spooler, refusal_report, status_of
 from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, refusal
 from service.spool import Spool
 from service.spool.engine_report import EngineReport
 from service.spool.vllm_rids import record_rid, vllm_choice_rid
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SHAPE = ModelShape(num_experts=16, topk=4, num_hidden_layers=4, layers=(0, 1, 2, 3))
 

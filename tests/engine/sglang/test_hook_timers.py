@@ -101,11 +101,11 @@ def test_switched_off_nothing_is_booked_and_install_registers_the_bare_hook(cloc
 def test_no_hook_inside_the_model_forward_is_timed() -> None:
     """The per-layer capture check runs where Dynamo traces (piecewise CUDA graphs, torch.compile): no timer
     slot, and the registered hook is the bare function (`test_capture_compiled.py` compiles it)."""
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang import capture_hooks
 
     assert "device_capture" not in timers.HOOKS
-    assert not hasattr(hooks._checked_device_capture, "__r3_untimed__")
-    assert timers.untimed(hooks._checked_device_capture) is hooks._checked_device_capture
+    assert not hasattr(capture_hooks._checked_device_capture, "__r3_untimed__")
+    assert timers.untimed(capture_hooks._checked_device_capture) is capture_hooks._checked_device_capture
 
 
 def _report(hooks: object | None) -> dict:

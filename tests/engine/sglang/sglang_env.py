@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe"
 _RESULT = "R3-RESULT "
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine_ext.sglang.versions import GROUPS, MATRIX, NEWEST, Seed, Upstream, support, supported
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "versions.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "versions.md"
 
 
 def test_the_newest_is_proven_and_registers_every_group():

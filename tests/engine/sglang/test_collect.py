@@ -8,7 +8,8 @@ from sglang_env import run_sglang
 
 from engine_ext.core.records import moe_layer_ids, routed_experts_url
 from engine_ext.core.settings import Mode
-from engine_ext.sglang.collect import Route, StepGather, choose_route, row_range
+from engine_ext.sglang.collect import Route, choose_route, row_range
+from engine_ext.sglang.gather import StepGather
 
 
 def test_row_range_matches_get_topk_clamp():
@@ -82,7 +83,7 @@ from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import hooks
+from engine_ext.sglang import delivery_hooks, frontdoor_hooks, hooks
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.sglang import guard
 from engine_ext.core.degraded import DEGRADED
@@ -142,7 +143,7 @@ def spool_rows(rid):
 def finish(reqs):
     for req in reqs:
         proc._maybe_collect_routed_experts(req)
-    hooks.end_delivery_step(proc)
+    delivery_hooks.end_delivery_step(proc)
     PROCESS.delivery.writer.flush()
 
 results = {"unpatched": unpatched}
@@ -247,7 +248,8 @@ states = {"a b/ü": types.SimpleNamespace(obj=GenerateReqInput(text="x", return_
           "plain": types.SimpleNamespace(obj=GenerateReqInput(text="x"))}
 manager = types.SimpleNamespace(rid_to_state=states)
 configure(sidecar_url="http://sc:8000")
-metas = asyncio.run(hooks._around_handle_batch_output(handle, manager, types.SimpleNamespace(rids=list(states))))
+batch = types.SimpleNamespace(rids=list(states))
+metas = asyncio.run(frontdoor_hooks._around_handle_batch_output(handle, manager, batch))
 results["pointer"] = metas
 results["outside"] = tm.try_build_beam_search_out_dict(None, 0, {"id": "a b/ü"})
 
@@ -317,8 +319,10 @@ def test_a_reused_rid_replaces_the_old_record_at_arrival(tmp_path):
     """verl resumes under the same rid: the old record must not be readable as the new request's once it arrives."""
     import numpy as np
 
-    from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
-    from engine_ext.sglang.collect import Collector, Finished, ModelShape
+    from engine_ext.core.records import ModelShape, RecordSpec
+    from engine_ext.core.writer import Op, SpoolWriter
+    from engine_ext.sglang.collect import Collector
+    from engine_ext.sglang.collect import FinishedReq as Finished
     from service.spool import Spool
 
     writer = SpoolWriter(tmp_path, engine="t/dp0").start()
@@ -351,8 +355,10 @@ def test_a_rid_reused_before_its_old_record_is_written_is_still_replaced(tmp_pat
     arrives: `reopen` must follow it there (FIFO), not skip the replacement because nothing was written yet."""
     import torch
 
+    from engine_ext.core.records import ModelShape
     from engine_ext.core.writer import SpoolWriter
-    from engine_ext.sglang.collect import Collector, Finished, ModelShape
+    from engine_ext.sglang.collect import Collector
+    from engine_ext.sglang.collect import FinishedReq as Finished
     from service.spool import Spool
 
     writer = SpoolWriter(tmp_path, engine="t/dp0")  # not started: every op waits in the queue

@@ -1,4 +1,4 @@
-"""`core.promised`: at an offline engine's shutdown, wait (bounded) for the records responses promised."""
+"""`sglang.promised`: at an offline engine's shutdown, wait (bounded) for the records responses promised."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import time
 import numpy as np
 
 from engine_ext.core.bounded_rids import BoundedRids
-from engine_ext.core.promised import Promised
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.core.records import RecordSpec
+from engine_ext.core.writer import Op, SpoolWriter
+from engine_ext.sglang.promised import Promised
 
 
 def _spec(rid: str) -> RecordSpec:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VERSIONS = {"0.5.23": ".venv", "0.5.20": ".venv-sglang-0.5.20", "0.5.16": ".venv-sglang-0.5.16"}
 VERSIONS["0.5.12"] = ".venv-sglang-0.5.12"
 
@@ -35,7 +35,7 @@ def compiled(request: pytest.FixtureRequest) -> dict:
         pytest.skip(f"needs {VERSIONS[request.param]} (make env-sglang-{request.param})")
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(REPO), str(REPO / "tests" / "engine"), os.environ.get("PYTHONPATH")])
+            filter(None, [str(REPO), str(REPO / "tests" / "engine" / "sglang"), os.environ.get("PYTHONPATH")])
         ),
         "R3_TEST_SGLANG_CPU": "1",  # the CPU shims its servers run with (0.5.12's imports need sgl_kernel)
         "R3_MODE": "off",
@@ -43,7 +43,7 @@ def compiled(request: pytest.FixtureRequest) -> dict:
         "PYTHONWARNINGS": "ignore",
     }
     done = subprocess.run(
-        [str(python), str(REPO / "tests" / "engine" / "compiled_capture.py")],
+        [str(python), str(REPO / "tests" / "engine" / "sglang" / "compiled_capture.py")],
         capture_output=True,
         text=True,
         timeout=800,

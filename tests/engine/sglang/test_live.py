@@ -2,7 +2,7 @@
 
 The step driver in the child plays the scheduler's part in the order `process_batch_result_*` runs it:
 `TopkCaptureOutput.finalize` (hooked), the finish hook for finished requests (hooked), then the delivery
-step (`hooks.after_batch_result`), exactly what `_around_process_result` calls.
+step (`delivery_hooks.after_batch_result`), exactly what `_around_process_result` calls.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def test_opt_in():
 def test_a_request_that_stops_appearing_is_forgotten(tmp_path):
     import torch
 
+    from engine_ext.core.records import ModelShape
     from engine_ext.core.settings import Mode
     from engine_ext.core.writer import SpoolWriter
-    from engine_ext.sglang.collect import Collector, ModelShape
+    from engine_ext.sglang.collect import Collector
     from engine_ext.sglang.live import LiveRows
     from service.spool import Spool
 
@@ -57,9 +58,11 @@ def test_stepping_aside_ends_every_record_not_yet_whole_as_error(tmp_path):
     writes it now); a record whose rows were read before the failure stays as it is."""
     import torch
 
+    from engine_ext.core.records import ModelShape
     from engine_ext.core.settings import Mode
     from engine_ext.core.writer import SpoolWriter
-    from engine_ext.sglang.collect import Collector, Finished, ModelShape
+    from engine_ext.sglang.collect import Collector
+    from engine_ext.sglang.collect import FinishedReq as Finished
     from engine_ext.sglang.live import LiveRows
     from service.spool import Spool
 
@@ -113,7 +116,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import hooks
+from engine_ext.sglang import delivery_hooks, hooks
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
@@ -175,7 +178,7 @@ def process(batch, result, out):
         if req.finished():
             expected[req.rid] = upstream(req)
             proc._maybe_collect_routed_experts(req)
-    hooks.after_batch_result(proc, batch, result, out)
+    delivery_hooks.after_batch_result(proc, batch, result, out)
 
 def extend(items, overlap=True):   # items: (req, prefix_len, extend_len, completes_prompt)
     slots = []

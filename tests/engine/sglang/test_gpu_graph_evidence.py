@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "engine" / "gpu"))
 
 from graph_evidence import DECODE_SIZES, PREFILL_SIZES, evidence  # noqa: E402

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from waiting import wait_until
 
+from engine_ext.core.records import RecordSpec
 from engine_ext.core.telemetry import Sources, Telemetry
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.core.writer import Op, SpoolWriter
 from engine_ext.sglang import capturer
 from engine_ext.sglang.budget import BudgetInputs, budget_rows
 from service.server.metrics import engine_families

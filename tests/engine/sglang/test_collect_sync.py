@@ -34,7 +34,7 @@ def child_main(device: str, spool: str) -> dict:
     from syncguard import ForbidHostReads, HostReadError, cuda_sync_errors
 
     from engine_ext.core.settings import EngineSettings
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang import delivery_hooks, hooks
     from engine_ext.sglang.delivery import PROCESS
 
     aten = torch.ops.aten
@@ -114,7 +114,7 @@ def child_main(device: str, spool: str) -> dict:
                 proc._maybe_collect_routed_experts(r)
             results["per_request_copies"] = len(guard.async_copies)
             step_rows.finalize()  # the host-cache write, with its drain in front
-            hooks.after_batch_result(proc, batch, GenerationBatchResult(), step_rows)  # live rows + step copy
+            delivery_hooks.after_batch_result(proc, batch, GenerationBatchResult(), step_rows)  # live rows + step copy
             results["per_step_copies"] = guard.async_copies
             next_step = TopkCaptureOutput(
                 out_cache_loc=torch.arange(8, 9, dtype=torch.int64),

@@ -12,9 +12,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from engine_ext.core.records import ModelShape
 from engine_ext.core.settings import Mode
 from engine_ext.core.writer import SpoolWriter
-from engine_ext.sglang.collect import Collector, Finished, ModelShape
+from engine_ext.sglang.collect import Collector
+from engine_ext.sglang.collect import FinishedReq as Finished
 from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout, extend_layout
 from service.spool import Spool
 
