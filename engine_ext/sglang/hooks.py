@@ -35,11 +35,12 @@ from engine_ext.core.degraded import ON_THREAD_FAILURE
 from engine_ext.core.promised import Promised
 from engine_ext.core.records import moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.sglang import capturer, compat, frontdoors, guard, slicing, timers
+from engine_ext.sglang import capturer, compat, frontdoors, guard, slicing, timers, worker_app
 from engine_ext.sglang.collect import Finished, ModelShape, Route
 from engine_ext.sglang.delivery import PROCESS, Delivery, HostCache, Placement
 from engine_ext.sglang.live import StepRequest, decode_layout, extend_layout, verify_layout
 from engine_ext.sglang.timers import TIMERS, timed
+from engine_ext.sglang.worker_app import SGLANG_APP, WORKER_APP
 
 _RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
@@ -571,10 +572,7 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
     PROCESS.configure(settings)
     _register("delivery", "inline", *(("pointer",) if settings.sidecar_url else ()))
     point_workers_here(compat.layout().worker_app_env)
-
-
-WORKER_APP = "engine_ext.sglang.http_worker:app"
-SGLANG_APP = "sglang.srt.entrypoints.http_server:app"
+    worker_app.register(compat.layout().worker_app_call)  # ≤ 0.5.20: the literal app path, retargeted
 
 
 def point_workers_here(env_name: str | None, environ: MutableMapping[str, str] = os.environ) -> bool:
