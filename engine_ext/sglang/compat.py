@@ -477,6 +477,7 @@ def unresolved(hook_targets: Sequence[str]) -> list[str]:
     names = [t for t in (target(h) for h in hook_targets) if t is not None]
     names += sorted({split_read(_layout[0].read_spec(n))[0] for n in READS})
     names += [_layout[0].function_path(n) for n in FUNCTIONS]
+    names += [call for call in (_layout[0].worker_app_call,) if call is not None]
     return missing(names)
 
 
