@@ -353,14 +353,17 @@ def workers_fault(version, upstream, workers, sglang_stack) -> dict:
 
 @pytest.mark.matrix  # a server start of its own for the fallback; CI proves the guard's kinds in test_guard.py
 def test_a_failed_retarget_leaves_sglang_own_workers_app_loudly(upstream, workers_fault):
-    """The guard calls `uvicorn.run` with SGLang's own arguments: the workers serve SGLang's app, whose responses
-    are upstream's byte for byte (no shape beside the rows), and the failure is in the log and `/v1/engines`."""
+    """The guard calls `uvicorn.run` with SGLang's own arguments: the workers serve SGLang's app (rows inline, no
+    shape beside them), the spool's record is that inline payload, and the failure is in the log and
+    `/v1/engines`. Rows are compared within this server: once in two runs 0.5.16's CPU payload for the same
+    tokens differed from the upstream server's here (SGLang's numerics, as the resume test notes)."""
     stack = workers_fault["stack"]
     for name in REQUESTS:
         up, on = upstream["responses"][name], workers_fault["responses"][name]
         assert on["output_ids"] == up["output_ids"], name
-        assert on["meta_info"]["routed_experts"] == up["meta_info"]["routed_experts"], name
         assert "routed_experts_shape" not in on["meta_info"], name  # SGLang's workers' app, as it makes it
+        meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+        assert meta.status == "ok" and np.array_equal(stored.astype(np.int32), stack.inline_rows(on)), name
     log = stack.server.log_text()
     failed = [line for line in log.splitlines() if "r3-sidecar: hook retarget_worker_app (uvicorn.run)" in line]
     assert len(failed) == 1 and "failed: InjectedFault" in failed[0], failed
