@@ -191,6 +191,8 @@ class Layout:
     # The environment variable naming the app SGLang's tokenizer worker processes import (`http_worker`); None
     # where that path is written into SGLang (≤ 0.5.20: "sglang.srt.entrypoints.http_server:app")
     worker_app_env: str | None = "SGLANG_HTTP_SERVER_APP_PATH"
+    # Where no setting names it: the call SGLang hands that literal path to, with `workers=N` (`worker_app`)
+    worker_app_call: str | None = None
 
     def read_spec(self, name: str) -> str:
         return self.reads.get(name, READS[name])
@@ -253,6 +255,7 @@ LAYOUTS: dict[str, Layout] = {
             },
             padded_counts="global_num_tokens_cpu",  # forward_batch_info.py: prepare_mlp_sync_batch's last line
             worker_app_env=None,  # http_server.py:2496, 2761: the workers' app path is a literal
+            worker_app_call="uvicorn.run",  # … handed to uvicorn.run(workers=N) in the main process
         ),
         Layout(  # read from the 0.5.16 wheel: no settings bags in runtime_context, no resolution pipeline
             "0.5.16",
@@ -270,6 +273,7 @@ LAYOUTS: dict[str, Layout] = {
             budget_at_resolution=False,
             verify_stride=("speculative_num_draft_tokens",),  # managers/utils.py: no speculative_output_stride
             worker_app_env=None,  # http_server.py:2357, 2581: the workers' app path is a literal
+            worker_app_call="uvicorn.run",  # … handed to uvicorn.run(workers=N) in the main process
         ),
         Layout(  # read from the 0.5.12 wheel: no runtime_context at all; the Scheduler processes batch results
             "0.5.12",
@@ -302,6 +306,7 @@ LAYOUTS: dict[str, Layout] = {
             verify_stride=("speculative_num_draft_tokens",),
             result_processor=None,
             worker_app_env=None,  # http_server.py:2094, 2293: the workers' app path is a literal
+            worker_app_call="uvicorn.run",  # … handed to uvicorn.run(workers=N) in the main process
             classes={
                 "decode_graph": (f"{_ME}.cuda_graph_runner.CudaGraphRunner", f"{_ME}.cpu_graph_runner.CPUGraphRunner"),
                 "result_processor": ("sglang.srt.managers.scheduler.Scheduler",),  # its mixin's methods
@@ -403,6 +408,7 @@ def unresolved(hook_targets: Sequence[str]) -> list[str]:
     names = [t for t in (target(h) for h in hook_targets) if t is not None]
     names += sorted({split_read(_layout[0].read_spec(n))[0] for n in READS})
     names += [_layout[0].function_path(n) for n in FUNCTIONS]
+    names += [call for call in (_layout[0].worker_app_call,) if call is not None]
     return missing(names)
 
 

@@ -17,6 +17,7 @@ from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.sglang import compat, frontdoors
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.sglang.promised import Promised
+from engine_ext.sglang.worker_app import SGLANG_APP, WORKER_APP
 
 
 def why_no_pointer(settings: EngineSettings, tokenizer_worker_num: int | None = None) -> str | None:
@@ -35,12 +36,6 @@ def rust_server_note(settings: EngineSettings) -> str | None:
     from engine_ext.sglang.frontdoors import rust_server_note as note
 
     return note(bool(compat.read("rust_server")), settings.mode)
-
-
-WORKER_APP = "engine_ext.sglang.http_worker:app"
-
-
-SGLANG_APP = "sglang.srt.entrypoints.http_server:app"
 
 
 def point_workers_here(env_name: str | None, environ: MutableMapping[str, str] = os.environ) -> bool:

@@ -8,8 +8,9 @@
   workers, nor do those workers have a hook point), sidecar mode keeps SGLang's inline payload, as mirror
   mode does (`effective_mode`): the trainer gets its rows inline, and the spool still gets the record.
 - Wherever the rows go inline (mirror mode, a refused spool, several tokenizer workers: their hooks come with
-  `http_worker`, SGLang 0.5.23), the response also says their shape and start (`inline_shape`; in a stream, the
-  chunk that carries the rows), so a trainer decodes SGLang's flat string without the model's numbers.
+  `http_worker`, on ≤ 0.5.20 through `worker_app`), the response also says their shape and start
+  (`inline_shape`; in a stream, the chunk that carries the rows), so a trainer decodes SGLang's flat string
+  without the model's numbers.
 - Where neither can work (`layout_refusal`: capture-all for requests that do not ask, when no pointer can
   reach them) the launch is refused under `R3_BUDGET=enforce`, naming the setting to change.
 """

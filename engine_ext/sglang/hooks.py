@@ -43,6 +43,7 @@ from engine_ext.sglang import (
     guard,
     live_hooks,
     timers,
+    worker_app,
 )
 from engine_ext.sglang.delivery import PROCESS
 
@@ -251,6 +252,7 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
     PROCESS.configure(settings)
     _register("delivery", "inline", *(("pointer",) if settings.sidecar_url else ()))
     frontdoor_hooks.point_workers_here(compat.layout().worker_app_env)
+    worker_app.register(compat.layout().worker_app_call)  # ≤ 0.5.20: the literal app path, retargeted
 
 
 def install_worker_hooks(settings: EngineSettings) -> None:

@@ -4,14 +4,14 @@ Why: with `--tokenizer-worker-num N > 1`, N worker processes build the responses
 them, so the rows they return inline (sidecar mode keeps them there: `frontdoors.effective_mode`) said neither
 their shape nor their start. SGLang 0.5.23 imports the workers' app from `SGLANG_HTTP_SERVER_APP_PATH`
 (default `sglang.srt.entrypoints.http_server:app`); the plugin, where it loads, points that setting here when it
-is unset (`hooks.point_workers_here`), and this module applies the "inline" rows of `hooks.HOOKS` in the worker
-before SGLang serves: `meta_info` and the OpenAI `sglext` get `routed_experts_shape` and
+is unset (`hooks.point_workers_here`); SGLang 0.5.12-0.5.20 write that default into their code, and the plugin
+retargets the one call that receives it (`worker_app`). This module applies the "inline" rows of `hooks.HOOKS`
+in the worker before SGLang serves: `meta_info` and the OpenAI `sglext` get `routed_experts_shape` and
 `routed_experts_start_len`, as with one tokenizer process. No pointer is attached there
 (`frontdoors.MULTI_TOKENIZER`).
 
 The workers serve the very app object of `sglang.srt.entrypoints.http_server`, untouched; a failure applying the
-hooks degrades to SGLang's own responses, loudly (`guard`). Older SGLangs write the app path into their code
-(`compat.Layout.worker_app_env` is None): their workers' inline rows stay without shape.
+hooks degrades to SGLang's own responses, loudly (`guard`).
 """
 
 from __future__ import annotations

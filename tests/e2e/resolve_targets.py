@@ -1,7 +1,8 @@
 """Print, as JSON, which of the plugin's hook targets and `MATRIX` names the running SGLang lacks, and, where
 `compat` has a layout for it, what of that layout does not import (`after_layout`: must be empty) and which
 attributes the registered hooks read off SGLang's run-time objects its source lacks (`attributes`, read by
-`engine_ext.sglang.attributes` from this version's installed files).
+`engine_ext.sglang.attributes` from this version's installed files), and which calls in its `http_server.py`
+hand SGLang's literal app path to several workers (`literal_app_calls`: what `worker_app` retargets).
 
 Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
 Targets of the `hip` group import only on ROCm and are left out.
@@ -9,9 +10,12 @@ Targets of the `hip` group import only on ROCm and are left out.
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from importlib.metadata import version
+from importlib.util import find_spec
+from pathlib import Path
 
 
 def main() -> None:
@@ -28,7 +32,25 @@ def main() -> None:
         result["after_layout"] = compat.unresolved(targets)
         here = [compat.hook(hook.target, hook.function) for hook in HOOKS if "hip" not in hook.groups]
         result["attributes"] = attributes.missing({where[1] for where in here if where is not None})
+    result["literal_app_calls"] = literal_app_calls()
     json.dump(result, sys.stdout)
+
+
+def literal_app_calls() -> list[str]:
+    """The dotted callees in this SGLang's `http_server.py` given `worker_app.SGLANG_APP` as their first argument
+    and a `workers=` keyword: read from the source, nothing imported."""
+    from engine_ext.sglang.worker_app import SGLANG_APP
+
+    tree = ast.parse(Path(find_spec("sglang.srt.entrypoints.http_server").origin).read_text())
+    return sorted(
+        ast.unparse(node.func)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == SGLANG_APP
+        and any(k.arg == "workers" for k in node.keywords)
+    )
 
 
 if __name__ == "__main__":

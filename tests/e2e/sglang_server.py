@@ -380,11 +380,11 @@ def start(config: Config, workdir: Path) -> Stack:
     spool = workdir / "spool"
     port = free_port()
     env = server_env(config, spool)
-    if sglang_version(config.python) < (0, 5, 20):
-        # 0.5.12 and 0.5.16 validate a gRPC port of `port + 10000` at start (never bound unless
-        # SGLANG_ENABLE_GRPC) and refuse one above 65535: an ephemeral port over 55535 failed the start. Give them
-        # a real one; not newer versions, where a set SGLANG_GRPC_PORT means gRPC (refused with several
-        # tokenizer workers).
+    if sglang_version(config.python) < (0, 5, 16):
+        # 0.5.12 validates a gRPC port of `port + 10000` at start (never bound unless SGLANG_ENABLE_GRPC) and
+        # refuses one above 65535: an ephemeral port over 55535 failed the start. Give it a real one; not 0.5.16
+        # on, which derive that port only in legacy gRPC mode and where a set SGLANG_GRPC_PORT turns native gRPC
+        # on (refused with several tokenizer workers: server_args.py `_handle_deprecated_args`).
         env.setdefault("SGLANG_GRPC_PORT", str(free_port()))
     sidecar = None
     if config.sidecar:

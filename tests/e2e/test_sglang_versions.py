@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
 
+from engine_ext.sglang import compat
 from engine_ext.sglang.versions import MATRIX
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
@@ -73,7 +74,8 @@ VENVS = {"0.5.23": ".venv", **{v: f".venv-sglang-{v}" for v in ("0.5.20", "0.5.1
 def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     """Each version's real modules, imported by its own python: the targets and names it lacks are its row,
     everything its `compat` layout names (retargeted hooks, settings' getters, helpers) imports there, and the
-    attributes its hooks read off run-time objects are in its installed source (else the row names them)."""
+    attributes its hooks read off run-time objects are in its installed source (else the row names them), and
+    where it writes its tokenizer workers' app path, that path goes to the call its layout retargets."""
     python = REPO / venv / "bin" / "python"
     if not python.exists():
         pytest.skip(f"needs {venv} (make env-{venv.removeprefix('.venv-')})")
@@ -96,3 +98,6 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     if row.proven:  # a proven version has a layout, and all of it resolves here
         assert found["after_layout"] == []
         assert found["attributes"] == list(row.missing_attributes)  # what its run-time objects lack
+        # where SGLang writes its workers' app path, the one call `worker_app` retargets is the one that gets it
+        call = compat.LAYOUTS[found["sglang"]].worker_app_call
+        assert found["literal_app_calls"] == ([call] if call else []), found["literal_app_calls"]

@@ -12,6 +12,8 @@ splices into the uninterrupted one. Few prompts: CI runs this per version (docs/
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from sglang_server import GLM, Config, Stack
+from test_sglang_front_doors import CONTINUATIONS, SLOW_WORKERS, assert_decodes_without_the_models_numbers, knock
 from tiers import tier_marks
 from waiting import wait_until
 
@@ -51,6 +54,13 @@ def configs(version: str) -> dict[str, Config]:
         "mirror": Config(f"{tag}-mirror", env={"R3_MODE": "mirror"}, python=python),
         "sidecar": Config(f"{tag}-sidecar", env={"R3_MODE": "sidecar"}, python=python),
         "dense": Config(f"{tag}-glm-mirror", env={"R3_MODE": "mirror"}, model=GLM, python=python),
+        "workers": Config(
+            f"{tag}-workers-mirror",
+            args={"tokenizer-worker-num": 2},
+            env={"R3_MODE": "mirror"} | SLOW_WORKERS,
+            tokenizer=True,  # the text and OpenAI doors
+            python=python,
+        ),
     }
 
 
@@ -283,3 +293,85 @@ def test_dense_and_moe_layers_records_hold_the_moe_layers_and_serve_sglang_bytes
         assert np.array_equal(stored.astype(np.int32), inline[:, [1, 2], :])
         served = httpx.get(f"{stack.sidecar_url}/routed_experts/{rid}", params={"format": "sglang_b64"}, timeout=30)
         assert served.text == response["meta_info"]["routed_experts"]  # byte for byte, dense slot included
+
+
+@pytest.fixture(scope="module")
+def workers(version, upstream, sglang_stack) -> dict:
+    """`--tokenizer-worker-num 2`, mirror mode: the suite's requests and every front door, continuations too."""
+    stack = sglang_stack(configs(version)["workers"])
+    return {
+        "stack": stack,
+        "responses": run_requests(stack),
+        "answers": knock(stack),
+        "continued": knock(stack, CONTINUATIONS),
+    }
+
+
+def test_several_tokenizer_workers_inline_rows_decode_without_the_models_numbers(workers):
+    """SGLang ≤ 0.5.20 hands its workers' app path to `uvicorn.run` as a literal; the plugin, in the main process,
+    has the workers import `http_worker`'s app instead (`engine_ext/sglang/worker_app.py`), whose hooks put the
+    shape and start beside SGLang's flat string: every door's `from_response(resp)[0].fetch()` decodes it, with
+    no model numbers, to SGLang's payload byte for byte; a continuation's too, from where it asked."""
+    stack = workers["stack"]
+    log = stack.server.log_text()
+    assert "tokenizer workers serve engine_ext.sglang.http_worker:app" in log
+    assert "r3-sidecar: hook" not in log  # no guard stepped aside (`guard.Guard.trip`'s line)
+    assert_decodes_without_the_models_numbers(workers)
+    for answers in (workers["answers"], workers["continued"]):
+        for name, (answer, *_) in answers.items():
+            assert answer["url"] is None and answer["inline"] is not None, name  # no pointer from a worker
+            rows = answer["bare"].fetch().array
+            assert rows.dtype == np.int32 and rows.tobytes() == base64.b64decode(answer["inline"]), name
+
+
+def test_several_tokenizer_workers_change_nothing_sglang_returns(upstream, workers):
+    """The same `input_ids` requests as upstream's server (plugin off, one tokenizer process): the same tokens,
+    SGLang's inline payload byte for byte, and its shape and start stated beside it; the spool has the record."""
+    stack = workers["stack"]
+    for name, (_, extra) in REQUESTS.items():
+        up, on = upstream["responses"][name], workers["responses"][name]
+        assert on["output_ids"] == up["output_ids"], name
+        assert on["meta_info"]["routed_experts"] == up["meta_info"]["routed_experts"], name
+        want = upstream["stack"].inline_rows(up)
+        start = extra.get("routed_experts_start_len", 0)
+        assert on["meta_info"]["routed_experts_shape"] == list(want.shape), name
+        assert on["meta_info"]["routed_experts_start_len"] == start, name
+        r = RoutedExpertsRef.from_response(on)[0].fetch()
+        assert r.start == start and np.array_equal(r.array, want), name
+        meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+        assert meta.status == "ok" and np.array_equal(stored.astype(np.int32), want), name
+
+
+@pytest.fixture(scope="module")
+def workers_fault(version, upstream, workers, sglang_stack) -> dict:
+    """The same launch with the retarget failing as our own code would (`R3_TEST_FAULT_HOOKS`, `guard`)."""
+    config = configs(version)["workers"]
+    fault = {"R3_TEST_FAULT_HOOKS": "retarget_worker_app"}
+    stack = sglang_stack(dataclasses.replace(config, name=f"{config.name}-fault", env=config.env | fault))
+    return {"stack": stack, "responses": run_requests(stack)}
+
+
+@pytest.mark.matrix  # a server start of its own for the fallback; CI proves the guard's kinds in test_guard.py
+def test_a_failed_retarget_leaves_sglang_own_workers_app_loudly(upstream, workers_fault):
+    """The guard calls `uvicorn.run` with SGLang's own arguments: the workers serve SGLang's app (rows inline, no
+    shape beside them), the spool's record is that inline payload, and the failure is in the log and
+    `/v1/engines`. Rows are compared within this server: once in two runs 0.5.16's CPU payload for the same
+    tokens differed from the upstream server's here (SGLang's numerics, as the resume test notes)."""
+    stack = workers_fault["stack"]
+    for name in REQUESTS:
+        up, on = upstream["responses"][name], workers_fault["responses"][name]
+        assert on["output_ids"] == up["output_ids"], name
+        assert "routed_experts_shape" not in on["meta_info"], name  # SGLang's workers' app, as it makes it
+        meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+        assert meta.status == "ok" and np.array_equal(stored.astype(np.int32), stack.inline_rows(on)), name
+    log = stack.server.log_text()
+    failed = [line for line in log.splitlines() if "r3-sidecar: hook retarget_worker_app (uvicorn.run)" in line]
+    assert len(failed) == 1 and "failed: InjectedFault" in failed[0], failed
+    assert "tokenizer workers serve engine_ext.sglang.http_worker:app" not in log
+
+    def degraded_hooks() -> set[str]:
+        engines = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=30).json()["engines"]
+        return {f["hook"] for engine in engines for f in engine.get("degraded") or ()}
+
+    wait_until(lambda: "retarget_worker_app" in degraded_hooks(), 30, "the engine file's degraded retarget")
+    assert degraded_hooks() == {"retarget_worker_app"}
