@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from sglang_server import Config, Process, Stack, free_port, running, spawn
+from waiting import WaitTimeout
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # two server starts on two busy cores
 
@@ -76,7 +77,7 @@ def owner(pods: list[Stack], rid: str) -> Stack:
     """The one pod whose spool holds `rid`'s final record."""
     holders = []
     for pod in pods:
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(WaitTimeout):
             pod.final_record(rid, timeout=15 if not holders else 1)
             holders.append(pod)
     assert len(holders) == 1, (rid, [p.config.name for p in holders])
