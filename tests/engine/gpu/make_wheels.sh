@@ -42,15 +42,20 @@ case "$VERSION" in
 esac
 site="$tmp/site"
 mkdir -p "$tmp/whl" "$site"
-# 0.5.23's import-time list less four that no server start imports (soundfile, ipython, traitlets, zstandard);
-# then the version's own pins (its transformers: the image's 5.17.0 is not what it was released with, and
+# 0.5.23's import-time list less zstandard, which no server start imports; IPython and soundfile stay (IPython with its
+# own dependencies (the image has pygments, psutil, typing-extensions): `import sglang` runs sglang/utils.py, whose
+# `from IPython.display import ...` is unguarded (seen on the H100: 0.5.12 did not import without it). Then the
+# version's own pins (its transformers: the image's 5.17.0 is not what it was released with, and
 # transformers checks tokenizers<=0.23.0 at import), FlashInfer's pure-Python package (the model runner imports
 # it unguarded) and jsonschema with its three dependencies (the OpenAI-compatible serving code imports it), at
 # the versions .venv runs.
-grep -v -E '^(#|soundfile|ipython|traitlets|zstandard)' "$HERE/requirements-cp312.txt" | grep . > "$tmp/req.txt"
+grep -v -E '^(#|zstandard)' "$HERE/requirements-cp312.txt" | grep . > "$tmp/req.txt"
 download -r "$tmp/req.txt" -d "$tmp/whl"
 download "transformers==$TRANSFORMERS" tokenizers==0.22.2 "flashinfer_python==$FLASHINFER" \
-  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 -d "$tmp/whl"
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+  asttokens==3.0.2 executing==2.3.0 ipython_pygments_lexers==1.1.1 jedi==0.20.1 matplotlib_inline==0.2.2 \
+  parso==0.8.7 pexpect==4.9.0 prompt_toolkit==3.0.53 ptyprocess==0.7.0 pure_eval==0.2.4 stack_data==0.6.3 \
+  wcwidth==0.9.4 -d "$tmp/whl"
 python3 -m pip wheel -q --no-deps "$REPO" -w "$tmp/whl"  # r3-sidecar: only its dist-info stays (entry points)
 python3 -m pip install -q --no-deps --no-compile "${CP312[@]}" --target "$site" "$tmp"/whl/*.whl
 rm -rf "$site/engine_ext" "$site/service" "$site/bin"  # the carried tree's plugin runs, never a copy of it

@@ -22,7 +22,7 @@ tar -xzf "$CARRY/site.tar.gz" -C "$SITE" || { echo "FAIL: unpacking $CARRY/site.
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 echo "unpacked SGLang $VERSION in $(( $(date +%s) - t0 )) s; $(nproc) CPUs"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c 'import torch, sglang, sgl_kernel, engine_ext; print("torch", torch.__version__, "sglang", sglang.__version__, "sgl_kernel", sgl_kernel.__version__, "plugin from", engine_ext.__file__)' \
+python3 -c 'import torch, sglang, sgl_kernel, engine_ext, service.server.api, service.server.cli, sglang.srt.entrypoints.http_server; print("torch", torch.__version__, "sglang", sglang.__version__, "sgl_kernel", sgl_kernel.__version__, "plugin from", engine_ext.__file__)' \
   || { echo "FAIL: the carried packages do not import"; exit 1; }
 timeout $((BUDGET + 120)) python3 tests/engine/gpu/servers.py --out "$OUT" --budget-s "$BUDGET"
 rc=$?
