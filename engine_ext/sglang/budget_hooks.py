@@ -38,10 +38,9 @@ def _check_layout(settings: EngineSettings, server_args) -> None:
     from engine_ext.core.settings import BudgetPolicy
     from engine_ext.sglang.frontdoors import layout_refusal
 
-    workers = int(getattr(compat.function("resolving_view")(server_args), "tokenizer_worker_num", 1) or 1)
-    refusal = layout_refusal(
-        mode=settings.mode, capture_all=settings.capture_all, unreachable=why_no_pointer(settings, workers)
-    )
+    view = compat.function("resolving_view")(server_args)
+    unreachable = why_no_pointer(settings, view)
+    refusal = layout_refusal(mode=settings.mode, capture_all=settings.capture_all, unreachable=unreachable)
     if refusal is None:
         return
     if settings.budget is BudgetPolicy.ENFORCE:

@@ -22,6 +22,9 @@ _TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 _MIX = "sglang.srt.managers.scheduler_output_processor_mixin.SchedulerOutputProcessorMixin"  # ≤ 0.5.12
 _SHIMS = "engine_ext.sglang.compat_shims"  # what older SGLangs lack, written here
+# Granian's server constructor (2.6-2.8: `granian.Granian` is a subclass that keeps it), which stores the target
+# its spawned workers import; SGLang's `--enable-http2` extra requires granian>=2.6.0
+_GRANIAN_INIT = "granian.server.common.AbstractServer.__init__"
 
 # 0.5.23: the settings the hooks read, by the name the hooks use.
 READS: Mapping[str, str] = {
@@ -193,6 +196,11 @@ class Layout:
     worker_app_env: str | None = "SGLANG_HTTP_SERVER_APP_PATH"
     # Where no setting names it: the call SGLang hands that literal path to, with `workers=N` (`worker_app`)
     worker_app_call: str | None = None
+    # … and the call its HTTP/2 server (Granian, `--enable-http2`) gets it from, whose workers import it too
+    granian_app_call: str | None = None
+    # Granian serves even one tokenizer worker from a process it spawns (0.5.12: never embedded), so the
+    # responses of `--enable-http2` are built where SGLang loads no plugins
+    granian_spawns_one: bool = False
 
     def read_spec(self, name: str) -> str:
         return self.reads.get(name, READS[name])
@@ -256,6 +264,7 @@ LAYOUTS: dict[str, Layout] = {
             padded_counts="global_num_tokens_cpu",  # forward_batch_info.py: prepare_mlp_sync_batch's last line
             worker_app_env=None,  # http_server.py:2496, 2761: the workers' app path is a literal
             worker_app_call="uvicorn.run",  # … handed to uvicorn.run(workers=N) in the main process
+            granian_app_call=_GRANIAN_INIT,  # … and to Granian(target=…, workers=N) (http_server.py:2496)
         ),
         Layout(  # read from the 0.5.16 wheel: no settings bags in runtime_context, no resolution pipeline
             "0.5.16",
@@ -274,6 +283,7 @@ LAYOUTS: dict[str, Layout] = {
             verify_stride=("speculative_num_draft_tokens",),  # managers/utils.py: no speculative_output_stride
             worker_app_env=None,  # http_server.py:2357, 2581: the workers' app path is a literal
             worker_app_call="uvicorn.run",  # … handed to uvicorn.run(workers=N) in the main process
+            granian_app_call=_GRANIAN_INIT,  # … and to Granian(target=…, workers=N) (http_server.py:2357)
         ),
         Layout(  # read from the 0.5.12 wheel: no runtime_context at all; the Scheduler processes batch results
             "0.5.12",
@@ -307,6 +317,8 @@ LAYOUTS: dict[str, Layout] = {
             result_processor=None,
             worker_app_env=None,  # http_server.py:2094, 2293: the workers' app path is a literal
             worker_app_call="uvicorn.run",  # … handed to uvicorn.run(workers=N) in the main process
+            granian_app_call=_GRANIAN_INIT,  # … and to Granian(target=…, workers=1) (http_server.py:2094)
+            granian_spawns_one=True,  # _run_granian_server: Granian's multi-process server, never embedded
             classes={
                 "decode_graph": (f"{_ME}.cuda_graph_runner.CudaGraphRunner", f"{_ME}.cpu_graph_runner.CPUGraphRunner"),
                 "result_processor": ("sglang.srt.managers.scheduler.Scheduler",),  # its mixin's methods

@@ -20,15 +20,25 @@ from engine_ext.sglang.promised import Promised
 from engine_ext.sglang.worker_app import SGLANG_APP, WORKER_APP
 
 
-def why_no_pointer(settings: EngineSettings, tokenizer_worker_num: int | None = None) -> str | None:
-    """Why this launch's responses cannot carry `routed_experts_url` (None: they can, or none is configured)."""
+def why_no_pointer(settings: EngineSettings, server_args: object | None = None) -> str | None:
+    """Why this launch's responses cannot carry `routed_experts_url` (None: they can, or none is configured).
+    `server_args`: the launch's settings where SGLang has not published them yet (the budget check)."""
     from engine_ext.sglang.frontdoors import pointer_unreachable
 
     if not settings.sidecar_url:  # no pointer anywhere: trainers fetch by rid from a sidecar they know
         return None
-    if tokenizer_worker_num is None:
-        tokenizer_worker_num = int(compat.read("tokenizer_worker_num") or 1)
-    return pointer_unreachable(tokenizer_worker_num=tokenizer_worker_num, rust_server=bool(compat.read("rust_server")))
+    layout = compat.layout()
+    if server_args is None:
+        workers = compat.read("tokenizer_worker_num")
+        http2 = layout.granian_spawns_one and getattr(compat.read("server_args"), "enable_http2", False)
+    else:
+        workers = getattr(server_args, "tokenizer_worker_num", 1)
+        http2 = getattr(server_args, "enable_http2", False)
+    return pointer_unreachable(
+        tokenizer_worker_num=int(workers or 1),
+        rust_server=bool(compat.read("rust_server")),
+        granian_worker=layout.version if http2 and layout.granian_spawns_one else None,
+    )
 
 
 def rust_server_note(settings: EngineSettings) -> str | None:

@@ -5,10 +5,11 @@
   sidecar mode drops the inline payload and the response carries `routed_experts_url` instead: in
   `meta_info`, and in the OpenAI responses' `sglext` object (`sglext_pointer`, `PointerStream`).
 - Where it cannot (`pointer_unreachable`: SGLang does not load plugins in its multi-tokenizer HTTP
-  workers, nor do those workers have a hook point), sidecar mode keeps SGLang's inline payload, as mirror
-  mode does (`effective_mode`): the trainer gets its rows inline, and the spool still gets the record.
-- Wherever the rows go inline (mirror mode, a refused spool, several tokenizer workers: their hooks come with
-  `http_worker`, on ≤ 0.5.20 through `worker_app`), the response also says their shape and start
+  workers, nor in the process 0.5.12's HTTP/2 server (Granian) spawns, nor do those have a hook point),
+  sidecar mode keeps SGLang's inline payload, as mirror mode does (`effective_mode`): the trainer gets its
+  rows inline, and the spool still gets the record.
+- Wherever the rows go inline (mirror mode, a refused spool, several tokenizer workers or Granian's: their hooks
+  come with `http_worker`, on ≤ 0.5.20 through `worker_app`), the response also says their shape and start
   (`inline_shape`; in a stream, the chunk that carries the rows), so a trainer decodes SGLang's flat string
   without the model's numbers.
 - Where neither can work (`layout_refusal`: capture-all for requests that do not ask, when no pointer can
@@ -28,6 +29,10 @@ MULTI_TOKENIZER = (
     "--tokenizer-worker-num {n} > 1: SGLang does not load plugins in its tokenizer worker processes, which "
     "build the responses, so no pointer can be attached there"
 )
+GRANIAN_WORKER = (
+    "--enable-http2 on SGLang {version}: Granian serves the API from a process it spawns, which builds the "
+    "responses and loads no plugins, so no pointer can be attached there"
+)
 RUST_SERVER = "SGLANG_RUST_SERVER=1: responses are built outside SGLang's Python tokenizer manager"
 RUST_SERVER_NOTE = (
     "SGLANG_RUST_SERVER is on: SGLang's HTTP server, tokenizer manager and detokenizer run in Rust, so the "
@@ -43,10 +48,15 @@ def rust_server_note(rust_server: bool, mode: Mode) -> str | None:
     return RUST_SERVER_NOTE if rust_server and mode is not Mode.OFF else None
 
 
-def pointer_unreachable(*, tokenizer_worker_num: int, rust_server: bool = False) -> str | None:
-    """Why responses of this layout cannot carry `routed_experts_url` (None: they can)."""
+def pointer_unreachable(
+    *, tokenizer_worker_num: int, rust_server: bool = False, granian_worker: str | None = None
+) -> str | None:
+    """Why responses of this layout cannot carry `routed_experts_url` (None: they can). `granian_worker`: the
+    SGLang version when its HTTP/2 server builds even one worker's responses in a spawned process."""
     if tokenizer_worker_num > 1:
         return MULTI_TOKENIZER.format(n=tokenizer_worker_num)
+    if granian_worker:
+        return GRANIAN_WORKER.format(version=granian_worker)
     if rust_server:
         return RUST_SERVER
     return None

@@ -251,8 +251,9 @@ def install_delivery_hooks(settings: EngineSettings) -> None:
     """
     PROCESS.configure(settings)
     _register("delivery", "inline", *(("pointer",) if settings.sidecar_url else ()))
-    frontdoor_hooks.point_workers_here(compat.layout().worker_app_env)
-    worker_app.register(compat.layout().worker_app_call)  # ≤ 0.5.20: the literal app path, retargeted
+    layout = compat.layout()
+    frontdoor_hooks.point_workers_here(layout.worker_app_env)
+    worker_app.register(layout.worker_app_call, layout.granian_app_call)  # ≤ 0.5.20: the literal, retargeted
 
 
 def install_worker_hooks(settings: EngineSettings) -> None:

@@ -11,10 +11,15 @@ app string named in the pickled `uvicorn.Config`), so that call is the one place
 every call unchanged except that exact one, SGLang's literal app with several workers, whose app becomes
 `http_worker`'s, the very app object of SGLang's module with the "inline" hooks applied there first.
 
-Behind its guard like every hook (`guard`): a failure here calls uvicorn with SGLang's own arguments (its app path,
-rows without shape), loudly, and degrades the process's hooks as any failed hook does. Not retargeted: Granian's
-workers (`--enable-http2`), whose target is a literal too (0.5.16-0.5.20 `_run_granian_server`); their inline rows
-stay without shape, as SGLang makes them.
+Granian, SGLang's HTTP/2 server (`--enable-http2`), gets the same literal as its `target` on those versions
+(`_run_granian_server`: with several workers on 0.5.16-0.5.20, always on 0.5.12, where even one worker is a process
+Granian spawns). Its multi-process server imports a target string in each worker it spawns, so
+`retarget_granian_app`, AROUND Granian's server constructor (`compat.Layout.granian_app_call`), swaps exactly that
+string; an app object (Granian embedded in SGLang's process) passes unchanged. Registered only where granian
+imports: without it SGLang cannot serve HTTP/2 at all.
+
+Behind its guard like every hook (`guard`): a failure here calls uvicorn or Granian with SGLang's own arguments
+(its app path, rows without shape), loudly, and degrades the process's hooks as any failed hook does.
 """
 
 from __future__ import annotations
@@ -49,16 +54,40 @@ def retarget_worker_app(original: Callable[..., Any], app: Any, *args: Any, **kw
     return original(chosen, *args, **kwargs)
 
 
-def register(call: str | None) -> bool:
-    """Register `retarget_worker_app` on `call`, SGLang's literal-app call on this version (None: SGLang names the
-    app in a setting, or has no such call: nothing to do). Behind its guard, as `hooks.HOOKS` rows are."""
-    if call is None:
-        return False
+def app_for_granian(target: Any) -> Any:
+    """The target Granian's spawned workers should import: `http_worker`'s in place of SGLang's literal, whatever
+    the worker count (each is a fresh process); anything else (an app object, another path) as given."""
+    return WORKER_APP if target == SGLANG_APP else target
+
+
+def retarget_granian_app(original: Callable[..., Any], server: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Granian's server constructor in SGLang's main process: its workers import `http_worker`'s app."""
+    if args:
+        args = (app_for_granian(args[0]), *args[1:])
+        chosen = args[0]
+    else:
+        chosen = kwargs["target"] = app_for_granian(kwargs.get("target"))
+    if chosen == WORKER_APP:
+        log.info("r3-sidecar: SGLang's Granian (HTTP/2) workers serve %s (SGLang's app, inline hooks applied)", chosen)
+    return original(server, *args, **kwargs)
+
+
+def register(call: str | None, granian_call: str | None = None) -> list[str]:
+    """Register `retarget_worker_app` on `call` and `retarget_granian_app` on `granian_call`, SGLang's literal-app
+    calls on this version (None: SGLang names the app in a setting, or has no such call), the latter only where
+    granian imports. Behind their guards, as `hooks.HOOKS` rows are. Returns the calls hooked."""
+    from importlib.util import find_spec
+
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from engine_ext.sglang import guard
 
-    HookRegistry.register(
-        call, guard.wrap("retarget_worker_app", call, retarget_worker_app, replace=False), HookType.AROUND
-    )
-    return True
+    hooked = []
+    for name, where, body in (
+        ("retarget_worker_app", call, retarget_worker_app),
+        ("retarget_granian_app", granian_call if find_spec("granian") else None, retarget_granian_app),
+    ):
+        if where is not None:
+            HookRegistry.register(where, guard.wrap(name, where, body, replace=False), HookType.AROUND)
+            hooked.append(where)
+    return hooked

@@ -33,6 +33,7 @@ def main() -> None:
         here = [compat.hook(hook.target, hook.function) for hook in HOOKS if "hip" not in hook.groups]
         result["attributes"] = attributes.missing({where[1] for where in here if where is not None})
     result["literal_app_calls"] = literal_app_calls()
+    result["granian"] = granian_server()
     json.dump(result, sys.stdout)
 
 
@@ -51,6 +52,19 @@ def literal_app_calls() -> list[str]:
         and node.args[0].value == SGLANG_APP
         and any(k.arg == "workers" for k in node.keywords)
     )
+
+
+def granian_server() -> dict[str, bool]:
+    """What this SGLang's `_run_granian_server` (its `--enable-http2` server) holds, read from the source:
+    `literal`, SGLang's app path as a string constant (the target its spawned workers import); `embeds`, Granian's
+    embedded server (`granian.server.embed`), which serves one worker in the main process."""
+    from engine_ext.sglang.worker_app import SGLANG_APP
+
+    tree = ast.parse(Path(find_spec("sglang.srt.entrypoints.http_server").origin).read_text())
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_run_granian_server"]
+    constants = [n.value for n in ast.walk(fn) if isinstance(n, ast.Constant)]
+    modules = [n.module for n in ast.walk(fn) if isinstance(n, ast.ImportFrom)]
+    return {"literal": SGLANG_APP in constants, "embeds": "granian.server.embed" in modules}
 
 
 if __name__ == "__main__":

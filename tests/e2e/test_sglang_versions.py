@@ -99,5 +99,10 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
         assert found["after_layout"] == []
         assert found["attributes"] == list(row.missing_attributes)  # what its run-time objects lack
         # where SGLang writes its workers' app path, the one call `worker_app` retargets is the one that gets it
-        call = compat.LAYOUTS[found["sglang"]].worker_app_call
+        layout = compat.LAYOUTS[found["sglang"]]
+        call = layout.worker_app_call
         assert found["literal_app_calls"] == ([call] if call else []), found["literal_app_calls"]
+        # … and Granian's (`--enable-http2`) gets it too where the layout hooks Granian; where Granian is never
+        # embedded, even one worker's responses are built in a process it spawns (`granian_spawns_one`)
+        assert found["granian"]["literal"] == (layout.granian_app_call is not None), found["granian"]
+        assert found["granian"]["embeds"] == (not layout.granian_spawns_one), found["granian"]

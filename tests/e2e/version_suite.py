@@ -61,6 +61,15 @@ def configs(version: str) -> dict[str, Config]:
             tokenizer=True,  # the text and OpenAI doors
             python=python,
         ),
+        # SGLang's HTTP/2 front door (Granian), sidecar mode. 0.5.12 serves even one tokenizer worker from a
+        # process Granian spawns; 0.5.16-0.5.20 embed it in the main process for one, and spawn for several.
+        "http2": Config(
+            f"{tag}-http2-sidecar",
+            args={"enable-http2": True} | ({} if version == "0.5.12" else {"tokenizer-worker-num": 2}),
+            env={"R3_MODE": "sidecar"} | SLOW_WORKERS,
+            tokenizer=True,
+            python=python,
+        ),
     }
 
 
@@ -375,3 +384,42 @@ def test_a_failed_retarget_leaves_sglang_own_workers_app_loudly(upstream, worker
 
     wait_until(lambda: "retarget_worker_app" in degraded_hooks(), 30, "the engine file's degraded retarget")
     assert degraded_hooks() == {"retarget_worker_app"}
+
+
+@pytest.fixture(scope="module")
+def http2(version, upstream, sglang_stack) -> dict:
+    """`--enable-http2` in sidecar mode, where Granian's spawned workers build the responses."""
+    stack = sglang_stack(configs(version)["http2"])
+    return {"stack": stack, "responses": run_requests(stack), "answers": knock(stack)}
+
+
+def test_granian_workers_keep_the_rows_inline_and_say_their_shape(upstream, http2):
+    """Granian's workers are processes it spawns, which import SGLang's app by its literal path and load no
+    plugin: no pointer can be attached there. Sidecar mode keeps SGLang's inline rows (the engine file says why,
+    naming HTTP/2 on 0.5.12, the workers elsewhere), and the plugin has the workers import `http_worker`'s app
+    (`worker_app.retarget_granian_app`), so every door's rows say their shape and decode with the bare
+    `from_response(resp)[0].fetch()`, SGLang's payload byte for byte; the spool has each record. Before these
+    hooks, 0.5.12's engine file said sidecar mode was in effect here (`inline_kept` null): its scheduler dropped
+    the inline rows for a pointer that no Granian worker attaches."""
+    stack = http2["stack"]
+    log = stack.server.log_text()
+    assert "Granian (HTTP/2) workers serve engine_ext.sglang.http_worker:app" in log
+    assert "r3-sidecar: hook" not in log  # no guard stepped aside
+    delivery = engine_report(stack)["delivery"]
+    assert (delivery["mode"], delivery["configured_mode"]) == ("mirror", "sidecar"), delivery
+    why = "--enable-http2" if stack.config.args.get("tokenizer-worker-num") is None else "--tokenizer-worker-num"
+    assert why in delivery["inline_kept"], delivery
+    for name, (_, extra) in REQUESTS.items():
+        up, on = upstream["responses"][name], http2["responses"][name]
+        assert on["output_ids"] == up["output_ids"], name
+        assert on["meta_info"]["routed_experts"] == up["meta_info"]["routed_experts"], name
+        want, start = upstream["stack"].inline_rows(up), extra.get("routed_experts_start_len", 0)
+        assert on["meta_info"]["routed_experts_shape"] == list(want.shape), name
+        r = RoutedExpertsRef.from_response(on)[0].fetch()
+        assert r.start == start and np.array_equal(r.array, want), name
+        meta, stored = stack.final_record(f"{stack.config.name}-{name}")
+        assert meta.status == "ok" and np.array_equal(stored.astype(np.int32), want), name
+    for name, (answer, *_) in http2["answers"].items():
+        assert answer["url"] is None and answer["inline"] is not None, name
+        rows = answer["bare"].fetch().array
+        assert rows.dtype == np.int32 and rows.tobytes() == base64.b64decode(answer["inline"]), name

@@ -31,6 +31,9 @@ def test_layouts_without_a_pointer_keep_inline_rows_and_refuse_capture_all():
     why = pointer_unreachable(tokenizer_worker_num=2)
     assert "--tokenizer-worker-num 2" in why
     assert "SGLANG_RUST_SERVER" in pointer_unreachable(tokenizer_worker_num=1, rust_server=True)
+    granian = pointer_unreachable(tokenizer_worker_num=1, granian_worker="0.5.12")
+    assert "--enable-http2 on SGLang 0.5.12" in granian and "spawns" in granian
+    assert effective_mode(Mode.SIDECAR, granian) is Mode.MIRROR
     assert effective_mode(Mode.SIDECAR, why) is Mode.MIRROR
     assert effective_mode(Mode.SIDECAR, None) is Mode.SIDECAR
     assert effective_mode(Mode.OFF, why) is Mode.OFF
