@@ -34,12 +34,21 @@ def test_granians_literal_is_retargeted_whatever_the_worker_count():
     assert app_for_granian(app) is app  # embedded Granian (0.5.16+, one worker) serves SGLang's app object
 
 
-@pytest.fixture
-def patched_granian(monkeypatch):
-    """Granian's constructor as `worker_app.register` hooks it for a ≤ 0.5.20 layout, restored afterwards."""
+@pytest.fixture(params=[False])
+def patched_granian(monkeypatch, request):
+    """Granian's constructor as `worker_app.register` hooks it for a ≤ 0.5.20 layout, restored afterwards; with
+    param True the hook fails as the plugin's own code would (`guard.FAULT_ENV`)."""
     from granian.server.common import AbstractServer
 
+    from engine_ext.core.degraded import DEGRADED
+
     monkeypatch.setattr(guard.Guard, "all", [])
+    monkeypatch.setattr(guard.Guard, "on_step_aside", [])
+    DEGRADED.clear()
+    if request.param:
+        monkeypatch.setenv(guard.FAULT_ENV, "retarget_granian_app")
+    else:
+        monkeypatch.delenv(guard.FAULT_ENV, raising=False)
     monkeypatch.setattr(AbstractServer, "__init__", AbstractServer.__init__)  # restored at teardown
     call = compat.LAYOUTS["0.5.12"].granian_app_call
     assert worker_app.register(None, call) == [call]
@@ -47,6 +56,7 @@ def patched_granian(monkeypatch):
     yield
     HookRegistry._hooks.pop(call, None)
     HookRegistry._patched.discard(call)
+    DEGRADED.clear()
 
 
 def test_every_older_layout_names_granians_constructor_and_it_imports():
@@ -65,3 +75,18 @@ def test_the_real_granian_server_stores_http_workers_app_as_its_target(patched_g
     assert granian.Granian(SGLANG_APP, **kwargs).target == WORKER_APP  # positional, one worker
     assert granian.Granian(target="my.app:app", **kwargs).target == "my.app:app"
     assert not any(g.degraded for g in guard.Guard.all)
+
+
+@pytest.mark.parametrize("patched_granian", [True], indirect=True)
+def test_a_failing_granian_retarget_builds_sglangs_own_server_loudly(patched_granian, caplog):
+    """The guard's fallback: Granian gets SGLang's own arguments (its workers serve SGLang's app, rows without
+    shape), the plugin's hooks step aside, and the failure is one ERROR line naming the hook."""
+    from granian.constants import Interfaces
+
+    from engine_ext.core.degraded import DEGRADED
+
+    server = granian.Granian(target=SGLANG_APP, address="127.0.0.1", port=0, interface=Interfaces.ASGI)
+    assert server.target == SGLANG_APP
+    assert [g.degraded for g in guard.Guard.all] == [True]
+    assert [f["hook"] for f in DEGRADED.snapshot()] == ["retarget_granian_app"]
+    assert any("r3-sidecar: hook retarget_granian_app" in r.getMessage() for r in caplog.records)
