@@ -197,9 +197,20 @@ def compare_phase(run: Run) -> None:
     run.phase("compared")
 
 
+# The least budget left, once the A/B's servers are up, that the A/B starts with on the GPU: two ~6 s rounds
+# after a warm-up, the 45 s margin for stopping the servers and writing the logs, and some slack
+AB_MIN_S = 75.0
+
+
 def ab_phase(run: Run, starting: concurrent.futures.Future, started: float) -> None:
-    """The A/B on the two servers started beside the three: rounds until the budget's end, less a margin."""
+    """The A/B on the two servers started beside the three: rounds until the budget's end, less a margin; on the
+    GPU none when the comparison left too little (a cut run would lose its logs, not gain a figure)."""
     stacks = starting.result()
+    if run.plan.gpu and run.left_s() < AB_MIN_S:  # no room for two rounds: keep the time to write what was seen
+        stop_all(stacks)
+        run.results["ab"] = {"skipped": f"{run.left_s():.0f} s of the budget left once its servers were up"}
+        run.phase("A/B skipped")
+        return
     try:
         # On the GPU the budget decides how many rounds; the rehearsal runs its two whatever the CPU's load
         minutes = max(run.left_s() - 45.0, 30.0) / 60 if run.plan.gpu else 60.0
