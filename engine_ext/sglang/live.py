@@ -222,12 +222,11 @@ class LiveRows:
             return
         step_rows = None  # converted once per step, on the first request that takes rows
         for req, (pos, offset, n) in zip(reqs, layout, strict=True):
-            if not self._takes_rows(req, pos, first_extend=first_extend):
-                continue
-            if step_rows is None:
-                step_rows = self.compact(topk)
-            self.feed(req.rid, pos, step_rows[offset : offset + n], limit=req.limit)
-            if req.finished:
+            if self._takes_rows(req, pos, first_extend=first_extend):
+                if step_rows is None:
+                    step_rows = self.compact(topk)
+                self.feed(req.rid, pos, step_rows[offset : offset + n], limit=req.limit)
+            if req.finished:  # whether or not its rows went live (a re-prefill that samples the last token)
                 self.end(req.rid)
 
     def _takes_rows(self, req: StepRequest, pos: int, *, first_extend: bool) -> bool:

@@ -276,6 +276,17 @@ res["h_after_reprefill"] = meta("h")
 while not h.finished():
     decode([h])
 
+# retraction whose re-prefill samples the last token: the request finishes at its first extend, which begins no
+# new record; the finish hook already chose the live record, so that step must end it (found on the real server)
+k = make("k", 3, 5, 3)
+extend([(k, 0, 5, True)])
+decode([k])
+k.kv.req_pool_idx = None
+k.reset_for_retract()
+k.kv.req_pool_idx = 3
+k.is_retracted = False
+extend([(k, 0, len(k.origin_input_ids) + len(k.output_ids), True)])   # grows its third and last token
+
 # abort: ends `aborted` with every row so far
 e = make("e", 7, 4, 9)
 extend([(e, 0, 4, True)])
@@ -287,7 +298,7 @@ extend([(z, 0, 7, True)], overlap=False)
 res["z_streaming"] = meta("z")
 decode([z], overlap=False); decode([z], overlap=False)
 
-for req in (a, b, c, g, f, d, h, e, z):
+for req in (a, b, c, g, f, d, h, k, e, z):
     m = spool.read_meta(req.rid) if meta(req.rid) else None
     rows = spool.read_array(m).astype(np.int32)
     res[req.rid] = dict(rows=m.rows, final=m.final, status=m.status, start=m.start,
@@ -308,6 +319,7 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
     assert res["a_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
     # every record, live or not, holds exactly SGLang's own rows (base64 path, decoded)
     cases = [("a", 9, 0), ("b", 11, 0), ("c", 9, 2), ("g", 7, 0), ("f", 11, 0), ("d", 9, 0), ("h", 10, 0), ("z", 9, 0)]
+    cases.append(("k", 7, 0))  # finished at its re-prefill: ended by that step, written whole
     for rid, n_rows, start in cases:
         assert res[rid] == {
             "rows": n_rows,
@@ -326,6 +338,7 @@ def test_live_rows_match_the_finish_time_path(tmp_path):
     assert res["h_after_retract_step"] == {"rows": 6, "final": False, "status": "ok", "start": 0}
     assert res["h_after_reprefill"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
     assert res["z_streaming"] == {"rows": 7, "final": False, "status": "ok", "start": 0}
-    assert res["stats"] == {"records": 8, "completed": 8, "restarted": 2, "broken": 0}
+    # k's live record broke at its finish (rows of before the retraction) and the finish-time path wrote it whole
+    assert res["stats"] == {"records": 9, "completed": 8, "restarted": 2, "broken": 1}
     assert res["open"] == []
     assert res["writer"]["queued_bytes"] == 0 and res["writer"]["fallback_inline"] == 0
