@@ -30,14 +30,15 @@ def why_no_pointer(settings: EngineSettings, server_args: object | None = None) 
     layout = compat.layout()
     if server_args is None:
         workers = compat.read("tokenizer_worker_num")
-        http2 = layout.granian_spawns_one and getattr(compat.read("server_args"), "enable_http2", False)
     else:
         workers = getattr(server_args, "tokenizer_worker_num", 1)
-        http2 = getattr(server_args, "enable_http2", False)
+    spawned = layout.granian_spawns_one and getattr(
+        compat.read("server_args") if server_args is None else server_args, "enable_http2", False
+    )
     return pointer_unreachable(
         tokenizer_worker_num=int(workers or 1),
         rust_server=bool(compat.read("rust_server")),
-        granian_worker=layout.version if http2 and layout.granian_spawns_one else None,
+        granian_worker=layout.version if spawned else None,
     )
 
 

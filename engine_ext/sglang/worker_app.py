@@ -65,8 +65,10 @@ def retarget_granian_app(original: Callable[..., Any], server: Any, *args: Any, 
     if args:
         args = (app_for_granian(args[0]), *args[1:])
         chosen = args[0]
-    else:
-        chosen = kwargs["target"] = app_for_granian(kwargs.get("target"))
+    elif "target" in kwargs:
+        chosen = kwargs["target"] = app_for_granian(kwargs["target"])
+    else:  # no target at all: Granian's own error, unchanged
+        chosen = None
     if chosen == WORKER_APP:
         log.info("r3-sidecar: SGLang's Granian (HTTP/2) workers serve %s (SGLang's app, inline hooks applied)", chosen)
     return original(server, *args, **kwargs)

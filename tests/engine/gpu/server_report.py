@@ -48,7 +48,8 @@ def _tok_s(rounds: list[dict[str, Any]], mode: str) -> float:
 def ab_lines(results: dict[str, Any]) -> list[str]:
     ab, plan = results.get("ab"), results["plan"]
     if not ab or not ab.get("rounds"):
-        return [f"No A/B rounds ran{': skipped, ' + ab['skipped'] if ab and ab.get('skipped') else ''}."]
+        skipped = (ab or {}).get("skipped")
+        return [f"No A/B rounds ran: skipped, {skipped}." if skipped else "No A/B rounds ran."]
     bench, summary = plan["ab"], ab["summary"]
     shape = (
         "Qwen3-30B-A3B's layer shape (hidden 2048; 32 query and 4 KV heads of 128; 128 experts of 768, top 8), "
