@@ -257,6 +257,10 @@ class Process:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def log_tail(self, lines: int = 60) -> str:
+        """The log's last `lines` lines, for a failure message that says what the process was doing."""
+        return _log_tail(self.log, lines)
+
     def wait_http(self, path: str, timeout: float, what: str) -> None:
         def answers() -> bool:
             if not self.alive():

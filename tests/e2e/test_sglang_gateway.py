@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from sglang_server import Config, Process, Stack, free_port, running, spawn
-from waiting import WaitTimeout
+from waiting import wait_until
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # two server starts on two busy cores
 
@@ -74,14 +74,15 @@ def two_pods(sglang_exclusive):
 
 
 def owner(pods: list[Stack], rid: str) -> Stack:
-    """The one pod whose spool holds `rid`'s final record."""
-    holders = []
-    for pod in pods:
-        with contextlib.suppress(WaitTimeout):
-            pod.final_record(rid, timeout=15 if not holders else 1)
-            holders.append(pod)
-    assert len(holders) == 1, (rid, [p.config.name for p in holders])
-    return holders[0]
+    """The one pod whose spool holds `rid`'s final record: both spools are looked at together until one has
+    it (the request went to one pod, so the other never will)."""
+
+    def holders() -> list[Stack]:
+        return [pod for pod in pods if (meta := pod.record(rid)[0]) is not None and meta.final]
+
+    found = wait_until(holders, 15, f"a final record of {rid} in either pod's spool")
+    assert len(found) == 1, (rid, [p.config.name for p in found])
+    return found[0]
 
 
 def test_every_pointer_names_the_pod_holding_the_record(two_pods):

@@ -21,6 +21,7 @@ import contextlib
 import io
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,32 +53,41 @@ def _prefix_hits(server: VllmServer) -> float:
     return sum(float(v) for v in PREFIX_HITS.findall(text))
 
 
-def _generated(server: VllmServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+def _generated(server: VllmServer, client: httpx.Client) -> float:
+    text = client.get(f"{server.url}/metrics", timeout=10).text
     return sum(float(v) for v in GENERATED.findall(text))
 
 
 def _abort(server: VllmServer, route: str) -> dict[str, Any]:
     """A long request aborted through vLLM's own endpoint (by its external id) once it has decoded a few
     tokens: the abort waits on vLLM's own token counter, not on a clock, so a fast or a loaded machine alike
-    aborts it mid-decode. The response gains `seen_before_abort`, what the counter said when the abort went."""
-    before = _generated(server)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    aborts it mid-decode. The response gains `seen_before_abort`, what the counter said when the abort went.
+    A failure says how many times the counter was read, what it said and when, so a CI log alone explains it."""
+    started = time.monotonic()
+    looks = 0
+    seen = 0.0
+    with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        before = _generated(server, client)
+        # the client's own 300 s timeout outlasts both waits below (120 s each), so a hang fails with their message
         pending = pool.submit(server.completion, "Abort me, please", rid="abort", max_tokens=LONG_DECODE)
-        seen = 0.0
 
         def decoding() -> bool:
-            nonlocal seen
-            seen = _generated(server) - before
+            nonlocal seen, looks
+            looks += 1
+            seen = _generated(server, client) - before
             return seen >= ABORT_AFTER or pending.done()
 
         with contextlib.suppress(WaitTimeout):  # the abort goes at the deadline too: `_check_abort` judges it
-            wait_until(decoding, 120, f"{ABORT_AFTER} tokens decoded", interval=0.01)
+            wait_until(decoding, 120, f"{ABORT_AFTER} tokens decoded", interval=0.05)
+        sent = time.monotonic() - started
         httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=10).raise_for_status()
+        state = f"{server.name}: {looks} looks at the counter, {seen:g} tokens when the abort went at {sent:.1f} s"
         try:
             return pending.result(timeout=120) | {"seen_before_abort": seen}
         except concurrent.futures.TimeoutError:
-            pytest.fail(f"{server.name}: the aborted request still runs 120 s on ({seen} tokens when it was aborted)")
+            pytest.fail(f"the aborted request still runs 120 s on ({state})")
+        except httpx.HTTPError as exc:
+            pytest.fail(f"the aborted request failed after {time.monotonic() - started:.1f} s: {exc!r} ({state})")
 
 
 def _hang_up(server: VllmServer) -> None:
@@ -179,10 +189,13 @@ def runs(
             out[name] = (server, workload(server, release))
             if name != "sidecar":
                 server.stop()  # the sidecar-mode server's sidecar serves the pointers below
-        except BaseException:
+        except BaseException as exc:
             server.stop()
             for other, _ in out.values():
                 other.stop()
+            if isinstance(exc, Exception):  # name the server and show what it logged: CI keeps no server log
+                tail = server.server.log_tail()
+                raise RuntimeError(f"the workload on {server.name} failed: {exc!r}\n{tail}") from exc
             raise
     yield out
     out["sidecar"][0].stop()
