@@ -190,11 +190,11 @@ def runs(
             if name != "sidecar":
                 server.stop()  # the sidecar-mode server's sidecar serves the pointers below
         except BaseException as exc:
+            tail = server.server.log_tail()  # before the stop adds its own lines: CI keeps no server log
             server.stop()
             for other, _ in out.values():
                 other.stop()
-            if isinstance(exc, Exception):  # name the server and show what it logged: CI keeps no server log
-                tail = server.server.log_tail()
+            if isinstance(exc, Exception | pytest.fail.Exception):  # not an interrupt: name the server, show its log
                 raise RuntimeError(f"the workload on {server.name} failed: {exc!r}\n{tail}") from exc
             raise
     yield out
