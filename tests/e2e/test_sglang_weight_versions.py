@@ -11,7 +11,7 @@ both delivery paths (finish-time and live rows), and the sidecar serves it in he
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 
 import httpx
 import numpy as np
@@ -67,33 +67,26 @@ def test_update_between_requests_changes_the_recorded_version(stack: Stack) -> N
 
 def decode_across_update(stack: Stack, tag: str, version: str, *, abort_all: bool) -> dict[str, tuple[list, dict]]:
     """Two requests decode while the version changes, one delivered at finish, one as live rows; by rid, its
-    prompt and SGLang's response."""
-    ids = {f"wv-{tag}": prompt(20, 3), f"wv-{tag}-live": prompt(24, 4)}
-    results: dict[str, dict] = {}
+    prompt and SGLang's response. They go as one batch, so both run before the update: sent apart, the
+    finish-time one reached the scheduler after the update once on a loaded machine (one span, not two)."""
+    rids = [f"wv-{tag}", f"wv-{tag}-live"]
+    ids = {rids[0]: prompt(20, 3), rids[1]: prompt(24, 4)}
+    params = [
+        {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True, "custom_params": {"r3_live_rows": live}}
+        for live in (False, True)
+    ]
+    body = {"input_ids": [ids[r] for r in rids], "sampling_params": params, "return_routed_experts": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{stack.url}/generate", json=body | {"rid": rids}, timeout=300)
 
-    def send(rid: str) -> None:
-        params = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True, "custom_params": {}}
-        params["custom_params"]["r3_live_rows"] = rid.endswith("-live")
-        response = httpx.post(
-            f"{stack.url}/generate",
-            json={"input_ids": ids[rid], "sampling_params": params, "return_routed_experts": True, "rid": rid},
-            timeout=300,
-        )
-        results[rid] = response.json()
+        def decoding() -> bool:  # both requests are decoding: the live record has rows past its prompt
+            meta, _ = stack.record(rids[1])
+            return meta is not None and meta.end > len(ids[rids[1]]) + 5
 
-    threads = [threading.Thread(target=send, args=(rid,)) for rid in ids]
-    for thread in threads:
-        thread.start()
-
-    def decoding() -> bool:  # both requests are decoding: the live record has rows past its prompt
-        meta, _ = stack.record(f"wv-{tag}-live")
-        return meta is not None and meta.end > len(ids[f"wv-{tag}-live"]) + 5
-
-    wait_until(decoding, 120, f"wv-{tag}-live decoding (its live record 5 rows past the prompt)")
-    set_version(stack, version, abort_all=abort_all)
-    for thread in threads:
-        thread.join(300)
-    return {rid: (ids[rid], results[rid]) for rid in ids}
+        wait_until(decoding, 120, f"{rids[1]} decoding (its live record 5 rows past the prompt)")
+        set_version(stack, version, abort_all=abort_all)
+        responses = pending.result(timeout=300).json()
+    return {rid: (ids[rid], response) for rid, response in zip(rids, responses, strict=True)}
 
 
 def test_a_request_spanning_an_update_records_where_the_version_changed(stack: Stack) -> None:
