@@ -96,13 +96,14 @@ def assert_same_answer(name: str, stack: Stack, up: dict, on: dict) -> None:
     """Two servers answered one request alike: the same tokens and SGLang's inline payload byte for byte. A
     failure says which rows differ (shifted rows differ from one row on; a numerics difference between two CPU
     servers flips a few)."""
-    tokens = "the same tokens" if up["output_ids"] == on["output_ids"] else "different tokens"
+    same_tokens = up["output_ids"] == on["output_ids"]
+    tokens = "the same tokens" if same_tokens else "different tokens"
     a, b = (np.frombuffer(base64.b64decode(r["meta_info"].get("routed_experts") or ""), np.int32) for r in (up, on))
     if a.shape != b.shape:
         pytest.fail(f"{name}: {tokens}; payloads of {a.size} and {b.size} values")
     per_row = stack.num_hidden_layers * stack.topk
     wrong = np.unique(np.flatnonzero(a != b) // per_row)
-    assert tokens == "the same tokens" and wrong.size == 0, (
+    assert same_tokens and wrong.size == 0, (
         f"{name}: {tokens}; {wrong.size} of {a.size // per_row} rows differ, first {wrong[:5].tolist()}"
     )
 
