@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from service.spool.bin_unlink import holding, unlink_if_held
 from service.spool.engine_report import EngineReport
 from service.spool.files import atomic_write
 from service.spool.record_meta import MAX_META_BYTES, VERSION, RecordMeta, SpoolFormatError, default_dtype, safe_name
@@ -152,20 +153,14 @@ class Spool:
 
         The `.bin` goes only if it is still the file that was there before: a writer that reuses the rid in
         between (the demo restores an acknowledged rid at once; an engine may reuse one) unlinks the old `.bin`
-        and creates its own, which must survive, or its final metadata would promise rows no file holds. The
-        old file is held open across the check, so its inode number cannot be handed to the new one."""
+        and creates its own, which must survive, or its final metadata would promise rows no file holds. The old
+        file is held open and locked across the check and the unlink (`bin_unlink`), and the writer takes the
+        same lock before it unlinks that file, so its new `.bin` cannot appear in between."""
         bin_path = self.bin_path(rid)
-        try:
-            held = os.open(bin_path, os.O_RDONLY)
-        except OSError:
-            held = None
-        try:
+        with holding(bin_path) as held:
             found = _unlink(self.meta_path(rid))
-            if held is not None and _same_file(held, bin_path):
-                found = _unlink(bin_path) or found
-        finally:
             if held is not None:
-                os.close(held)
+                found = unlink_if_held(held, bin_path) or found
         return found
 
     def reclaim_leftovers(self, older_than_s: float, now: float | None = None) -> list[Path]:
@@ -191,13 +186,22 @@ class Spool:
                 try:
                     if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
                         continue
-                    if orphan and os.path.exists(os.path.join(folder, f"{name[:-4]}.json")):
-                        continue  # a writer published it since the listing
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
                 except FileNotFoundError:
                     continue
+                gone = self._reclaim_orphan(folder, name) if orphan else _unlink(Path(entry.path))
+                if gone:
+                    removed.append(Path(entry.path))
         return removed
+
+    @staticmethod
+    def _reclaim_orphan(folder: str | Path, name: str) -> bool:
+        """Unlink the `.bin` `name` unless a writer published its rid since the listing (checked under the lock
+        a writer takes before it replaces that file)."""
+        path = os.path.join(folder, name)
+        with holding(path) as held:
+            if held is None or os.path.exists(os.path.join(folder, f"{name[:-4]}.json")):
+                return False
+            return unlink_if_held(held, path)
 
     def writer(
         self,
@@ -303,13 +307,3 @@ def _unlink(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file `fd` holds open."""
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)

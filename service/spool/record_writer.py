@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from service.spool.bin_unlink import holding, unlink_if_held
 from service.spool.files import _write_all
 from service.spool.record_meta import STATUSES, RecordMeta, Weights
 
@@ -44,8 +45,9 @@ class RecordWriter:
         self._lock = threading.Lock()
         spool.write_meta(meta)
         path = spool.bin_path(meta.rid)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a new file, not a truncated one: a reader still streaming the old record keeps its rows
+        with holding(path) as old:  # a new file, not a truncated one: a reader of the old record keeps its rows
+            if old is not None:
+                unlink_if_held(old, path)
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -204,27 +205,52 @@ def test_a_reused_rid_leaves_readers_of_the_old_record_its_rows(tmp_path: Path) 
     )
 
 
-def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(tmp_path: Path, monkeypatch) -> None:
+class _RecreateAt:
+    """`os` as `bin_unlink` sees it, except that the first `os.<step>` of `path` first lets a writer on another
+    thread recreate the record (`write_record` of `fresh`) for up to `grace_s`, then does the step."""
+
+    def __init__(self, step: str, path: Path, spool: Spool, fresh: np.ndarray, grace_s: float = 0.3) -> None:
+        self.step, self.path, self.spool, self.fresh, self.grace_s = step, path, spool, fresh, grace_s
+        self.writer: threading.Thread | None = None
+
+    def __getattr__(self, name: str):
+        real = getattr(os, name)
+        if name != self.step:
+            return real
+
+        def step(path, *args, **kwargs):
+            if self.writer is None and os.fspath(path) == os.fspath(self.path):
+                from helpers import write_record
+
+                self.writer = threading.Thread(target=write_record, args=(self.spool, "kept", self.fresh))
+                self.writer.start()
+                self.writer.join(self.grace_s)  # unguarded, the writer is done by now; guarded, it waits
+            return real(path, *args, **kwargs)
+
+        return step
+
+
+@pytest.mark.parametrize("step", ["stat", "unlink"])
+def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(tmp_path: Path, monkeypatch, step) -> None:
     """An ack's delete and a writer recreating the same rid interleave (the demo restores an acknowledged rid at
-    once): the new record's `.bin` survives, whole, so its final metadata never promises rows no file holds.
-    Before, the delete's second unlink removed the new `.bin`: every later fetch was a 410 "corrupt"."""
+    once; an engine may reuse a rid): the new record's `.bin` survives, whole, so its final metadata never
+    promises rows no file holds. The writer gets its chance just before the delete checks which file the name
+    holds (`stat`) and between that check and the unlink (`unlink`: CI's failure, a 410 "corrupt" for as long as
+    the record lived, before the delete and the writer took the file's lock across both)."""
     from helpers import random_rows, write_record
 
-    from service.spool import directory
+    from service.spool import bin_unlink
 
     spool = Spool(tmp_path)
     write_record(spool, "kept", random_rows(5, layers=2, topk=2))
     fresh = random_rows(7, layers=2, topk=2, seed=1)
-    check = directory._same_file
-
-    def recreated_in_between(fd: int, path: Path) -> bool:  # after the metadata's unlink, before the .bin's
-        write_record(spool, "kept", fresh)
-        return check(fd, path)
-
-    monkeypatch.setattr(directory, "_same_file", recreated_in_between)
+    racer = _RecreateAt(step, spool.bin_path("kept"), spool, fresh)
+    monkeypatch.setattr(bin_unlink, "os", racer)
     assert spool.delete("kept")
+    assert racer.writer is not None
+    racer.writer.join(5)
     meta = spool.read_meta("kept")
     assert meta is not None and meta.final and meta.rows == 7
     np.testing.assert_array_equal(spool.read_array(meta).astype(fresh.dtype), fresh)
-    monkeypatch.setattr(directory, "_same_file", check)
+    monkeypatch.undo()
     assert spool.delete("kept") and spool.read_meta("kept") is None and not spool.bin_path("kept").exists()
