@@ -154,7 +154,8 @@ class SpoolWriter:
             return None
 
     def release(self, nbytes: int, *, opens: bool = True) -> None:
-        """Give back a reservation: one that will not be submitted (the request vanished), or a written op's."""
+        """Give back a reservation that will not be submitted (the request vanished); a submitted op's reservation
+        is settled as the op is written (`_settle`)."""
         size, blocks = self._costs(nbytes, opens)
         with self._lock:
             self._reserved -= size
@@ -309,8 +310,6 @@ class SpoolWriter:
                 for op in ops:
                     self._apply(op, touched)
                 self._dirty.update(touched)
-                for op in ops:
-                    self.release(op.nbytes, opens=op.spec is not None)
             self._publish_due(publish_all)
             with self._lock:
                 self._busy = False
@@ -361,17 +360,20 @@ class SpoolWriter:
         self._dirty.pop(rid, None)
 
     def _apply(self, op: Op, touched: dict[str, RecordWriter]) -> None:
-        """Apply one op; appends to records that stay open are published by the caller, once per batch."""
+        """Apply one op, then move its bytes from its reservation to usage (`_settle`); appends to records that
+        stay open are published by the caller, once per batch."""
         writer = self._open.get(op.rid)
+        written = (0, 0)
         try:
             if op.spec is not None:
                 writer = self._open_record(op.spec, writer)
+                written = self._costs(0, True)
             if writer is None:
                 self._orphan(op)
                 return
             grows = op.rows is not None and op.rows.shape[0] > 0
             if grows:
-                self._append(writer, op)
+                written = _plus(written, self._append(writer, op))
             if op.status is None and (grows or op.spec is not None):
                 touched[op.rid] = writer
             if op.status is not None:
@@ -380,6 +382,21 @@ class SpoolWriter:
         except Exception as exc:  # the writer thread must outlive any one record
             touched.pop(op.rid, None)
             self._write_failed(op, writer, exc)
+        finally:
+            self._settle(op, written)
+
+    def _settle(self, op: Op, written: tuple[int, int]) -> None:
+        """Count what `op` wrote (file sizes, file-system bytes) as usage and give back its reservation, in one
+        step: a reservation made meanwhile sees those bytes once. Released only after a whole batch, they were
+        counted twice until then, and a spool with room refused requests (they fell back inline)."""
+        size, blocks = written
+        reserved_size, reserved_blocks = self._costs(op.nbytes, op.spec is not None)
+        with self._lock:
+            self._usage += size  # until the next rescan measures it
+            self._free -= blocks
+            self._reserved -= reserved_size
+            self._reserved_blocks -= reserved_blocks
+            self.stats.queued_bytes -= op.nbytes
 
     def _open_record(self, s: RecordSpec, old: RecordWriter | None) -> RecordWriter:
         """Start (or start over) the record of `s`: the new record replaces the old, never final in between."""
@@ -402,10 +419,6 @@ class SpoolWriter:
             num_hidden_layers=s.num_hidden_layers,
         )
         self._open[s.rid] = writer
-        size, blocks = self._costs(0, True)
-        with self._lock:
-            self._usage += size  # until the next rescan measures it
-            self._free -= blocks
         return writer
 
     def _orphan(self, op: Op) -> None:
@@ -416,13 +429,12 @@ class SpoolWriter:
         if op.status is not None:
             self._failed.discard(op.rid)
 
-    def _append(self, writer: RecordWriter, op: Op) -> None:
+    def _append(self, writer: RecordWriter, op: Op) -> tuple[int, int]:
+        """Append `op`'s rows; what they take: (bytes, whole pages as tmpfs charges them)."""
         block, before = self._block, writer.nbytes
         grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
         writer.append(op.rows, publish=False)
-        with self._lock:
-            self._usage += op.nbytes
-            self._free -= grown  # whole pages, as tmpfs charges them
+        return op.nbytes, grown
 
     def _finalize(self, writer: RecordWriter, op: Op) -> None:
         self._open.pop(op.rid, None)
@@ -448,3 +460,7 @@ class SpoolWriter:
         if writer is not None and not writer.closed:
             with contextlib.suppress(OSError):
                 writer.finalize("error")
+
+
+def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]

@@ -57,8 +57,7 @@ def _offer(writer: SpoolWriter, rid: str) -> np.ndarray | None:
 
 def _room_for(writer: SpoolWriter, records: int) -> bool:
     """Whether `records` new records of `ROWS` rows fit now, each with its own metadata, as the offers will ask
-    (one reservation of all their rows counts one metadata: a usage refresh that lands between two DELETEs
-    passed it with two records still counted, and two offers were refused). Gives every reservation back."""
+    (one reservation of all their rows would count one record's metadata). Gives every reservation back."""
     taken = 0
     try:
         while taken < records and writer.reserve(ROWS * ROW_BYTES) is None:

@@ -303,6 +303,41 @@ def test_usage_counts_written_bytes_until_rescan(tmp_path):
     writer.close()
 
 
+def test_a_written_op_is_counted_once_while_the_rest_of_its_batch_is_written(tmp_path, monkeypatch):
+    """Room for three records, two submitted: while the writer thread is between the two (the first written, the
+    second not yet), a third still fits. The first op's bytes were once counted as written and still reserved
+    until the whole batch was done, and a spool with room refused requests (CI's spool-full test, two of nine)."""
+    from engine_ext.core.writer import META_ESTIMATE_BYTES
+
+    spec = _spec("a")
+    data = compact(_rows(100), spec.dtype)
+    writer = SpoolWriter(tmp_path, max_bytes=3 * (data.nbytes + META_ESTIMATE_BYTES))
+    between, go = threading.Event(), threading.Event()
+    real_append = SpoolWriter._append
+
+    def append(self, record, op):
+        if op.rid == "b":
+            between.set()
+            go.wait(10)
+        return real_append(self, record, op)
+
+    monkeypatch.setattr(SpoolWriter, "_append", append)
+    for rid in ("a", "b"):
+        assert writer.reserve(data.nbytes) is None
+        assert writer.submit(Op(rid, spec=_spec(rid), rows=data, status="ok"), reserved=True)
+    writer.start()  # one batch: both ops
+    try:
+        assert between.wait(10), "the writer thread never reached the second op"
+        assert writer.reserve(data.nbytes) is None, (writer._usage, writer._reserved)
+        writer.release(data.nbytes)
+    finally:
+        go.set()
+    assert writer.flush()
+    assert writer._reserved == 0 and writer._reserved_blocks == 0 and writer.snapshot()["queued_bytes"] == 0
+    assert writer._usage == 2 * (data.nbytes + META_ESTIMATE_BYTES)
+    writer.close()
+
+
 def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypatch):
     import shutil
 
