@@ -363,17 +363,17 @@ class SpoolWriter:
         """Apply one op, then move its bytes from its reservation to usage (`_settle`); appends to records that
         stay open are published by the caller, once per batch."""
         writer = self._open.get(op.rid)
-        written = (0, 0)
+        size = blocks = 0  # what the op wrote: file sizes, file-system bytes
         try:
             if op.spec is not None:
                 writer = self._open_record(op.spec, writer)
-                written = self._costs(0, True)
+                size, blocks = self._costs(0, True)
             if writer is None:
                 self._orphan(op)
                 return
             grows = op.rows is not None and op.rows.shape[0] > 0
             if grows:
-                written = _plus(written, self._append(writer, op))
+                size, blocks = size + op.nbytes, blocks + self._append(writer, op)
             if op.status is None and (grows or op.spec is not None):
                 touched[op.rid] = writer
             if op.status is not None:
@@ -383,13 +383,12 @@ class SpoolWriter:
             touched.pop(op.rid, None)
             self._write_failed(op, writer, exc)
         finally:
-            self._settle(op, written)
+            self._settle(op, size, blocks)
 
-    def _settle(self, op: Op, written: tuple[int, int]) -> None:
+    def _settle(self, op: Op, size: int, blocks: int) -> None:
         """Count what `op` wrote (file sizes, file-system bytes) as usage and give back its reservation, in one
         step: a reservation made meanwhile sees those bytes once. Released only after a whole batch, they were
         counted twice until then, and a spool with room refused requests (they fell back inline)."""
-        size, blocks = written
         reserved_size, reserved_blocks = self._costs(op.nbytes, op.spec is not None)
         with self._lock:
             self._usage += size  # until the next rescan measures it
@@ -429,12 +428,12 @@ class SpoolWriter:
         if op.status is not None:
             self._failed.discard(op.rid)
 
-    def _append(self, writer: RecordWriter, op: Op) -> tuple[int, int]:
-        """Append `op`'s rows; what they take: (bytes, whole pages as tmpfs charges them)."""
+    def _append(self, writer: RecordWriter, op: Op) -> int:
+        """Append `op`'s rows; the file-system bytes they take (whole pages, as tmpfs charges them)."""
         block, before = self._block, writer.nbytes
         grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
         writer.append(op.rows, publish=False)
-        return op.nbytes, grown
+        return grown
 
     def _finalize(self, writer: RecordWriter, op: Op) -> None:
         self._open.pop(op.rid, None)
@@ -460,7 +459,3 @@ class SpoolWriter:
         if writer is not None and not writer.closed:
             with contextlib.suppress(OSError):
                 writer.finalize("error")
-
-
-def _plus(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    return a[0] + b[0], a[1] + b[1]

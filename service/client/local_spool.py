@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from service.client.decoding import RoutedExperts
+from service.spool.files import same_file
 from service.spool.record_meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
 from service.wire.buffers import uninitialized
 from service.wire.formats import layer_slots, parse_layers, resolve_layers
@@ -121,7 +122,7 @@ class LocalSpool:
             except OSError:
                 return None
             try:
-                if not _same_file(name + ".json", jfd):
+                if not same_file(name + ".json", jfd):
                     return _REPLACED
                 return _rows(meta, plan, bfd, view, alloc, frames)
             finally:
@@ -179,15 +180,6 @@ def _plan(meta: RecordMeta, sel: Selection) -> _Plan | None:
     except ValueError:
         return None
     return _Plan(lo, hi, clamped, tuple(wanted), layer_slots(meta.layers, wanted))
-
-
-def _same_file(path: str, fd: int) -> bool:
-    """Whether `path` still names the file open as `fd` (an open inode's number is never reused)."""
-    try:
-        now, held = os.stat(path), os.fstat(fd)
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _rows(meta: RecordMeta, plan: _Plan, fd: int, view: bool, alloc: Allocator, frames: bool) -> RoutedExperts | None:

@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from service.spool.files import same_file
+
 logger = logging.getLogger("r3_sidecar.spool")
 
 WAIT_S = 1.0  # far above the microseconds a holder needs; a stalled holder is waited for no longer
@@ -31,7 +33,7 @@ def holding(path: Path | str) -> Iterator[int | None]:
     """Open `path` and hold an exclusive lock on that file for the block: yields its descriptor, None if absent."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except OSError:  # absent, or not ours to open: nothing is held, and nothing is unlinked through it
         yield None
         return
     try:
@@ -43,12 +45,7 @@ def holding(path: Path | str) -> Iterator[int | None]:
 
 def unlink_if_held(fd: int, path: Path | str) -> bool:
     """Unlink `path` if it still names the file `fd` holds; whether it did. Call it inside `holding(path)`."""
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+    if not same_file(path, fd):
         return False
     try:
         os.unlink(path)

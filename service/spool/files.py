@@ -1,4 +1,5 @@
-"""Atomic file replacement and full writes: how every spool file is written (readers never see half a file)."""
+"""Atomic file replacement and full writes: how every spool file is written (readers never see half a file);
+and whether a name still names a file held open, how a reader or an unlinker knows a record was not replaced."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def atomic_write(path: Path | str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def same_file(path: Path | str, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd` (an open inode's number is never reused)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

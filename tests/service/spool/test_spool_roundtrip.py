@@ -206,11 +206,11 @@ def test_a_reused_rid_leaves_readers_of_the_old_record_its_rows(tmp_path: Path) 
 
 
 class _RecreateAt:
-    """`os` as `bin_unlink` sees it, except that the first `os.<step>` of `path` first lets a writer on another
+    """`os` as a spool module sees it, except that the first `os.<step>` of `path` first lets a writer on another
     thread recreate the record (`write_record` of `fresh`) for up to `grace_s`, then does the step."""
 
     def __init__(self, step: str, path: Path, spool: Spool, fresh: np.ndarray, grace_s: float = 0.3) -> None:
-        self.step, self.path, self.spool, self.fresh, self.grace_s = step, path, spool, fresh, grace_s
+        self.step, self.target, self.spool, self.fresh, self.grace_s = step, path, spool, fresh, grace_s
         self.writer: threading.Thread | None = None
 
     def __getattr__(self, name: str):
@@ -219,7 +219,7 @@ class _RecreateAt:
             return real
 
         def step(path, *args, **kwargs):
-            if self.writer is None and os.fspath(path) == os.fspath(self.path):
+            if self.writer is None and os.fspath(path) == os.fspath(self.target):
                 from helpers import write_record
 
                 self.writer = threading.Thread(target=write_record, args=(self.spool, "kept", self.fresh))
@@ -230,8 +230,10 @@ class _RecreateAt:
         return step
 
 
-@pytest.mark.parametrize("step", ["stat", "unlink"])
-def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(tmp_path: Path, monkeypatch, step) -> None:
+@pytest.mark.parametrize(("module", "step"), [("files", "stat"), ("bin_unlink", "unlink")])
+def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(
+    tmp_path: Path, monkeypatch, module: str, step: str
+) -> None:
     """An ack's delete and a writer recreating the same rid interleave (the demo restores an acknowledged rid at
     once; an engine may reuse a rid): the new record's `.bin` survives, whole, so its final metadata never
     promises rows no file holds. The writer gets its chance just before the delete checks which file the name
@@ -239,13 +241,13 @@ def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(tmp_p
     the record lived, before the delete and the writer took the file's lock across both)."""
     from helpers import random_rows, write_record
 
-    from service.spool import bin_unlink
+    import service.spool
 
     spool = Spool(tmp_path)
     write_record(spool, "kept", random_rows(5, layers=2, topk=2))
     fresh = random_rows(7, layers=2, topk=2, seed=1)
     racer = _RecreateAt(step, spool.bin_path("kept"), spool, fresh)
-    monkeypatch.setattr(bin_unlink, "os", racer)
+    monkeypatch.setattr(getattr(service.spool, module), "os", racer)
     assert spool.delete("kept")
     assert racer.writer is not None
     racer.writer.join(5)
