@@ -64,6 +64,12 @@ class EngineSettings(BaseSettings):
     shutdown_wait_s: float = Field(
         10.0, ge=0, description="At an offline engine's shutdown: seconds to wait for the records responses point to."
     )
+    build_check_records: int = Field(
+        3,
+        ge=1,
+        description="On a build no test proved: records compared with SGLang's own inline rows before the plugin "
+        "takes delivery over (until then sidecar mode acts as mirror).",
+    )
     hook_timers: bool = Field(
         True, description="Time each scheduler-thread hook's own work (engine file `hooks`, r3_engine_hook_*)."
     )

@@ -40,6 +40,7 @@ class Sources:
     host_cache: Callable[[], tuple[int, int]] = lambda: (0, 0)
     writer: Callable[[], dict[str, Any]] = lambda: WriterCounters().to_dict()
     hooks: Callable[[], dict[str, Any]] | None = None  # `timers.TIMERS.snapshot`; None: timers off, no `hooks`
+    build: Callable[[], dict[str, Any]] | None = None  # the build, its layout, proven or checked; None: not said
     degraded: Callable[[], list[dict[str, Any]]] = DEGRADED.snapshot  # hooks that failed: the engine's own code runs
 
 
@@ -73,7 +74,8 @@ class Telemetry:
     def report(self) -> dict[str, Any]:
         """This tick's report as the file's JSON object (not yet validated: `tick` does)."""
         hooks = {} if self.sources.hooks is None else {"hooks": self._part("hooks", {})}
-        return self._contract_fields() | hooks
+        build = {} if self.sources.build is None else {"build": self._part("build", None)}
+        return self._contract_fields() | hooks | build
 
     def _contract_fields(self) -> dict[str, Any]:
         if self._budget is None:  # the budget is fixed at launch: compute it once

@@ -12,7 +12,7 @@ logger = logging.getLogger("r3_sidecar")
 
 
 def register() -> None:
-    """Entry point: register every hook where `versions.support` says the plugin is proven, else none, loudly.
+    """Entry point: register every hook where the installed build fits a layout (`fit`), else none, loudly.
 
     Under `R3_BUDGET=enforce` an unsupported SGLang stops the start (`SystemExit`: SGLang's plugin loader
     catches `Exception` only) with the one message naming the version. Any other failure here leaves SGLang as
@@ -28,19 +28,13 @@ def register() -> None:
 
 
 def _register() -> None:
-    from importlib.metadata import PackageNotFoundError, version
-
     from engine_ext.core.settings import BudgetPolicy, EngineSettings
-    from engine_ext.sglang.versions import support
+    from engine_ext.sglang import fit
 
-    try:
-        found = version("sglang")
-    except PackageNotFoundError:
-        found = None
-    plan = support(found)
+    plan = fit.installed()
     settings = EngineSettings()
     if not plan.full:
-        message = f"r3-sidecar: {plan.reason}"
+        message = plan.describe()
         if settings.budget is BudgetPolicy.ENFORCE:
             raise SystemExit(f"{message}; refusing to start (R3_BUDGET=enforce)")
         logger.error(message)
@@ -49,7 +43,8 @@ def _register() -> None:
     from engine_ext.core.node_sidecar import with_node_sidecar
     from engine_ext.sglang import compat, hooks
 
-    compat.use(plan.version)
+    (logger.info if plan.proven else logger.warning)(plan.describe())
+    compat.use(plan.layout)
     announce_front_door(settings)
     hooks.install(with_node_sidecar(settings))
 

@@ -25,6 +25,7 @@ import torch
 from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import Mode
 from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.sglang.build_check import PENDING, BuildCheck
 from engine_ext.sglang.gather import StepGather, Ticket, WholeRecord, to_spool_rows
 from engine_ext.sglang.weight_versions import Span, record_weights
 from service.spool.record_meta import Weights
@@ -126,7 +127,9 @@ class Collector:
     ) -> None:
         self.writer = writer
         self.shape = shape
-        self.mode = mode
+        self.configured_mode = mode
+        self.check: BuildCheck | None = None  # an unproven build's self-check (`build_check`), set by `Delivery`
+        self._checking: set[str] = set()  # rids whose rows the check gathers the plugin's way too
         self.capture_all = capture_all
         self.dtype = dtype
         self.engine = engine
@@ -137,6 +140,13 @@ class Collector:
         self._mirror: dict[str, tuple[RecordSpec, int, str, int]] = {}
         self._reopened: set[str] = set()  # rids whose old record `reopen` replaced, until their finish
         self._drain_lock = threading.Lock()  # the ticker and the scheduler: a batch's rows reach the writer in order
+
+    @property
+    def mode(self) -> Mode:
+        """The mode in effect: mirror while an unproven build's check is pending, else the configured one."""
+        if self.check is not None and self.check.state == PENDING and self.configured_mode is Mode.SIDECAR:
+            return Mode.MIRROR
+        return self.configured_mode
 
     def reopen(self, rid: str, *, prompt_len: int, start_len: int) -> bool:
         """A new request under a rid this writer already claimed or wrote: replace the old record now, at arrival.
@@ -190,6 +200,9 @@ class Collector:
             return False
         if mirror:
             self._mirror[fin.rid] = (spec, nbytes, record.status, skip)
+            if self.check is not None and self.check.wants():  # the plugin's own gather too, to compare
+                self._checking.add(fin.rid)
+                self.gather.add(self.check.ticket(fin.rid, self.shape.layer_slots, spec.dtype), fin.pool_idx, lo, hi)
         else:
             self.gather.add(
                 WholeRecord(self.writer, self.shape.layer_slots, spec, nbytes, record.status), fin.pool_idx, lo, hi
@@ -203,9 +216,13 @@ class Collector:
     def mirror(self, rid: str, rows: torch.Tensor | None) -> None:
         """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather)."""
         spec, nbytes, status, skip = self._mirror.pop(rid)
+        check = self.check if rid in self._checking else None
+        self._checking.discard(rid)
         if rows is not None and skip:
             rows = rows[skip:]
         if rows is None or rows.shape[0] * spec.row_bytes != nbytes:
+            if check is not None:
+                check.theirs(rid, None)
             self.writer.release(nbytes)
             self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None)
             if rows is None:
@@ -214,6 +231,8 @@ class Collector:
             return
         data = to_spool_rows(rows, self.shape.layer_slots, spec.dtype)
         self.writer.submit(Op(rid, spec=spec, rows=data, status=status), reserved=True)
+        if check is not None:
+            check.theirs(rid, data)
 
     def end_step(self, req_to_token: torch.Tensor, host_buffer: torch.Tensor) -> None:
         """After a step's results: one batched slot read for the step's finished requests."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+NEWEST = "0.5.23"  # the release the hooks are spelled for: its layout is empty
 _RC = "sglang.srt.runtime_context"
 _DP = "sglang.srt.layers.dp_attention"
 _SA = "sglang.srt.server_args.get_global_server_args()"  # ≤ 0.5.16: the settings are the global ServerArgs
@@ -328,7 +329,7 @@ LAYOUTS: dict[str, Layout] = {
     )
 }
 
-_layout: list[Layout] = [LAYOUTS["0.5.23"]]
+_layout: list[Layout] = [LAYOUTS[NEWEST]]
 _getters: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {}
 _functions: dict[str, Callable[..., Any]] = {}
 

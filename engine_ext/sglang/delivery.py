@@ -25,10 +25,11 @@ import torch
 
 from engine_ext.core.degraded import guarded_thread
 from engine_ext.core.records import ModelShape, spool_dtype
-from engine_ext.core.settings import EngineSettings
+from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import SpoolWriter
 from engine_ext.sglang import frontdoors
+from engine_ext.sglang.build_check import BuildCheck
 from engine_ext.sglang.collect import Collector
 from engine_ext.sglang.live import LiveRows, wants_live
 from engine_ext.sglang.timers import TIMERS
@@ -45,6 +46,8 @@ class Placement:
     spec_tree: bool  # EAGLE top-k > 1: verify keeps a path through a tree, not the first accept_len rows
     unreachable: str | None  # why responses cannot carry the pointer (`frontdoors.pointer_unreachable`)
     sglang: str  # SGLang's version, for the engine file
+    layout: str = ""  # the `compat` layout applied to it (`fit`)
+    proven: bool = True  # a test ran this build's real server; else its first records are checked (`build_check`)
     front_door: str | None = None  # what SGLang's Rust front end leaves working (`frontdoors.rust_server_note`)
 
 
@@ -71,7 +74,7 @@ class Delivery:
     ) -> None:
         self.settings = settings
         self.placement = placement
-        self.mode = frontdoors.effective_mode(settings.mode, placement.unreachable)
+        mode = frontdoors.effective_mode(settings.mode, placement.unreachable)
         self.host_rows = host_cache.rows
         self.engine = settings.engine_name(placement.dp_rank)
         self.writer = SpoolWriter(
@@ -84,17 +87,20 @@ class Delivery:
         self.collector = Collector(
             self.writer,
             shape,
-            mode=self.mode,
+            mode=mode,
             capture_all=settings.capture_all,
             dtype=spool_dtype(settings.dtype, shape.num_experts),
             engine=self.engine,
         )
+        if not placement.proven:
+            build = f"sglang=={placement.sglang} (layout {placement.layout}, no test ran this build)"
+            self.collector.check = BuildCheck(build, settings.build_check_records)
         self.live = LiveRows(self.collector)
         self.inline_rows: tuple[object, Any] | None = None  # non-overlap: (out_cache_loc, host rows), last forward
         self.stop = threading.Event()
         ticker = guarded_thread("r3-collect-ticker", lambda: self.collector.run_ticker(self.stop))
         threading.Thread(target=ticker, name="r3-collect-ticker", daemon=True).start()
-        if self.mode is not settings.mode and self.publisher and placement.front_door is None:
+        if mode is not settings.mode and self.publisher and placement.front_door is None:
             log.warning(
                 "r3-sidecar: %s; requests that ask for routed experts keep SGLang's inline payload (R3_MODE=%s "
                 "acts as mirror: the spool still gets every record)",
@@ -111,6 +117,7 @@ class Delivery:
                 host_cache=host_cache.tokens,
                 writer=self.writer.snapshot,
                 hooks=TIMERS.snapshot if TIMERS.on else None,
+                build=self.build_report,
             ),
             interval_s=settings.telemetry_interval_s,
             sglang=placement.sglang,
@@ -122,6 +129,21 @@ class Delivery:
     @property
     def publisher(self) -> bool:
         return self.placement.publisher
+
+    @property
+    def mode(self) -> Mode:
+        """The delivery mode in effect now (an unproven build's check holds sidecar mode at mirror)."""
+        return self.collector.mode
+
+    def build_report(self) -> dict[str, Any]:
+        """The engine file's `build`: the build found, the layout applied, proven or checked (and how far)."""
+        check = self.collector.check
+        return {
+            "found": self.placement.sglang,
+            "layout": self.placement.layout,
+            "proven": self.placement.proven,
+            "check": None if check is None else check.report(),
+        }
 
     @property
     def dp_rank(self) -> int | None:

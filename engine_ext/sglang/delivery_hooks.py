@@ -27,10 +27,9 @@ def _delivery_for(processor) -> Delivery | None:
 
 def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
     """Read the plain values a `Delivery` needs off the capturer, the model config and the runtime context."""
-    from importlib.metadata import version
-
     from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
+    from engine_ext.sglang import fit
     from engine_ext.sglang.capturer import occupancy_snapshot
 
     experts = get_global_experts_capturer()
@@ -42,7 +41,9 @@ def _build_delivery(settings: EngineSettings, processor) -> Delivery | None:
         dp_rank=dp_rank,
         spec_tree=_eagle_topk() > 1,
         unreachable=why_no_pointer(settings),
-        sglang=version("sglang"),
+        sglang=fit.installed().version or "",
+        layout=compat.layout().version,
+        proven=fit.installed().proven,
         front_door=rust_server_note(settings),
     )
     host_cache, allocator = experts.host_cache, processor.token_to_kv_pool_allocator

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from functools import partial
 
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.sglang import compat, frontdoors
+from engine_ext.sglang import compat, fit, frontdoors
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.sglang.promised import Promised
 from engine_ext.sglang.worker_app import SGLANG_APP, WORKER_APP
@@ -88,7 +88,7 @@ async def _around_handle_batch_output(original, self, recv_obj, *args, **kwargs)
         or ((state := states.get(rid)) is not None and bool(getattr(state.obj, "return_routed_experts", False)))
         for rid in rids
     ]
-    mode = settings.mode if settings is not None else Mode.OFF
+    mode = frontdoors.pointing_mode(settings.mode, fit.installed().proven) if settings is not None else Mode.OFF
     inline = getattr(recv_obj, "routed_experts", None)
     refused = frontdoors.refused_rids(rids, asked, inline, mode)
     wanted = frontdoors.pointer_rids(rids, asked, refused)
@@ -167,7 +167,8 @@ def _complete_meta(manager, obj, meta: dict, rid: str, pointing: EngineSettings 
     from engine_ext.core.records import routed_experts_url
 
     if pointing is not None:
-        refused = rid in frontdoors.refused_rids([rid], [True], [meta.get("routed_experts")], pointing.mode)
+        mode = frontdoors.pointing_mode(pointing.mode, fit.installed().proven)
+        refused = rid in frontdoors.refused_rids([rid], [True], [meta.get("routed_experts")], mode)
         if not refused:
             meta["routed_experts_url"] = routed_experts_url(pointing.sidecar_url, rid)
         PROMISED.add(rid)  # a pointer's record, or the refused rows' `error` record

@@ -67,6 +67,13 @@ def effective_mode(mode: Mode, unreachable: str | None) -> Mode:
     return Mode.MIRROR if mode is Mode.SIDECAR and unreachable else mode
 
 
+def pointing_mode(mode: Mode, proven: bool) -> Mode:
+    """The mode the main process attaches pointers by. On a build no test proved, the scheduler keeps SGLang's
+    inline rows until its check agrees (`build_check`), which the main process cannot see: so every response
+    that asked gets the pointer beside whatever rows it carries, as in mirror mode."""
+    return Mode.MIRROR if mode is Mode.SIDECAR and not proven else mode
+
+
 def layout_refusal(*, mode: Mode, capture_all: bool, unreachable: str | None) -> str | None:
     """A layout that cannot work at all: requests that do not ask get neither rows nor a pointer."""
     if mode is Mode.OFF or not capture_all or not unreachable:

@@ -62,12 +62,19 @@ class Hook:
     # capture: always · hip: ROCm only · delivery, inline: R3_MODE not off · pointer: R3_SIDECAR_URL
     groups: tuple[str, ...]
     settle: str | None = None  # calls the original with other arguments: how the guard ends SGLang's call (`guard`)
+    keywords: tuple[str, ...] = ()  # the target's parameters the hook reads from `kwargs` by name (`fit`)
 
 
 AROUND, REPLACE = HookType.AROUND, HookType.REPLACE
 HOOKS: tuple[Hook, ...] = (
     # capture: sizing, sync-free DP slicing, overflow checks, occupancy (scheduler)
-    Hook(f"{_RE}.create", "_create_sized_capturer", AROUND, ("capture",)),
+    Hook(
+        f"{_RE}.create",
+        "_create_sized_capturer",
+        AROUND,
+        ("capture",),
+        keywords=("model_config", "max_running_requests"),
+    ),
     Hook(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
         "_record_forward_extent",

@@ -28,19 +28,16 @@ def install_in_worker() -> None:
 
 
 def _install() -> None:
-    from importlib.metadata import version
-
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from engine_ext.core.settings import EngineSettings, Mode
-    from engine_ext.sglang import compat, hooks
-    from engine_ext.sglang.versions import support
+    from engine_ext.sglang import compat, fit, hooks
 
-    plan = support(version("sglang"))
+    plan = fit.installed()
     settings = EngineSettings()
     if not plan.full or settings.mode is Mode.OFF:
         return
-    compat.use(plan.version)
+    compat.use(plan.layout)
     hooks.install_worker_hooks(settings)
     HookRegistry.apply_hooks()
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-NEWEST = "0.5.23"
+from engine_ext.sglang.compat import NEWEST as NEWEST  # the release the matrix starts at
+
+FIRST_WITH_PLUGINS = "0.5.12"  # `sglang.srt.plugins` and `HookRegistry`
+
 GROUPS = ("capture", "hip", "delivery", "pointer")  # the hook groups of `hooks.HOOKS`
 
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
@@ -158,35 +161,62 @@ MATRIX: dict[str, Version] = {
 
 @dataclass(frozen=True)
 class Support:
-    """What the plugin does on one found version: the groups it registers, and why not more."""
+    """What the plugin does on one found build: the groups it registers, the layout, and why not more."""
 
-    version: str | None
+    version: str | None  # the build's version string, as its metadata says
     groups: tuple[str, ...]
     reason: str | None  # None: the whole plugin runs
+    layout: str | None = None  # the `compat` layout applied (`fit`), None where nothing is registered
+    proven: bool = False  # a test ran this very release's real server with that layout
 
     @property
     def full(self) -> bool:
         return self.reason is None
 
+    def describe(self) -> str:
+        """The start-up line: the build, the layout applied, and whether a test proved that build."""
+        if not self.full:
+            return f"r3-sidecar: {self.reason}"
+        how = "proven by its real-server tests" if self.proven else UNPROVEN
+        return f"r3-sidecar: sglang=={self.version}: layout {self.layout} applied ({how})"
 
-def support(found: str | None) -> Support:
-    """The plugin's plan for SGLang `found`: every group where proven, none otherwise (never half-installed)."""
+
+UNPROVEN = "fits, but no test ran this build: inline rows are kept until its records agree with SGLang's own"
+
+
+def support(found: str | None, layout: str | None, lacking: dict[str, list[str]] | None = None) -> Support:
+    """The plugin's plan for SGLang `found`, whose code fits `layout` (`fit.fit`; None: fits no layout): every
+    group where it fits, none otherwise (never half-installed)."""
     row = MATRIX.get(found or "")
-    if row is None:
-        reason = f"sglang=={found} is outside the support matrix ({', '.join(supported())})"
-    elif not row.plugin_mechanism:
+    if lacks_plugins(found):
         reason = f"sglang=={found} has no plugin mechanism (sglang.srt.plugins); r3-sidecar needs sglang>=0.5.12"
-    elif row.missing_attributes:
-        reason = (
-            f"sglang=={found}: the hooks would read attributes its run-time objects lack "
-            f"({', '.join(row.missing_attributes)})"
-        )
-    elif not row.proven:
-        missing = [*row.missing_targets, *row.missing_names]
-        reason = f"sglang=={found}: the plugin is not proven on it yet (missing: {', '.join(missing) or 'none'})"
+    elif layout is None:
+        reason = f"sglang=={found} fits none of the plugin's layouts{_nearest_gap(lacking or {})}"
     else:
-        return Support(found, GROUPS, None)
+        proven = row is not None and row.proven and layout == found
+        return Support(found, GROUPS, None, layout, proven)
     return Support(found, (), reason + "; registering no hooks (capture stays upstream's)")
+
+
+def lacks_plugins(found: str | None) -> bool:
+    """Whether SGLang `found` predates `sglang.srt.plugins` (its matrix row says so, or its version is older)."""
+    from packaging.version import InvalidVersion, Version
+
+    row = MATRIX.get(found or "")
+    if row is not None:
+        return not row.plugin_mechanism
+    try:
+        return found is not None and Version(found) < Version(FIRST_WITH_PLUGINS)
+    except InvalidVersion:
+        return False
+
+
+def _nearest_gap(lacking: dict[str, list[str]]) -> str:
+    if not lacking:
+        return ""
+    layout, gaps = next(iter(lacking.items()))  # the nearest candidate, tried first
+    shown = ", ".join(gaps[:6]) + (f" and {len(gaps) - 6} more" if len(gaps) > 6 else "")
+    return f" (the nearest, {layout}, lacks: {shown})"
 
 
 def supported() -> list[str]:

@@ -149,6 +149,13 @@ _ENGINE_GAUGES = (
     ("r3_host_cache_capacity_tokens", "Capacity of the host routed-experts cache in tokens.", ["engine"]),
     ("r3_engine_queued_bytes", "Bytes queued in the engine's spool writer.", ["engine"]),
     ("r3_engine_stale", "1 when the engine file was not updated within engine_stale_s.", ["engine"]),
+    (
+        "r3_engine_build_info",
+        "1 per engine: the engine build found, the layout the plugin applied, whether a test proved that build "
+        "(proven), and an unproven build's self-check against the engine's own rows (check: pending, agreed; "
+        "none where proven).",
+        ["engine", "found", "layout", "proven", "check"],
+    ),
 )
 _ENGINE_COUNTERS = (
     ("r3_engine_fallback_inline", "Requests that kept SGLang's inline payload (spool refused).", ["engine"]),
@@ -200,6 +207,10 @@ def engine_families(engines: list[dict[str, Any]], stale_after_s: float, now: fl
         g["r3_host_cache_capacity_tokens"].add_metric([engine], float(report.capacity_tokens))
         g["r3_engine_queued_bytes"].add_metric([engine], float(report.writer.queued_bytes))
         g["r3_engine_stale"].add_metric([engine], 1.0 if now - report.updated > stale_after_s else 0.0)
+        if (build := report.build) is not None:
+            check = "none" if build.check is None else str(build.check["state"])
+            labels = [engine, build.found, build.layout, str(build.proven).lower(), check]
+            g["r3_engine_build_info"].add_metric(labels, 1.0)
         _add_writer(c, engine, report.writer)
         for hook, kinds in sorted((report.hooks or {}).items()):
             for kind, t in sorted(kinds.items()):

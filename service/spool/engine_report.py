@@ -137,6 +137,35 @@ class DeliveryMode:
 
 
 @dataclass(frozen=True, slots=True)
+class BuildInfo:
+    """The engine build the plugin found (`build`): the layout applied, whether a test proved that very build, and
+    where it did not, how far its self-check got (`check`: state pending | agreed, records agreed of needed)."""
+
+    found: str
+    layout: str
+    proven: bool
+    check: dict[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> BuildInfo:
+        if not isinstance(obj, dict):
+            raise EngineReportError(f"build={obj!r} (an object)")
+        found, layout = _text(obj, "found", "build"), _text(obj, "layout", "build")
+        if not isinstance(obj.get("proven"), bool):
+            raise EngineReportError(f"build.proven={obj.get('proven')!r} (true or false)")
+        check = obj.get("check")
+        if check is not None:
+            if not isinstance(check, dict) or check.get("state") not in ("pending", "agreed"):
+                raise EngineReportError(f"build.check={check!r} (state pending or agreed, agreed, needed)")
+            for key in ("agreed", "needed"):
+                _count(check, key, "build.check")
+        return cls(found, layout, obj["proven"], check)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"found": self.found, "layout": self.layout, "proven": self.proven, "check": self.check}
+
+
+@dataclass(frozen=True, slots=True)
 class HookTime:
     """One hook's own work on the scheduler thread under one forward kind, since the process started (`hooks`)."""
 
@@ -215,6 +244,7 @@ class EngineReport:
     vllm: str | None = None  # the vLLM version, in the vLLM plugin's files (`sglang` is "" there)
     hooks: dict[str, dict[str, HookTime]] | None = None  # absent when R3_HOOK_TIMERS=0, in older files, the demo's
     degraded: tuple[HookFault, ...] | None = None  # failed hooks ([] when none); absent in older files, the demo's
+    build: BuildInfo | None = None  # absent in older plugins' files, the demo's and the vLLM plugin's
     v: int = VERSION
 
     @classmethod
@@ -244,6 +274,7 @@ class EngineReport:
             vllm=_optional_text(report, "vllm"),
             hooks=None if report.get("hooks") is None else HookTime.parse_all(report["hooks"]),
             degraded=None if report.get("degraded") is None else HookFault.parse_all(report["degraded"]),
+            build=None if report.get("build") is None else BuildInfo.from_dict(report["build"]),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -274,6 +305,7 @@ class EngineReport:
         } | ({} if self.delivery is None else {"delivery": self.delivery.to_dict()})
         out |= {} if self.vllm is None else {"vllm": self.vllm}
         out |= {} if self.hooks is None else {"hooks": HookTime.dump_all(self.hooks)}
+        out |= {} if self.build is None else {"build": self.build.to_dict()}
         return out | ({} if self.degraded is None else {"degraded": [fault.to_dict() for fault in self.degraded]})
 
 

@@ -4,7 +4,7 @@ What each version's source has is proven per venv by `tests/e2e/test_sglang_vers
 `missing_attributes`, empty for all four). Here: that the checker finds real absences (it would have named
 0.5.12's `CudaGraphRunner.bs`, which only `replay_prepare` assigns, and 0.5.12's missing
 `GenerationBatchResult.speculative_output_stride`), follows constructors, helper methods, bases and dotted
-reads as the source has them, and that a version whose row names a missing attribute is refused at start.
+reads as the source has them, and that a build whose source lacks one is refused at start.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import logging
 import os
 import subprocess
 import textwrap
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from engine_ext.sglang import attributes, compat, versions
+from engine_ext.sglang import attributes, compat
 
 REPO = Path(__file__).resolve().parents[3]
 _ME = "sglang.srt.model_executor"
@@ -45,8 +44,7 @@ def test_0_5_12_layouts_as_first_written_are_named_by_the_checker():
         ".venv-sglang-0.5.12",
         """
         import json
-        from dataclasses import replace
-        from engine_ext.sglang import attributes, compat
+                from engine_ext.sglang import attributes, compat
         layout = compat.use("0.5.12")
         compat._layout[0] = replace(layout, graph_batch_set_in=(), verify_stride=compat.Layout("x").verify_stride)
         print(json.dumps(attributes.missing()))
@@ -62,8 +60,7 @@ def test_0_5_12_with_0_5_23_graph_runner_classes_names_the_missing_class():
         ".venv-sglang-0.5.12",
         """
         import json
-        from dataclasses import replace
-        from engine_ext.sglang import attributes, compat
+                from engine_ext.sglang import attributes, compat
         layout = compat.use("0.5.12")
         compat._layout[0] = replace(layout, classes={k: v for k, v in layout.classes.items() if k != "decode_graph"})
         print(json.dumps(attributes.missing()))
@@ -77,8 +74,7 @@ def test_0_5_20_forward_batch_has_no_padded_counts_of_0_5_23():
         ".venv-sglang-0.5.20",
         """
         import json
-        from dataclasses import replace
-        from engine_ext.sglang import attributes, compat
+                from engine_ext.sglang import attributes, compat
         compat._layout[0] = replace(compat.use("0.5.20"), padded_counts="global_num_tokens_padded_cpu")
         print(json.dumps(attributes.missing()))
         """,
@@ -135,20 +131,24 @@ def test_every_read_names_a_role_and_a_hook_function():
         assert set(layout.classes) <= set(compat.CLASSES), layout.version
 
 
-def test_a_version_whose_row_names_a_missing_attribute_is_refused_at_start_naming_it(monkeypatch, caplog):
-    """One ERROR naming the attribute, no hook registered; the engine starts without the plugin."""
+def test_a_build_whose_source_lacks_an_attribute_the_hooks_read_is_refused_at_start_naming_it(monkeypatch, caplog):
+    """The installed 0.5.23 with one read attribute made absent fits no layout (`fit`): one ERROR naming the
+    attribute, no hook registered; the engine starts without the plugin."""
     import engine_ext.sglang as plugin
+    from engine_ext.sglang import fit
 
-    lacking = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.bs"
-    row = replace(versions.MATRIX["0.5.23"], missing_attributes=(lacking,))
-    monkeypatch.setitem(versions.MATRIX, "0.5.23", row)
-    plan = versions.support("0.5.23")
-    assert plan.groups == () and lacking in plan.reason
+    lacking = "sglang.srt.model_executor.model_runner.ModelRunner.decode_cuda_graph_runner"
+    monkeypatch.setattr(attributes, "missing", lambda functions=None: [lacking])
+    fit.installed.cache_clear()
     installed = []
     monkeypatch.setattr("engine_ext.sglang.hooks.install", lambda settings: installed.append(settings), raising=False)
     monkeypatch.setenv("R3_BUDGET", "warn")
-    with caplog.at_level(logging.ERROR, logger="r3_sidecar"):
-        plugin.register()
+    try:
+        with caplog.at_level(logging.ERROR, logger="r3_sidecar"):
+            plugin.register()
+    finally:
+        fit.installed.cache_clear()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and lacking in errors[0] and "registering no hooks" in errors[0], errors
+    assert "fits none of the plugin's layouts (the nearest, 0.5.23, lacks:" in errors[0]
     assert installed == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,35 +13,41 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "versions.md"
 
 
 def test_the_newest_is_proven_and_registers_every_group():
-    plan = support(NEWEST)
-    assert plan.full and plan.groups == GROUPS
+    plan = support(NEWEST, NEWEST)
+    assert plan.full and plan.groups == GROUPS and plan.proven and plan.layout == NEWEST
 
 
-def test_the_proven_versions_register_every_group():
+def test_each_proven_release_on_its_own_layout_is_proven():
     for version in [v for v, row in MATRIX.items() if row.proven]:
-        plan = support(version)
-        assert plan.full and plan.groups == GROUPS and plan.version == version
+        plan = support(version, version)
+        assert plan.full and plan.groups == GROUPS and plan.version == version and plan.proven
+        assert "proven" in plan.describe() and f"layout {version} applied" in plan.describe()
 
 
-@pytest.mark.parametrize("version", ["0.5.20", "0.5.16", "0.5.12"])
-def test_an_unproven_version_registers_nothing_and_names_what_is_missing(version, monkeypatch):
-    """A row before its real-server suite passes (each older version was one): loud and inert, never half."""
-    monkeypatch.setitem(MATRIX, version, replace(MATRIX[version], proven=False))
-    plan = support(version)
-    assert plan.groups == () and not plan.full
-    assert f"sglang=={version}" in plan.reason and "registering no hooks" in plan.reason
-    for name in MATRIX[version].missing_names:
-        assert name in plan.reason
+@pytest.mark.parametrize(
+    ("found", "layout"),
+    [("0.5.12.post1", "0.5.12"), ("0.5.15.post1", "0.5.16"), ("0.5.17.dev3+g1a2b3c4", "0.5.16"), ("0.5.23", "0.5.20")],
+)
+def test_a_build_that_fits_a_layout_runs_every_group_but_is_not_proven(found, layout):
+    """A post release, a fork's dev build, or a proven release string whose code fits another layout (a patched
+    image): the plugin runs, and says the build is unproven (its records are checked first: `build_check`)."""
+    plan = support(found, layout)
+    assert plan.full and plan.groups == GROUPS and plan.layout == layout and not plan.proven
+    assert f"sglang=={found}: layout {layout} applied (fits, but no test ran this build" in plan.describe()
 
 
-@pytest.mark.parametrize("found", ["0.5.22", "0.6.0", None])
-def test_a_version_outside_the_matrix_registers_nothing(found):
-    plan = support(found)
-    assert plan.groups == () and "outside the support matrix" in plan.reason
+def test_a_build_that_fits_no_layout_registers_nothing_and_names_what_the_nearest_lacks():
+    lacking = {"0.5.16": ["sglang.srt.a.b", "sglang.srt.c.d"], "0.5.12": ["x"]}
+    plan = support("0.5.17", None, lacking)
+    assert plan.groups == () and not plan.full and plan.layout is None
+    assert "sglang==0.5.17 fits none of the plugin's layouts (the nearest, 0.5.16, lacks: sglang.srt.a.b" in plan.reason
+    assert "registering no hooks" in plan.reason and plan.describe() == f"r3-sidecar: {plan.reason}"
 
 
-def test_areal_pin_has_no_plugin_mechanism_and_the_message_says_the_floor():
-    assert "needs sglang>=0.5.12" in support("0.5.10.post1").reason
+@pytest.mark.parametrize("found", ["0.5.10.post1", "0.4.9", "0.5.11.post2"])
+def test_a_build_before_the_plugin_mechanism_says_the_floor(found):
+    plan = support(found, None)
+    assert plan.groups == () and "needs sglang>=0.5.12" in plan.reason
 
 
 def test_supported_lists_the_plugin_capable_versions_newest_first():
