@@ -2,7 +2,8 @@
 `compat` has a layout for it, what of that layout does not import (`after_layout`: must be empty) and which
 attributes the registered hooks read off SGLang's run-time objects its source lacks (`attributes`, read by
 `engine_ext.sglang.attributes` from this version's installed files), and which calls in its `http_server.py`
-hand SGLang's literal app path to several workers (`literal_app_calls`: what `worker_app` retargets).
+hand SGLang's literal app path to several workers (`literal_app_calls`: what `worker_app` retargets), and which
+layout the plugin applies to this build from its code alone (`fit`: the layout, what each candidate tried lacks).
 
 Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
 Targets of the `hip` group import only on ROCm and are left out.
@@ -32,6 +33,10 @@ def main() -> None:
         result["after_layout"] = compat.unresolved(targets)
         here = [compat.hook(hook.target, hook.function) for hook in HOOKS if "hip" not in hook.groups]
         result["attributes"] = attributes.missing({where[1] for where in here if where is not None})
+    from engine_ext.sglang import fit
+
+    fitted = fit.fit(found, HOOKS)
+    result["fit"] = {"layout": fitted.layout, "lacking": fitted.lacking}
     result["literal_app_calls"] = literal_app_calls()
     result["granian"] = granian_server()
     json.dump(result, sys.stdout)

@@ -93,6 +93,9 @@ def test_the_matrix_row_is_what_the_installed_sglang_lacks(venv):
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout)
     row = MATRIX[found["sglang"]]
+    # from its code alone, the build gets its own release's layout, and no layout tried before it fits
+    assert found["fit"]["layout"] == found["sglang"], found["fit"]
+    assert all(gaps for layout, gaps in found["fit"]["lacking"].items() if layout != found["sglang"]), found["fit"]
     assert sorted(found["targets"]) == sorted(row.missing_targets)
     assert sorted(found["names"]) == sorted(row.missing_names)
     if row.proven:  # a proven version has a layout, and all of it resolves here

@@ -1,0 +1,149 @@
+"""A build no test proved, in a real SGLang server: the plugin turns on through `fit`, checks itself, then takes over.
+
+The build is the installed SGLang 0.5.23 whose metadata reads as a fork's dev build (`0.5.24.dev1+g5ee1f00`, a
+dist-info of that version put first on the path, as miles' editable `sglang-miles` install reports one): no test
+ran that build, and no row of the plugin's matrix names it, so only what the code has decides. In sidecar mode:
+
+- the start-up line names the build, the layout its code fits (0.5.23's) and that it is unproven;
+- the first records are checked: their responses carry SGLang's own inline rows and the pointer, and the spool
+  gets exactly those rows; the engine file's `build.check` reaches `agreed`, and `r3_engine_build_info` says so;
+- then the plugin delivers: the same prompts' responses carry the pointer only, and the records, gathered the
+  plugin's way, are the rows SGLang returned inline for them before.
+
+Made to disagree (a test-only `sitecustomize` that swaps the first two rows of every read the plugin gathers, as
+a slice off by one would): the first checked record stops the plugin in that process; SGLang keeps answering with
+its own inline rows, one ERROR line, the engine file's `degraded` names the record and row, and the sidecar
+counts it in `r3_engine_degraded_hooks_total` (what `R3EngineDegraded` fires on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from sglang_server import REPO, Config, Stack
+from waiting import wait_until
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
+
+DEV_BUILD = "0.5.24.dev1+g5ee1f00"
+PROMPTS = [[5 + i, 17, 33 + i, 2, 9, 41 + 2 * i, 12, 7, 30 + i] for i in range(3)]
+SWAP = textwrap.dedent(
+    """
+    import engine_ext.sglang.gather as gather
+
+    _real = gather.gather_slots
+
+    def gather_slots(host_buffer, slots):  # test-only: the plugin's gathered rows, first two swapped
+        rows = _real(host_buffer, slots).clone()
+        if rows.shape[0] > 1:
+            rows[[0, 1]] = rows[[1, 0]]
+        return rows
+
+    gather.gather_slots = gather_slots
+    """
+)
+
+
+def shadow_build(root: Path, *, swap: bool) -> str:
+    """A PYTHONPATH whose first entry says SGLang is `DEV_BUILD` (and, with `swap`, shifts the plugin's rows)."""
+    root.mkdir(parents=True, exist_ok=True)
+    info = root / f"sglang-{DEV_BUILD}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {DEV_BUILD}\n")
+    if swap:
+        (root / "sitecustomize.py").write_text(SWAP)
+    return os.pathsep.join(filter(None, [str(root), str(REPO), os.environ.get("PYTHONPATH")]))
+
+
+def config(name: str, path: str) -> Config:
+    return Config(name, env={"PYTHONPATH": path, "R3_MODE": "sidecar", "R3_BUILD_CHECK_RECORDS": "2"})
+
+
+def engine_file(stack: Stack) -> dict:
+    (path,) = (stack.spool / "v1" / "engines").glob("*.json")
+    return json.loads(path.read_text())
+
+
+def ask(stack: Stack, prompt: list[int]) -> dict:
+    return stack.generate(prompt, return_routed_experts=True)["meta_info"]
+
+
+def inline(stack: Stack, meta: dict) -> np.ndarray | None:
+    return stack.inline_rows({"meta_info": meta})
+
+
+@pytest.fixture(scope="module")
+def checked(sglang_stack, tmp_path_factory) -> tuple[Stack, list[np.ndarray]]:
+    """The dev build's server, its first requests (checked) answered; SGLang's inline rows of each prompt."""
+    stack = sglang_stack(config("unproven-build", shadow_build(tmp_path_factory.mktemp("dev"), swap=False)))
+    metas = [ask(stack, prompt) for prompt in PROMPTS[:2]]
+    return stack, metas
+
+
+def test_the_plugin_turns_on_for_a_dev_build_naming_the_layout_it_fits(checked):
+    stack, _ = checked
+    log = stack.server.log_text()
+    line = f"r3-sidecar: sglang=={DEV_BUILD}: layout 0.5.23 applied (fits, but no test ran this build"
+    assert line in log, stack.server.log_tail()
+    assert "registering no hooks" not in log
+
+
+def test_checked_records_keep_sglangs_rows_and_the_pointer_and_equal_them(checked):
+    stack, metas = checked
+    for meta in metas:
+        rows = inline(stack, meta)
+        assert rows is not None and meta.get("routed_experts_url"), meta.keys()  # both, while checking
+        _, stored = stack.final_record(meta["id"])
+        np.testing.assert_array_equal(stored.astype(np.int32), rows)
+
+
+def test_once_agreed_the_plugin_delivers_what_sglang_returned_inline(checked):
+    stack, metas = checked
+    check = wait_until(
+        lambda: (engine_file(stack).get("build") or {}).get("check", {}).get("state") == "agreed" or None,
+        60,
+        lambda: f"the build check agreed (engine file build: {engine_file(stack).get('build')})",
+    )
+    assert check
+    build = engine_file(stack)["build"]
+    assert build == {"found": DEV_BUILD, "layout": "0.5.23", "proven": False, "check": build["check"]}
+    assert build["check"] == {"state": "agreed", "agreed": 2, "needed": 2}
+    for prompt, before in zip(PROMPTS[:2], metas, strict=True):
+        meta = ask(stack, prompt)
+        assert meta.get("routed_experts") is None and meta.get("routed_experts_url"), meta.keys()  # sidecar mode
+        _, stored = stack.final_record(meta["id"])
+        np.testing.assert_array_equal(stored.astype(np.int32), inline(stack, before))
+    metrics = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
+    info = [line for line in metrics.splitlines() if line.startswith("r3_engine_build_info{")]
+    assert len(info) == 1 and f'found="{DEV_BUILD}"' in info[0] and 'layout="0.5.23"' in info[0], info
+    assert 'proven="false"' in info[0] and 'check="agreed"' in info[0] and info[0].endswith(" 1.0"), info
+    engines = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
+    assert [e["build"]["found"] for e in engines["engines"]] == [DEV_BUILD], engines
+
+
+def test_a_build_made_to_disagree_leaves_sglang_in_charge_loudly(checked, sglang_stack, tmp_path_factory):
+    _, metas = checked  # SGLang's own rows of the same prompts, from the build that agreed
+    stack = sglang_stack(config("disagreeing-build", shadow_build(tmp_path_factory.mktemp("swap"), swap=True)))
+    first = ask(stack, PROMPTS[0])
+    np.testing.assert_array_equal(inline(stack, first), inline(stack, metas[0]))  # SGLang's own rows, answered
+
+    def degraded() -> list | None:
+        return engine_file(stack).get("degraded") or None
+
+    (fault,) = wait_until(degraded, 60, lambda: f"a degraded entry (engine file: {engine_file(stack)})")
+    assert f"record {first['id']!r}" in fault["error"] and "row 0, layer slot 0" in fault["error"], fault
+    assert "differs from SGLang's own" in fault["error"] and DEV_BUILD in fault["error"], fault
+    again = ask(stack, PROMPTS[1])  # SGLang's path from now on: its inline rows
+    np.testing.assert_array_equal(inline(stack, again), inline(stack, metas[1]))
+    errors = [line for line in stack.server.log_text().splitlines() if "failed: BuildMismatch" in line]
+    assert len(errors) == 1 and "r3-sidecar: hook" in errors[0], errors
+    metrics = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
+    assert any(
+        line.startswith("r3_engine_degraded_hooks_total{") and line.endswith(" 1.0") for line in metrics.splitlines()
+    ), metrics
