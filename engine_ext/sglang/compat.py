@@ -175,7 +175,7 @@ LAYOUTS["0.5.13"] = replace(  # 0.5.13, 0.5.13.post1: 0.5.12's, but batch result
     version="0.5.13",
     targets={t: where for t, where in LAYOUTS["0.5.12"].targets.items() if not t.startswith(BRP)},
     result_processor="batch_result_processor",  # scheduler.py:1740
-    classes={role: c for role, c in LAYOUTS["0.5.12"].classes.items() if role != "result_processor"},
+    classes={"decode_graph": LAYOUTS["0.5.12"].classes["decode_graph"]},  # the allocator in allocator/base.py
 )
 
 _layout: list[Layout] = [LAYOUTS[NEWEST]]

@@ -178,7 +178,8 @@ def signature_gap(target: Callable, body: Callable, replace: bool, keywords: tup
 
 def still_present(layout: compat.Layout, rows: list) -> list[str]:
     """0.5.23 names `layout` replaces that this build still has: targets it moves, settings' getters and the
-    attribute they read, and helpers it renames (a target it merely leaves unhooked is not a claim)."""
+    attribute they read, and SGLang helpers it renames (a target it merely leaves unhooked is not a claim, nor is
+    a helper of the plugin's own, `compat_shims`, that another layout calls instead)."""
     newest = compat.LAYOUTS[compat.NEWEST]
     claims = [row.target for row in rows if isinstance(layout.targets.get(row.target, row.target), str | tuple)]
     claims = [t for t in claims if t in layout.targets]
@@ -190,5 +191,6 @@ def still_present(layout: compat.Layout, rows: list) -> list[str]:
         owner = _returned_class(pkgutil.resolve_name(getter))
         if attrs and owner is not None and has_attribute(owner, attrs[0]):
             present.append(f"{getter}().{attrs[0]}")
-    present += [newest.function_path(n) for n in layout.functions if not compat.missing([newest.function_path(n)])]
+    renamed = [newest.function_path(n) for n in layout.functions]
+    present += [path for path in renamed if path.startswith("sglang.") and not compat.missing([path])]
     return present
