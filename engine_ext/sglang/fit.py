@@ -127,7 +127,7 @@ def read_gaps(layout: compat.Layout) -> list[tuple[str, str]]:
     for name in compat.READS:
         getter, attrs = compat.split_read(layout.read_spec(name))
         owner = _returned_class(pkgutil.resolve_name(getter))
-        if attrs and owner is not None and not has_attribute(owner, attrs[0]):
+        if attrs and owner is not None and has_attribute(owner, attrs[0]) is False:
             out.append((name, f"{owner.__qualname__} has no {attrs[0]!r}"))
     return out
 
@@ -141,17 +141,17 @@ def _returned_class(getter: Callable) -> type | None:
     return returned if isinstance(returned, type) and returned.__module__.startswith("sglang.") else None
 
 
-def has_attribute(owner: type, name: str) -> bool:
+def has_attribute(owner: type, name: str) -> bool | None:
     """Whether objects of `owner` have `name`: a class attribute, a field, or set by its constructor (read from
-    its source, `attributes.class_facts`). A class answering any name (`__getattr__`) has them all."""
+    its source, `attributes.class_facts`). None: cannot tell (a bag answering names through `__getattr__`)."""
     from engine_ext.sglang import attributes
 
-    if hasattr(owner, name) or hasattr(owner, "__getattr__"):
+    if hasattr(owner, name) or any(name in getattr(cls, "__annotations__", {}) for cls in owner.__mro__):
         return True
-    if any(name in getattr(cls, "__annotations__", {}) for cls in owner.__mro__):
-        return True
+    if hasattr(owner, "__getattr__"):
+        return None
     facts = attributes.class_facts(f"{owner.__module__}.{owner.__qualname__}")
-    return facts is None or attributes.defines(facts, name)
+    return None if facts is None else attributes.defines(facts, name)
 
 
 def signature_gap(target: Callable, body: Callable, replace: bool, keywords: tuple[str, ...] = ()) -> str | None:
@@ -189,7 +189,7 @@ def still_present(layout: compat.Layout, rows: list) -> list[str]:
         if compat.missing([getter]):
             continue
         owner = _returned_class(pkgutil.resolve_name(getter))
-        if attrs and owner is not None and has_attribute(owner, attrs[0]):
+        if attrs and owner is not None and has_attribute(owner, attrs[0]) is True:
             present.append(f"{getter}().{attrs[0]}")
     renamed = [newest.function_path(n) for n in layout.functions]
     present += [path for path in renamed if path.startswith("sglang.") and not compat.missing([path])]

@@ -159,6 +159,28 @@ MATRIX: dict[str, Version] = {
 }
 
 
+# Every release from 0.5.12 to 0.5.23: the layout its own code fits (`fit`, run in a venv holding that release,
+# `make env-sglang-releases`; checked by `tests/e2e/test_sglang_releases.py`), None where it fits none.
+# Only the `MATRIX` rows marked `proven` are proven by a real server; the rest run as unproven builds.
+RELEASES: dict[str, str | None] = {
+    "0.5.12": "0.5.12",
+    "0.5.12.post1": "0.5.12",
+    "0.5.13": "0.5.13",
+    "0.5.13.post1": "0.5.13",
+    "0.5.14": "0.5.14",
+    "0.5.15": "0.5.15",
+    "0.5.15.post1": "0.5.15",
+    "0.5.16": "0.5.16",
+    "0.5.17": None,
+    "0.5.18": None,
+    "0.5.19": None,
+    "0.5.20": "0.5.20",
+    "0.5.21": None,
+    "0.5.22": None,
+    "0.5.23": "0.5.23",
+}
+
+
 @dataclass(frozen=True)
 class Support:
     """What the plugin does on one found build: the groups it registers, the layout, and why not more."""

@@ -1,4 +1,4 @@
-"""`compat`: each proven SGLang's layout, and 0.5.23's reads through it equal SGLang's own runtime context.
+"""`compat`: each release's layout, and 0.5.23's reads through it equal SGLang's own runtime context.
 
 Whether an older version's layout imports there is checked with that version's own python
 (`tests/e2e/test_sglang_versions.py`, `after_layout`); its real server runs the hooks (`version_suite.py`).
@@ -13,10 +13,13 @@ from engine_ext.sglang import compat, compat_shims
 from engine_ext.sglang.versions import MATRIX
 
 
-def test_every_proven_version_has_a_layout_and_every_layout_is_a_matrix_row():
+def test_every_proven_release_has_its_own_layout_and_every_layout_is_a_release_with_plugins():
+    from packaging.version import Version
+
     proven = {v for v, row in MATRIX.items() if row.proven}
     assert proven <= set(compat.LAYOUTS)
-    assert all(MATRIX[v].plugin_mechanism for v in compat.LAYOUTS)
+    assert all(Version(v) >= Version("0.5.12") for v in compat.LAYOUTS)
+    assert {v: layout.version for v, layout in compat.LAYOUTS.items()} == {v: v for v in compat.LAYOUTS}
 
 
 def test_a_layout_names_only_what_0_5_23_reads_and_calls():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.sglang.versions import GROUPS, MATRIX, NEWEST, Seed, Upstream, support, supported
+from engine_ext.sglang.versions import GROUPS, MATRIX, NEWEST, RELEASES, Seed, Upstream, support, supported
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "versions.md"
 
@@ -75,6 +75,29 @@ def test_docs_table_is_the_matrix():
         seeds = [row.seeds[s].value if s in row.seeds else "-" for s in Seed]
         expected.append([version, "yes" if row.plugin_mechanism else "no", *seeds, _applies(version)])
     assert body == expected
+
+
+def _release_row(release: str) -> list[str]:
+    layout = RELEASES[release]
+    row = MATRIX.get(release)
+    if layout is None:
+        return [release, "none", "nothing registered: the start-up line names what the nearest layout lacks"]
+    how = "proven on a real CPU server" if row is not None and row.proven and layout == release else "unproven"
+    return [release, layout, how]
+
+
+def test_docs_release_table_is_releases():
+    text = DOC.read_text()
+    table = text[text.index("<!-- releases:begin -->") : text.index("<!-- releases:end -->")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    assert rows[0] == ["SGLang", "layout its code fits", "how it runs"]
+    assert rows[1:] == [_release_row(release) for release in RELEASES]
+
+
+def test_every_proven_release_gets_its_own_layout():
+    for version, row in MATRIX.items():
+        if row.proven:
+            assert RELEASES[version] == version
 
 
 def test_every_version_with_a_plugin_mechanism_states_every_seed():
