@@ -178,6 +178,17 @@ LAYOUTS["0.5.13"] = replace(  # 0.5.13, 0.5.13.post1: 0.5.12's, but batch result
     classes={"decode_graph": LAYOUTS["0.5.12"].classes["decode_graph"]},  # the allocator in allocator/base.py
 )
 
+LAYOUTS["0.5.21"] = replace(  # 0.5.20's, but with 0.5.23's DP helpers (dp_attention.dp_slot_in, dp_gather_slot)
+    LAYOUTS["0.5.20"], version="0.5.21", functions={}
+)
+LAYOUTS["0.5.22"] = replace(  # 0.5.23's, but the workers' app path still a literal (http_server.py), as ≤ 0.5.21
+    LAYOUTS[NEWEST],
+    version="0.5.22",
+    worker_app_env=None,
+    worker_app_call="uvicorn.run",
+    granian_app_call=GRANIAN_INIT,
+)
+
 _layout: list[Layout] = [LAYOUTS[NEWEST]]
 _getters: dict[str, tuple[Callable[[], Any], tuple[str, ...]]] = {}
 _functions: dict[str, Callable[..., Any]] = {}

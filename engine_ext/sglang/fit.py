@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import pkgutil
+import re
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -143,13 +144,16 @@ def _returned_class(getter: Callable) -> type | None:
 
 def has_attribute(owner: type, name: str) -> bool | None:
     """Whether objects of `owner` have `name`: a class attribute, a field, or set by its constructor (read from
-    its source, `attributes.class_facts`). None: cannot tell (a bag answering names through `__getattr__`)."""
+    its source, `attributes.class_facts`). None: cannot tell, as for a bag answering names through `__getattr__`
+    (SGLang's runtime-context configs) whose module never spells the name (it may come from elsewhere)."""
     from engine_ext.sglang import attributes
 
     if hasattr(owner, name) or any(name in getattr(cls, "__annotations__", {}) for cls in owner.__mro__):
         return True
     if hasattr(owner, "__getattr__"):
-        return None
+        path = attributes.source_path(owner.__module__)
+        spelled = path is not None and re.search(rf"\b{re.escape(name)}\b", path.read_text()) is not None
+        return True if spelled else None
     facts = attributes.class_facts(f"{owner.__module__}.{owner.__qualname__}")
     return None if facts is None else attributes.defines(facts, name)
 

@@ -54,9 +54,11 @@ def cached(name: str, functions: Collection[str], compute: Callable[[], list[str
     path = None if key is None else cache_dir() / f"attributes-{key}.json"
     if path is not None:
         try:
-            return list(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            pass
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            value = None
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
     out = compute()
     if path is not None:
         _store(path, out)
