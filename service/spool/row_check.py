@@ -98,7 +98,8 @@ def _looks_bad(routed: np.ndarray, num_experts: int, allowed: tuple[int, ...]) -
     """The fast path over the whole array: any id out of range, or any row repeating an id (sentinels aside)."""
     if routed.size == 0:
         return False
-    if (int(routed.max()) >= num_experts or int(routed.min()) < 0) and _out_of_range(routed, num_experts, allowed).any():
+    beyond = int(routed.max()) >= num_experts or int(routed.min()) < 0
+    if beyond and _out_of_range(routed, num_experts, allowed).any():
         return True
     return bool(_repeats(routed, allowed).any())
 
