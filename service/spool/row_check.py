@@ -15,9 +15,10 @@ searched for its first bad row (BENCHMARKS.md, "Row check").
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
+
+from service.spool.record_meta import Suspect
 
 SGLANG_SENTINELS = (-1,)
 """SGLang fills the top-k ids of padded tokens (and of shared-expert columns) with -1 (`topk.py`'s
@@ -26,24 +27,6 @@ VLLM_SENTINELS: tuple[int, ...] = ()
 """vLLM's routed-experts array is unsigned (uint8 / uint16) with no value set aside."""
 
 REASONS = ("out_of_range", "repeated", "dense_not_zero")
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """The first bad row: its index in the array, the model layer, and why (`REASONS`, then the values)."""
-
-    row: int
-    layer: int
-    reason: str
-    detail: str
-
-    def to_dict(self) -> dict[str, int | str]:
-        return {"row": self.row, "layer": self.layer, "reason": self.reason, "detail": self.detail}
-
-    def describe(self, start: int = 0) -> str:
-        """One line for a log or an error: the row (and its token position when `start` is given), layer, why."""
-        where = f"row {self.row}" + (f" (token position {start + self.row})" if start else "")
-        return f"{where}, layer {self.layer}: {self.reason} ({self.detail})"
 
 
 def allowed_sentinels(dtype: np.dtype, sentinels: Iterable[int], num_experts: int) -> tuple[int, ...]:
@@ -64,7 +47,7 @@ def first_bad_row(
     sentinels: Iterable[int] = (),
     layers: Sequence[int] | None = None,
     dense: Sequence[int] = (),
-) -> Finding | None:
+) -> Suspect | None:
     """None when every row of `rows` `(n, slots, topk)` can be true, else the first bad (row, layer, why).
 
     `layers`: the model layer of each slot (a record's `layers`; default the slot index); `dense`: slots that
@@ -91,7 +74,7 @@ def first_bad_row(
     flat = int(np.argmax(bad))
     row, slot = divmod(flat, rows.shape[1])
     reason = REASONS[int(why[row, slot])]
-    return Finding(row, int(names[slot]), reason, _detail(reason, rows[row, slot], num_experts))
+    return Suspect(row, int(names[slot]), reason, _detail(reason, rows[row, slot], num_experts))
 
 
 def _looks_bad(routed: np.ndarray, num_experts: int, allowed: tuple[int, ...]) -> bool:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 
-from service.spool.row_check import SGLANG_SENTINELS, Finding, allowed_sentinels, first_bad_row
+from service.spool.record_meta import RecordMeta, SpoolFormatError, Suspect
+from service.spool.row_check import SGLANG_SENTINELS, allowed_sentinels, first_bad_row
 
 
 def good_rows(n: int = 16, layers: int = 4, topk: int = 4, experts: int = 16, dtype: str = "uint8") -> np.ndarray:
@@ -29,7 +31,7 @@ def test_a_zeroed_layer_is_named_at_its_first_row() -> None:
     rows = good_rows()
     rows[3:, 2] = 0
     found = first_bad_row(rows, 16, layers=(1, 3, 5, 7))
-    assert found == Finding(3, 5, "repeated", "ids [0, 0, 0, 0] repeat an expert")
+    assert found == Suspect(3, 5, "repeated", "ids [0, 0, 0, 0] repeat an expert")
     assert "row 3 (token position 13), layer 5: repeated" in found.describe(start=10)
 
 
@@ -89,3 +91,32 @@ def test_dense_slots_must_be_zero() -> None:
 
 def test_only_dense_slots() -> None:
     assert first_bad_row(np.zeros((3, 2, 4), np.int32), 16, dense=(0, 1)) is None
+
+
+def meta(**extra: object) -> bytes:
+    base = {"v": 1, "rid": "r", "dtype": "uint8", "num_experts": 16, "topk": 4, "layers": [0, 1], "start": 0,
+            "prompt_len": 3, "rows": 5, "final": True, "status": "ok", "engine": "", "weight_version": None,
+            "created": 1.0, "updated": 2.0}  # fmt: skip
+    return orjson.dumps(base | extra)
+
+
+def test_record_meta_carries_the_finding_and_older_records_parse() -> None:
+    assert RecordMeta.from_json(meta()).suspect is None  # a record of an older writer
+    found = {"row": 3, "layer": 1, "reason": "repeated", "detail": "ids [0, 0, 0, 0] repeat an expert"}
+    parsed = RecordMeta.from_json(meta(status="suspect", suspect=found))
+    assert parsed.suspect == Suspect(**found) and parsed.to_dict()["suspect"] == found
+    assert RecordMeta.from_json(parsed.to_json()) == parsed
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"status": "suspect"},
+        {"status": "ok", "suspect": {"row": 1, "layer": 0, "reason": "repeated"}},
+        {"status": "suspect", "suspect": {"row": -1, "layer": 0, "reason": "repeated"}},
+        {"status": "suspect", "suspect": {"row": 1, "layer": True, "reason": "repeated"}},
+    ],
+)
+def test_suspect_without_a_finding_or_a_finding_without_suspect_is_malformed(extra: dict) -> None:
+    with pytest.raises(SpoolFormatError):
+        RecordMeta.from_json(meta(**extra))
