@@ -259,6 +259,7 @@ def engine_report(engine: str = "pod-a/dp0", *, updated: float | None = None) ->
             "records_written": 7,
             "fallback_inline": 2,
             "spool_full": 0,
+            "suspect_records": 0,
             "undelivered": {"spool_full": 2, "queue_full": 0, "spool_not_writable": 1, "mirror_mismatch": 0},
         },
     }

@@ -266,7 +266,7 @@ class Store:
         return [entry.meta for entry in self._entries.values()]
 
     def state_counts(self) -> Counter[str]:
-        """Records by state: `open` (not final) or the final status (`ok`, `aborted`, `error`)."""
+        """Records by state: `open` (not final) or the final status (`ok`, `aborted`, `error`, `suspect`)."""
         return Counter("open" if not e.meta.final else e.meta.status for e in self._entries.values())
 
     def usage_bytes(self) -> int:
