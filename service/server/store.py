@@ -351,7 +351,8 @@ class Store:
             entry = self.refresh_name(name)
             if entry is None or entry.meta != meta:
                 return entry.meta if entry else None
-            aborted = replace(meta, final=True, status="aborted", updated=now)
+            status = "suspect" if meta.status == "suspect" else "aborted"  # a suspect record stays marked
+            aborted = replace(meta, final=True, status=status, updated=now)
             try:
                 self.spool.write_meta(aborted)
             except OSError as exc:
