@@ -226,7 +226,12 @@ def write_record(
 
 
 def random_rows(n: int, layers: int = 4, topk: int = 8, num_experts: int = 128, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, num_experts, size=(n, layers, topk)).astype(np.int64)
+    """Rows a router could make (int64): per row and layer `topk` distinct ids below `num_experts`, so the row
+    check (`service.spool.row_check`) passes them; a random first id, the rest spread from it."""
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, num_experts, size=(n, layers, 1))
+    stride = max(num_experts // topk, 1)
+    return ((first + np.arange(topk) * stride) % num_experts).astype(np.int64)
 
 
 def engine_report(engine: str = "pod-a/dp0", *, updated: float | None = None) -> dict:
@@ -254,6 +259,7 @@ def engine_report(engine: str = "pod-a/dp0", *, updated: float | None = None) ->
             "records_written": 7,
             "fallback_inline": 2,
             "spool_full": 0,
+            "suspect_records": 0,
             "undelivered": {"spool_full": 2, "queue_full": 0, "spool_not_writable": 1, "mirror_mismatch": 0},
         },
     }

@@ -15,15 +15,13 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from engine_ext.core.bounded_rids import BoundedRids
 from engine_ext.core.degraded import guarded_thread
 from engine_ext.core.records import RecordSpec
+from engine_ext.core.row_audit import RowAudit
 from engine_ext.core.writer_counts import (
     NOT_WRITABLE,
     QUEUE_FULL,
@@ -33,8 +31,8 @@ from engine_ext.core.writer_counts import (
     WriterStats,
     undelivered_reason,
 )
+from engine_ext.core.writer_op import Op
 from service.spool import Spool
-from service.spool.record_meta import Weights
 from service.spool.record_writer import RecordWriter
 
 logger = logging.getLogger("r3_sidecar.writer")
@@ -58,25 +56,6 @@ Why one cadence for all records rather than a timer each: the sidecar pays per b
 as per file, so the open records grown since the last publish are published together."""
 
 
-@dataclass(slots=True)
-class Op:
-    """One unit of work for the writer thread.
-
-    `open` starts (or restarts) the record of `spec`; `rows` are appended; `status` finalizes it. The
-    finish-time path sends all three in one op; live rows send an open, many appends, one final.
-    """
-
-    rid: str
-    spec: RecordSpec | None = None
-    rows: np.ndarray | None = None
-    status: str | None = None
-    weights: Weights | None = None  # with `status`: the versions known at the end (live records)
-    nbytes: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        self.nbytes = 0 if self.rows is None else int(self.rows.nbytes)
-
-
 class SpoolWriter:
     """Bounded hand-off from the scheduler thread to one daemon thread that writes the spool."""
 
@@ -88,6 +67,7 @@ class SpoolWriter:
         queue_bytes: int = 256 << 20,
         engine: str = "",
         publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S,
+        sentinels: tuple[int, ...] = (),
     ) -> None:
         self.spool_dir = Path(spool_dir)
         self.max_bytes = max_bytes
@@ -95,6 +75,7 @@ class SpoolWriter:
         self.engine = engine
         self.publish_interval_s = publish_interval_s
         self.stats = WriterStats()
+        self.audit = RowAudit(sentinels)  # the engine's own values for unused slots (`service.spool.row_check`)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ops: deque[Op] = deque()
@@ -432,6 +413,9 @@ class SpoolWriter:
         """Append `op`'s rows; the file-system bytes they take (whole pages, as tmpfs charges them)."""
         block, before = self._block, writer.nbytes
         grown = -(-(before + op.nbytes) // block) * block - -(-before // block) * block
+        if self.audit.check(writer, op.rows) is not None:
+            with self._lock:
+                self.stats.suspect_records += 1
         writer.append(op.rows, publish=False)
         return grown
 

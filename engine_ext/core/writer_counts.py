@@ -25,6 +25,7 @@ class WriterStats:
     spool_full: int = 0  # refused reservations for lack of room (live appends included)
     queue_full: int = 0
     write_errors: int = 0
+    suspect_records: int = 0  # records marked `suspect` by the row check (`row_audit`)
     undelivered: dict[str, int] = field(default_factory=lambda: dict.fromkeys(UNDELIVERED_REASONS, 0))
 
     def contract(self) -> dict[str, Any]:
@@ -36,6 +37,7 @@ class WriterStats:
             spool_full=self.spool_full,
             queue_full=self.queue_full,
             write_errors=self.write_errors,
+            suspect_records=self.suspect_records,
             undelivered=dict(self.undelivered),
         ).to_dict()
 

@@ -33,6 +33,7 @@ from engine_ext.sglang.build_check import BuildCheck
 from engine_ext.sglang.collect import Collector
 from engine_ext.sglang.live import LiveRows, wants_live
 from engine_ext.sglang.timers import TIMERS
+from service.spool.row_check import SGLANG_SENTINELS
 
 log = logging.getLogger("r3_sidecar")
 
@@ -83,6 +84,7 @@ class Delivery:
             queue_bytes=settings.writer_queue_bytes,
             engine=self.engine,
             publish_interval_s=settings.live_publish_s,
+            sentinels=SGLANG_SENTINELS,
         ).start()
         self.collector = Collector(
             self.writer,

@@ -25,6 +25,7 @@ from engine_ext.core.records import Finished, ModelShape, routed_experts_url, sp
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.core.telemetry import Sources, Telemetry
 from engine_ext.core.writer import Op, SpoolWriter, undelivered_reason
+from service.spool.row_check import VLLM_SENTINELS
 
 log = logging.getLogger("r3_sidecar.vllm")
 
@@ -58,6 +59,7 @@ class Spooler:
             queue_bytes=settings.writer_queue_bytes,
             engine=engine,
             publish_interval_s=settings.live_publish_s,
+            sentinels=VLLM_SENTINELS,
         ).start()
         self.telemetry = Telemetry(
             spool_dir=settings.spool_dir,

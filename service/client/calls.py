@@ -137,13 +137,17 @@ def get_call(
     layers: Layers | None = None,
     wait: float = 0,
     clamp: bool = False,
+    allow_suspect: bool = False,
 ) -> Call:
-    """`GET /routed_experts/<rid>` in any format."""
-    params = _params(start=start, end=end, layers=layers, wait=wait, format=fmt, clamp=clamp or None)
+    """`GET /routed_experts/<rid>` in any format; `allow_suspect`: a `suspect` record's rows too (`suspect=allow`)."""
+    suspect = "allow" if allow_suspect else None
+    params = _params(start=start, end=end, layers=layers, wait=wait, format=fmt, clamp=clamp or None, suspect=suspect)
     return Call("GET", record_path(rid), rid, params, wait=wait)
 
 
-def batch_call(rids: Sequence[BatchRid], wait: float, layers: Layers | None, clamp: bool) -> Call:
+def batch_call(
+    rids: Sequence[BatchRid], wait: float, layers: Layers | None, clamp: bool, allow_suspect: bool = False
+) -> Call:
     """`POST /routed_experts/batch`: plain rids stay strings, ranged ones become objects."""
     items: list[Any] = []
     for item in rids:
@@ -161,6 +165,8 @@ def batch_call(rids: Sequence[BatchRid], wait: float, layers: Layers | None, cla
         body["layers"] = layers if isinstance(layers, str) else [int(x) for x in layers]
     if clamp:
         body["clamp"] = True
+    if allow_suspect:
+        body["suspect"] = "allow"
     return Call("POST", "/routed_experts/batch", None, body=orjson.dumps(body), wait=wait)
 
 
@@ -172,6 +178,8 @@ def batch_key(call: Call) -> BatchKey | None:
     """What a `get_call` shares with the calls one batch request can carry with it (`layers`, `wait`,
     `clamp`), or None for a call a batch cannot answer the same way (not an `.npy` GET of a record)."""
     if call.method != "GET" or call.stream or call.rid is None or call.params.get("format") != "npy":
+        return None
+    if "suspect" in call.params:  # rare (an opt-in): such calls go alone rather than widen the key
         return None
     return call.params.get("layers"), call.wait, call.params.get("clamp") == "true"
 
@@ -239,9 +247,11 @@ class StreamState:
     failures: int = 0
     created: float | None = None
     done: bool = False
+    allow_suspect: bool = False
 
     def call(self) -> Call:
-        params = _params(start=self.start, layers=self.layers, wait=self.wait, stream="true")
+        suspect = "allow" if self.allow_suspect else None
+        params = _params(start=self.start, layers=self.layers, wait=self.wait, stream="true", suspect=suspect)
         return Call("GET", record_path(self.rid), self.rid, params, wait=self.wait, stream=True)
 
     def on_frame(self, frame: Frame) -> RoutedExperts | None:
@@ -284,5 +294,8 @@ def stream_ended(cfg: ClientConfig, state: StreamState) -> ConnectionLost:
     return ConnectionLost(f"{url}: the stream ended before the record was final", url=url, rid=state.rid)
 
 
-def stream_state(rid: str, start: int | None, layers: Layers | None, wait: float, retry: Retry) -> StreamState:
-    return StreamState(rid, start, layers_param(layers) if layers is not None else None, wait, retry)
+def stream_state(
+    rid: str, start: int | None, layers: Layers | None, wait: float, retry: Retry, allow_suspect: bool = False
+) -> StreamState:
+    layers_text = layers_param(layers) if layers is not None else None
+    return StreamState(rid, start, layers_text, wait, retry, allow_suspect=allow_suspect)

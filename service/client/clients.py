@@ -106,13 +106,15 @@ class RoutedExpertsClient(_Base):
         layers: Layers | None = None,
         wait: float = 0,
         clamp: bool = False,
+        allow_suspect: bool = False,
     ) -> RoutedExperts:
         """Rows `[start, end)` of a record (all by default); `wait` seconds for it to exist and be final.
 
         `layers`: model layer indices, or a range such as `"0-15"` (a pipeline stage: the MoE layers inside).
         `clamp=True`: a range past the record's rows returns the rows that exist (`.clamped` says so), not a 416.
+        `allow_suspect=True`: the rows of a record the engine's row check marked `suspect` (else `SuspectRows`).
         """
-        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
+        call = req.get_call(rid, "npy", start, end, layers, wait, clamp, allow_suspect)
         local = self.local.read(call)
         if local is not None:
             return local
@@ -127,12 +129,18 @@ class RoutedExpertsClient(_Base):
         layers: Layers | None = None,
         wait: float = 0,
         clamp: bool = False,
+        allow_suspect: bool = False,
     ) -> bytes:
         """The body in any of the server's formats (`npy`, `raw`, `json`, `sglang_b64`) as bytes."""
-        return bytes(self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
+        return bytes(self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp, allow_suspect)))
 
     def get_many(
-        self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
+        self,
+        rids: Sequence[BatchRid],
+        wait: float = 0,
+        layers: Layers | None = None,
+        clamp: bool = False,
+        allow_suspect: bool = False,
     ) -> list[RoutedExperts | R3Error]:
         """One round trip for many records; results in request order, each a record or its error (not raised).
 
@@ -141,17 +149,26 @@ class RoutedExpertsClient(_Base):
         items = as_items(rids)
         local = self.local.read_many(items, layers_text(layers), clamp)
         rest = [item for item, got in zip(items, local, strict=True) if got is None]
-        remote = req.batch_of(self._run(self._io.frames, req.batch_call(rest, wait, layers, clamp))) if rest else []
+        remote = (
+            req.batch_of(self._run(self._io.frames, req.batch_call(rest, wait, layers, clamp, allow_suspect)))
+            if rest
+            else []
+        )
         return merged(local, remote)
 
     def stream(
-        self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
+        self,
+        rid: str,
+        start: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        allow_suspect: bool = False,
     ) -> Iterator[RoutedExperts]:
         """Yield blocks of rows as the engine produces them, until the record is final.
 
         A dropped connection is resumed from the next row (`start=`), so no row is yielded twice or lost.
         """
-        state = req.stream_state(rid, start, layers, wait, self._retry)
+        state = req.stream_state(rid, start, layers, wait, self._retry, allow_suspect)
         while True:
             decoder = FrameDecoder()
             try:
@@ -246,10 +263,11 @@ class AsyncRoutedExpertsClient(_Base):
         layers: Layers | None = None,
         wait: float = 0,
         clamp: bool = False,
+        allow_suspect: bool = False,
     ) -> RoutedExperts:
         """`RoutedExpertsClient.get`. Calls made before the loop next runs, with the same `layers`, `wait` and
         `clamp`, go as one batch request (`service.client.coalesce`); each still gets its own rows or error."""
-        call = req.get_call(rid, "npy", start, end, layers, wait, clamp)
+        call = req.get_call(rid, "npy", start, end, layers, wait, clamp, allow_suspect)
         if self.local.on:
             local = await self._io.off_loop(self.local.read, call)
             if local is not None:
@@ -270,12 +288,18 @@ class AsyncRoutedExpertsClient(_Base):
         layers: Layers | None = None,
         wait: float = 0,
         clamp: bool = False,
+        allow_suspect: bool = False,
     ) -> bytes:
         """`RoutedExpertsClient.fetch_bytes`."""
-        return bytes(await self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp)))
+        return bytes(await self._body(req.get_call(rid, fmt, start, end, layers, wait, clamp, allow_suspect)))
 
     async def get_many(
-        self, rids: Sequence[BatchRid], wait: float = 0, layers: Layers | None = None, clamp: bool = False
+        self,
+        rids: Sequence[BatchRid],
+        wait: float = 0,
+        layers: Layers | None = None,
+        clamp: bool = False,
+        allow_suspect: bool = False,
     ) -> list[RoutedExperts | R3Error]:
         """`RoutedExpertsClient.get_many`."""
         items = as_items(rids)
@@ -283,14 +307,19 @@ class AsyncRoutedExpertsClient(_Base):
         if self.local.on:
             local = await self._io.off_loop(self.local.read_many, items, layers_text(layers), clamp)
         rest = [item for item, got in zip(items, local, strict=True) if got is None]
-        call = req.batch_call(rest, wait, layers, clamp)
+        call = req.batch_call(rest, wait, layers, clamp, allow_suspect)
         return merged(local, req.batch_of(await self._run(self._io.frames, call)) if rest else [])
 
     async def stream(
-        self, rid: str, start: int | None = None, layers: Layers | None = None, wait: float = 0
+        self,
+        rid: str,
+        start: int | None = None,
+        layers: Layers | None = None,
+        wait: float = 0,
+        allow_suspect: bool = False,
     ) -> AsyncIterator[RoutedExperts]:
         """`RoutedExpertsClient.stream`, as an async iterator."""
-        state = req.stream_state(rid, start, layers, wait, self._retry)
+        state = req.stream_state(rid, start, layers, wait, self._retry, allow_suspect)
         while True:
             decoder = FrameDecoder()
             try:

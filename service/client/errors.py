@@ -26,6 +26,7 @@ __all__ = [
     "RecordRestarted",
     "ServerError",
     "SidecarUnreachable",
+    "SuspectRows",
     "Unauthorized",
     "error_for",
 ]
@@ -96,6 +97,21 @@ class RecordRestarted(R3Error):
 
 class BadRequest(R3Error):
     """422 or another 4xx: the request itself was malformed."""
+
+
+class SuspectRows(BadRequest):
+    """422 `record_suspect`, or inline rows that failed the same check here: rows no true route has (a repeated
+    or out-of-range expert id, a dense layer slot that is not zero), named by their first bad row and layer.
+
+    An engine whose capture went wrong crashes nothing; replaying these rows trains on experts the rollout
+    never used. Pass `allow_suspect=True` to get them anyway. `suspect` is the finding when the check ran
+    here (inline rows), else None (the message has the sidecar's)."""
+
+    status = 422
+
+    def __init__(self, detail: str, *, rid: str | None = None, status: int | None = None, body: Any = None) -> None:
+        super().__init__(detail, rid=rid, status=status, body=body)
+        self.suspect: Any = None
 
 
 class ServerError(R3Error):
@@ -199,6 +215,8 @@ def error_for(status: int, body: Any, rid: str | None = None) -> R3Error:
     if not isinstance(detail, str):
         detail = orjson.dumps(detail).decode()
     cls = _BY_STATUS.get(status, ServerError if status >= 500 else BadRequest)
+    if isinstance(body, dict) and body.get("error") == "record_suspect":
+        cls = SuspectRows
     return cls(detail, rid=rid, status=status, body=body)
 
 

@@ -143,7 +143,7 @@ def _meta_of(fd: int) -> RecordMeta | None:
 
 def _servable(meta: RecordMeta | None, rid: str, ttl_s: float) -> RecordMeta | None:
     """The metadata when the sidecar would serve its rows as they are now: final, not `error`, within its TTL."""
-    if meta is None or meta.rid != rid or not meta.final or meta.status == "error":
+    if meta is None or meta.rid != rid or not meta.final or meta.status not in ("ok", "aborted"):
         return None
     if time.time() - meta.updated >= ttl_s - TTL_MARGIN_S:
         return None

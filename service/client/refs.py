@@ -23,6 +23,7 @@ from service.client.clients import AsyncRoutedExpertsClient, RoutedExpertsClient
 from service.client.decoding import RoutedExperts
 from service.client.engine_responses import Inline, decode_inline, parse_response, sidecar_base, split_pointer
 from service.client.errors import BadRequest, R3Error, RangeNotSatisfiable
+from service.client.inline_check import check_inline
 from service.wire.formats import parse_layers, resolve_layers
 
 __all__ = [
@@ -60,6 +61,7 @@ class RoutedExpertsRef:
     num_hidden_layers: int | None = None
     topk: int | None = None
     weight_version: str | None = None  # the engine's weight version the response names (SGLang /generate)
+    num_experts: int | None = None  # the model's expert count, when the caller names it: inline rows' range check
 
     @classmethod
     def from_response(
@@ -69,6 +71,7 @@ class RoutedExpertsRef:
         start_len: int = 0,
         num_hidden_layers: int | None = None,
         topk: int | None = None,
+        num_experts: int | None = None,
     ) -> list[RoutedExpertsRef]:
         """One ref per output of `resp`, in output order.
 
@@ -76,7 +79,8 @@ class RoutedExpertsRef:
         response (one ref per choice, `n > 1` included), its stream chunks or SSE text, or an offline
         `Engine.generate` result. `start_len`: the `routed_experts_start_len` the request was sent with (a
         response that says its inline rows' shape and start, as the plugin's do, needs neither it nor the
-        model's numbers).
+        model's numbers). `num_experts`: the model's, to check inline rows' ids against (else only impossible
+        ids are caught: `service.client.inline_check`).
         """
         return [
             cls(
@@ -90,6 +94,7 @@ class RoutedExpertsRef:
                 num_hidden_layers=num_hidden_layers,
                 topk=topk,
                 weight_version=o.weight_version,
+                num_experts=num_experts,
             )
             for o in parse_response(resp, start_len)
         ]
@@ -119,12 +124,15 @@ class RoutedExpertsRef:
         clamp: bool = False,
         *,
         pool: SidecarPool | None = None,
+        allow_suspect: bool = False,
     ) -> RoutedExperts:
-        """The rows, with `RoutedExpertsClient.get`'s keywords: decoded locally when inline, else fetched."""
+        """The rows, with `RoutedExpertsClient.get`'s keywords: decoded (and checked) locally when inline, else
+        fetched. Suspect rows raise `SuspectRows` unless `allow_suspect`."""
         if self.inline is not None:
-            return select_rows(self._decode(), start, end, layers, clamp)
+            return select_rows(self._decode(allow_suspect), start, end, layers, clamp)
         client = (pool or default_pool()).client(self._remote())
-        return client.get(self.record_rid or "", start=start, end=end, layers=layers, wait=wait, clamp=clamp)
+        rid = self.record_rid or ""
+        return client.get(rid, start=start, end=end, layers=layers, wait=wait, clamp=clamp, allow_suspect=allow_suspect)
 
     async def afetch(
         self,
@@ -135,12 +143,16 @@ class RoutedExpertsRef:
         clamp: bool = False,
         *,
         pool: AsyncSidecarPool | None = None,
+        allow_suspect: bool = False,
     ) -> RoutedExperts:
         """`fetch` for asyncio code: never blocks the event loop (big inline payloads decode in a thread)."""
         if self.inline is not None:
-            return select_rows(await self._adecode(), start, end, layers, clamp)
+            return select_rows(await self._adecode(allow_suspect), start, end, layers, clamp)
         client = (pool or default_async_pool()).client(self._remote())
-        return await client.get(self.record_rid or "", start=start, end=end, layers=layers, wait=wait, clamp=clamp)
+        rid = self.record_rid or ""
+        return await client.get(
+            rid, start=start, end=end, layers=layers, wait=wait, clamp=clamp, allow_suspect=allow_suspect
+        )
 
     def _remote(self) -> str:
         if self.url is None:
@@ -151,12 +163,14 @@ class RoutedExpertsRef:
             )
         return sidecar_base(self.url)
 
-    def _decode(self) -> RoutedExperts:
+    def _decode(self, allow_suspect: bool = False) -> RoutedExperts:
         assert self.inline is not None
         try:
             array = decode_inline(self.inline, rows=self.rows, num_hidden_layers=self.num_hidden_layers, topk=self.topk)
         except ValueError as exc:
             raise R3Error(str(exc), rid=self.rid) from None
+        if not allow_suspect:
+            check_inline(array, rid=self.record_rid, start=self.start_len, num_experts=self.num_experts)
         slots = int(array.shape[1])
         return RoutedExperts(
             rid=self.record_rid or "",
@@ -172,9 +186,11 @@ class RoutedExpertsRef:
             source="inline",
         )
 
-    async def _adecode(self) -> RoutedExperts:
+    async def _adecode(self, allow_suspect: bool = False) -> RoutedExperts:
         size = len(self.inline.data) if self.inline is not None and isinstance(self.inline.data, str) else 0
-        return await asyncio.to_thread(self._decode) if size > _OFF_LOOP_BYTES else self._decode()
+        if size > _OFF_LOOP_BYTES:
+            return await asyncio.to_thread(self._decode, allow_suspect)
+        return self._decode(allow_suspect)
 
 
 # ---- the same keywords on inline rows ------------------------------------------------------------------
@@ -347,6 +363,7 @@ def fetch_many(
     *,
     pool: SidecarPool | None = None,
     return_errors: bool = False,
+    allow_suspect: bool = False,
 ) -> list[RoutedExperts | R3Error]:
     """Every ref's rows, in order: inline ones decoded here, the rest one batch request per sidecar, in parallel.
 
@@ -357,7 +374,8 @@ def fetch_many(
     groups = _groups(refs)
 
     def one(base: str, idx: list[int]) -> None:
-        got = pool.client(base).get_many(_items(refs, idx, start, end), wait=wait, layers=layers, clamp=clamp)
+        items = _items(refs, idx, start, end)
+        got = pool.client(base).get_many(items, wait=wait, layers=layers, clamp=clamp, allow_suspect=allow_suspect)
         for i, r in zip(idx, got, strict=True):
             results[i] = r
 
@@ -370,7 +388,9 @@ def fetch_many(
             one(base, idx)
     for i, ref in enumerate(refs):
         if ref.inline is not None:
-            results[i] = _or_error(lambda ref=ref: ref.fetch(start, end, layers, wait, clamp))
+            results[i] = _or_error(
+                lambda ref=ref: ref.fetch(start, end, layers, wait, clamp, allow_suspect=allow_suspect)
+            )
     return _finish(results, return_errors)
 
 
@@ -384,19 +404,23 @@ async def afetch_many(
     *,
     pool: AsyncSidecarPool | None = None,
     return_errors: bool = False,
+    allow_suspect: bool = False,
 ) -> list[RoutedExperts | R3Error]:
     """`fetch_many` for asyncio code: sidecars concurrently on the loop, never blocking it."""
     pool = pool or default_async_pool()
     results: list[RoutedExperts | R3Error | None] = [None] * len(refs)
 
     async def one(base: str, idx: list[int]) -> None:
-        got = await pool.client(base).get_many(_items(refs, idx, start, end), wait=wait, layers=layers, clamp=clamp)
+        items = _items(refs, idx, start, end)
+        got = await pool.client(base).get_many(
+            items, wait=wait, layers=layers, clamp=clamp, allow_suspect=allow_suspect
+        )
         for i, r in zip(idx, got, strict=True):
             results[i] = r
 
     async def inline(i: int) -> None:
         try:
-            results[i] = await refs[i].afetch(start, end, layers, wait, clamp)
+            results[i] = await refs[i].afetch(start, end, layers, wait, clamp, allow_suspect=allow_suspect)
         except R3Error as exc:
             results[i] = exc
 

@@ -31,7 +31,7 @@ from service.server.errors import ApiError, ErrorBody, error_response, install_e
 from service.server.fetch import fetch_record
 from service.server.metrics import Metrics
 from service.server.openapi import BINARY, SERVER_400, TEXT, Engines, Health, errors, record_responses
-from service.server.record_answer import MAX_RID_CHARS, CountedResponse, counted
+from service.server.record_answer import MAX_RID_CHARS, SUSPECT_HELP, CountedResponse, SuspectParam, counted
 from service.server.settings import Settings
 from service.server.spool_advert import SpoolAdvert
 from service.server.store import Store
@@ -126,6 +126,7 @@ def batch_request_model(settings: Settings) -> type[BaseModel]:
             "GET query's text, ranges included (`0-15`).",
         )
         clamp: bool = Field(False, description="Cut each range to the rows its record holds instead of a 416 frame.")
+        suspect: SuspectParam = Field("refuse", description=SUSPECT_HELP)
 
     return BatchRequest
 
@@ -173,6 +174,7 @@ async def get_record(
     clamp: Annotated[
         bool, Query(description="Cut `start`/`end` to the rows the record holds instead of answering 416.")
     ] = False,
+    suspect: Annotated[SuspectParam, Query(description=SUSPECT_HELP)] = "refuse",
     sglang_dtype: Annotated[
         Literal["int32", "uint16", "uint8"] | None,
         Query(
@@ -195,8 +197,9 @@ async def get_record(
         if stream:
             if clamp:
                 raise ApiError(422, "invalid_parameter", "clamp applies to whole fetches; a stream waits for its rows")
-            return await stream_record(store, rid, items, start, end, wait, fetch)
-        return await fetch_record(store, rid, fmt, items, start, end, wait, clamp, fetch, sglang_dtype)
+            return await stream_record(store, rid, items, start, end, wait, fetch, suspect == "allow")
+        allow = suspect == "allow"
+        return await fetch_record(store, rid, fmt, items, start, end, wait, clamp, fetch, sglang_dtype, 3, allow)
     except Exception as exc:  # an answer before the headers: count it here (bodies count themselves)
         if isinstance(exc, ApiError):
             fetch.count(exc.status, error=exc.code)

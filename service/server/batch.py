@@ -15,6 +15,7 @@ from service.server.record_answer import (
     missing,
     open_bin,
     pending_body,
+    refused_suspect,
     replaced,
     row_chunks,
     select,
@@ -49,6 +50,11 @@ async def batch_frames(
             err = gone(meta)
             yield empty_frame(rid, 410, meta, error=err.code, detail=err.detail)
             fetch.count(410, error=err.code)
+            continue
+        refused = refused_suspect(meta, request.suspect == "allow")
+        if refused is not None:
+            yield empty_frame(rid, 422, meta, error=refused.code, detail=refused.detail)
+            fetch.count(422, error=refused.code)
             continue
         try:
             layers, slots = select(meta, items)

@@ -18,6 +18,7 @@ from service.server.record_answer import (
     ok_headers,
     open_bin,
     pending_body,
+    refused_suspect,
     replaced,
     row_chunks,
     select,
@@ -42,6 +43,7 @@ async def fetch_record(
     fetch: Fetch,
     sglang_dtype: str | None = None,
     tries: int = 3,
+    allow_suspect: bool = False,
 ) -> Response:
     """The record's rows `[start, end)` in `fmt`, after `wait` for it to be final; 202 while it is not.
 
@@ -56,6 +58,8 @@ async def fetch_record(
         return JSONResponse(pending_body(meta), status_code=202)
     if not served(meta):
         raise gone(meta)
+    if (refused := refused_suspect(meta, allow_suspect)) is not None:
+        raise refused
     out_layers, slots = select(meta, items)
     lo, hi, clamped = token_range(meta, start, end, clamp)
     sglang = fmt == "sglang_b64" and items is None  # SGLang's own payload: every model layer, dense as zeros
@@ -64,7 +68,7 @@ async def fetch_record(
     bin_file = open_unreplaced(store, rid, meta, row_hi, last_try=tries <= 1)
     if bin_file is None:  # the rid was reused meanwhile: answer from the new record
         return await fetch_record(
-            store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype=sglang_dtype, tries=tries - 1
+            store, rid, fmt, items, start, end, 0, clamp, fetch, sglang_dtype, tries - 1, allow_suspect
         )
     dtype = np.dtype(meta.dtype)
     wire = sglang_wire(store, meta, sglang_dtype, row_lo, row_hi, slots)

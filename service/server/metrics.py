@@ -23,7 +23,7 @@ log = logging.getLogger("r3.metrics")
 T = TypeVar("T")
 
 FETCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0)
-RECORD_STATES = ("open", "ok", "aborted", "error")
+RECORD_STATES = ("open", "ok", "aborted", "error", "suspect")
 ACK_KINDS = ("delete", "rids", "weight_version")
 
 
@@ -175,6 +175,12 @@ _ENGINE_COUNTERS = (
     ),
     ("r3_engine_write_errors", "Spool writes that failed on the engine's writer thread.", ["engine"]),
     (
+        "r3_engine_suspect_records",
+        "Records the engine's writer thread marked suspect: rows no true route has (a repeated or out-of-range "
+        "expert id, a dense slot not zero), kept and served only on request (suspect=allow).",
+        ["engine"],
+    ),
+    (
         "r3_engine_hook_seconds",
         "Seconds of the plugin's own work on the scheduler thread, by hook (forward_extent, forward_end, "
         "batch_result, live_step, collect, finalize) and forward kind (extend, decode, verify, idle, "
@@ -244,6 +250,8 @@ def _add_writer(c: dict[str, CounterMetricFamily], engine: str, w: WriterCounter
         c["r3_engine_reservations_refused"].add_metric([engine, "queue_full"], float(w.queue_full))
     if w.write_errors is not None:
         c["r3_engine_write_errors"].add_metric([engine], float(w.write_errors))
+    if w.suspect_records is not None:
+        c["r3_engine_suspect_records"].add_metric([engine], float(w.suspect_records))
     not_delivered = [(reason, float(count)) for reason, count in sorted((w.undelivered or {}).items())]
     for reason, count in not_delivered:
         c["r3_engine_undelivered"].add_metric([engine, reason], count)

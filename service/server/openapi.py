@@ -37,7 +37,8 @@ _X_HEADERS = {
     "X-R3-Prompt-Len": "Prompt length of the request.",
     "X-R3-Layers": "Comma list of the model layer index of each returned layer slot.",
     "X-R3-Final": "`true` when the record is complete.",
-    "X-R3-Status": "The record's status: `ok`, or `aborted` (the rows the request produced before it was aborted).",
+    "X-R3-Status": "The record's status: `ok`, `aborted` (the rows the request produced before it was aborted), or "
+    "`suspect` (served only with `suspect=allow`: rows no true route has).",
     "X-R3-Num-Hidden-Layers": "The model's layer count (SGLang's payload width), when the record says it.",
     "X-R3-Created": "The record's creation time (Unix seconds, as in its metadata): which request wrote the rows. "
     "A rid reused by a new request gets a new record with a new value.",
@@ -49,7 +50,8 @@ _ERRORS = {
     404: "No such record.",
     410: "The record ended in error, was corrupt, or expired.",
     416: "`start`/`end` outside the record's rows (and `clamp` not set).",
-    422: "Malformed parameters, layers the record does not hold, or SGLang's layout of a record that cannot give it.",
+    422: "Malformed parameters, layers the record does not hold, SGLang's layout of a record that cannot give it, "
+    "or a `suspect` record without `suspect=allow` (`record_suspect`: the first bad row, its layer and why).",
 }
 
 

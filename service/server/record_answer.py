@@ -8,7 +8,7 @@ which rows? which layers?) and must answer them alike; each route composes these
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 import numpy as np
@@ -102,6 +102,27 @@ def token_range(meta: RecordMeta, start: int | None, end: int | None, clamp: boo
 def served(meta: RecordMeta) -> bool:
     """Whether a final record's rows are served: `ok`, and `aborted` (rows so far, as SGLang returns them inline)."""
     return meta.status != "error"
+
+
+SuspectParam = Literal["refuse", "allow"]
+SUSPECT_HELP = (
+    "`allow`: serve a record the engine's row check marked `suspect` (rows no true route has: repeated or "
+    "out-of-range expert ids, or a dense slot that is not zero); `refuse` (default): 422 `record_suspect`, "
+    "naming the first bad row, its layer and why."
+)
+
+
+def refused_suspect(meta: RecordMeta, allow: bool) -> ApiError | None:
+    """422 `record_suspect` for a record the row check marked (`service.spool.row_check`) unless the caller
+    asked for it (`suspect=allow`): its rows include ones no true route has, and a trainer that replays them
+    trains on experts the rollout never used. The detail names the first bad row (and token position), layer, why."""
+    if meta.status != "suspect" or allow or meta.suspect is None:
+        return None
+    detail = (
+        f"record {meta.rid!r} is suspect: {meta.suspect.describe(meta.start)}; ask with suspect=allow "
+        "(allow_suspect=True in the client) to get its rows anyway"
+    )
+    return ApiError(422, "record_suspect", detail)
 
 
 def pending_body(meta: RecordMeta) -> dict[str, Any]:

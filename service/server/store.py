@@ -266,7 +266,7 @@ class Store:
         return [entry.meta for entry in self._entries.values()]
 
     def state_counts(self) -> Counter[str]:
-        """Records by state: `open` (not final) or the final status (`ok`, `aborted`, `error`)."""
+        """Records by state: `open` (not final) or the final status (`ok`, `aborted`, `error`, `suspect`)."""
         return Counter("open" if not e.meta.final else e.meta.status for e in self._entries.values())
 
     def usage_bytes(self) -> int:
@@ -351,7 +351,8 @@ class Store:
             entry = self.refresh_name(name)
             if entry is None or entry.meta != meta:
                 return entry.meta if entry else None
-            aborted = replace(meta, final=True, status="aborted", updated=now)
+            status = "suspect" if meta.status == "suspect" else "aborted"  # a suspect record stays marked
+            aborted = replace(meta, final=True, status=status, updated=now)
             try:
                 self.spool.write_meta(aborted)
             except OSError as exc:

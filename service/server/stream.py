@@ -21,6 +21,7 @@ from service.server.record_answer import (
     missing,
     ok_headers,
     open_bin,
+    refused_suspect,
     row_chunks,
     select,
     served,
@@ -43,6 +44,7 @@ class StreamPlan:
     out_layers: list[int]
     slots: list[int] | None
     rows_per_frame: int
+    allow_suspect: bool = False  # `suspect=allow`: rows of a record the row check marked are sent too
 
     @property
     def limit(self) -> int | None:
@@ -58,13 +60,16 @@ async def stream_record(
     end: int | None,
     wait: float,
     fetch: Fetch,
+    allow_suspect: bool = False,
 ) -> Response:
-    """Check what can be checked before the headers (exists, served, range, layers), then stream."""
+    """Check what can be checked before the headers (exists, served, not suspect, range, layers), then stream."""
     meta = await fetch.wait(store.wait_until(rid, lambda m: m is not None, wait))
     if meta is None:
         raise missing(store, rid)
     if meta.final and not served(meta):
         raise gone(meta)
+    if (refused := refused_suspect(meta, allow_suspect)) is not None:
+        raise refused
     out_layers, slots = select(meta, items)
     lo = meta.start if start is None else start
     if lo < meta.start or (end is not None and end < lo) or (meta.final and max(lo, end or lo) > meta.end):
@@ -73,7 +78,7 @@ async def stream_record(
         )
     row_bytes = len(out_layers) * meta.topk * meta.itemsize
     rows_per_frame = max(1, store.settings.chunk_bytes // max(1, row_bytes))
-    plan = StreamPlan(rid, meta, lo, end, out_layers, slots, rows_per_frame)
+    plan = StreamPlan(rid, meta, lo, end, out_layers, slots, rows_per_frame, allow_suspect)
     shape = (max(0, meta.rows - (lo - meta.start)), len(out_layers), meta.topk)
     headers = ok_headers(meta, meta.dtype, shape, lo, out_layers, final=meta.final)
     body = counted(stream_frames(store, plan, fetch), fetch)
@@ -141,6 +146,9 @@ def interrupted(store: Store, plan: StreamPlan, current: RecordMeta | None, prog
     if current.created != plan.first.created or current.rows < progress.seen:
         return Ending(empty_frame(rid, 409, current, error="record_restarted", detail=RESTARTED_DETAIL), 409)
     progress.seen = current.rows
+    if (refused := refused_suspect(current, plan.allow_suspect)) is not None:  # marked while streamed
+        frame = empty_frame(rid, 422, current, error=refused.code, detail=refused.detail)
+        return Ending(frame, 422, error=refused.code)
     if current.final and served(current) and current.rows < max(progress.sent, plan.limit or 0):
         detail = f"start={plan.lo}, end={plan.end} do not fit the end ({current.end}) the record was finalized with"
         return Ending(empty_frame(rid, 416, current, error="range_not_satisfiable", detail=detail), 416)

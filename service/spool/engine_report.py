@@ -12,8 +12,9 @@ UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror
 """Why a request's rows did not reach the spool: the keys of the engine file's `writer.undelivered`."""
 WRITER_COUNTERS = ("queued_bytes", "records_written", "fallback_inline", "spool_full")
 """The writer counters Contract 1 names; every engine file has them."""
-WRITER_EXTRA_COUNTERS = ("queue_full", "write_errors")
-"""Writer counters added since (absent in older plugins' files): refused for a full queue, failed writes."""
+WRITER_EXTRA_COUNTERS = ("queue_full", "write_errors", "suspect_records")
+"""Writer counters added since (absent in older plugins' files): refused for a full queue, failed writes, records
+marked `suspect` by the row check."""
 
 
 class EngineReportError(ValueError):
@@ -90,6 +91,7 @@ class WriterCounters:
     spool_full: int | float = 0
     queue_full: int | float | None = 0
     write_errors: int | float | None = 0
+    suspect_records: int | float | None = 0  # records the row check marked `suspect`; None in older files
     undelivered: dict[str, int | float] | None = field(default_factory=lambda: dict.fromkeys(UNDELIVERED_REASONS, 0))
 
     @classmethod

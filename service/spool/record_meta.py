@@ -12,7 +12,8 @@ import numpy as np
 import orjson
 
 VERSION = 1
-STATUSES = ("ok", "aborted", "error")
+STATUSES = ("ok", "aborted", "error", "suspect")
+"""`suspect`: rows a true route cannot have (`service.spool.row_check`); kept, served only on request."""
 DTYPES = ("uint8", "uint16", "int16", "int32")
 MAX_LAYERS = 4096
 MAX_TOPK = 1024
@@ -54,6 +55,39 @@ def dtype_holds(dtype: str, num_experts: int) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class Suspect:
+    """Why a record is `suspect`: its first bad row (index into its rows), that row's model layer, and why.
+
+    `reason` is one of `service.spool.row_check.REASONS`; `detail` shows the ids. Only a record with status
+    `suspect` carries it, so a reader that knows nothing of it still never takes such a record for `ok`."""
+
+    row: int
+    layer: int
+    reason: str
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {"row": self.row, "layer": self.layer, "reason": self.reason, "detail": self.detail}
+
+    def describe(self, start: int = 0) -> str:
+        """`row R (token position P), layer L: reason (detail)`: what an error or a log line says."""
+        where = f"row {self.row}" + (f" (token position {start + self.row})" if start else "")
+        return f"{where}, layer {self.layer}: {self.reason} ({self.detail})"
+
+    @classmethod
+    def parse(cls, value: Any, status: str) -> Suspect | None:
+        """A record's `suspect` object, required with status `suspect` and absent otherwise, or `SpoolFormatError`."""
+        if value is None and status != "suspect":
+            return None
+        ok = isinstance(value, dict) and status == "suspect"
+        row, layer, reason, detail = (value.get(k) for k in ("row", "layer", "reason", "detail")) if ok else (None,) * 4
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (row, layer))
+        if not (ok and ints and isinstance(reason, str) and isinstance(detail, str | None)):
+            raise SpoolFormatError("bad_field", f"suspect={value!r} with status {status!r}")
+        return cls(row, layer, reason, detail or "")
+
+
+@dataclass(frozen=True, slots=True)
 class RecordMeta:
     """One record's metadata, exactly the JSON of Contract 1."""
 
@@ -76,6 +110,7 @@ class RecordMeta:
     updated: float = field(default_factory=time.time)
     v: int = VERSION
     num_hidden_layers: int | None = None  # the model's layer count; None in records of older writers
+    suspect: Suspect | None = None  # with status `suspect`: the first bad row (from `start`), its layer, why
 
     @property
     def sglang_layers(self) -> int | None:
@@ -129,6 +164,7 @@ class RecordMeta:
             "updated": self.updated,
             **({} if self.num_hidden_layers is None else {"num_hidden_layers": self.num_hidden_layers}),
             **({"weight_versions": [list(p) for p in self.weight_versions]} if self.weight_versions else {}),
+            **({} if self.suspect is None else {"suspect": self.suspect.to_dict()}),
         }
 
     def version_at(self, position: int) -> str | int | None:
@@ -214,6 +250,7 @@ class RecordMeta:
             created=float(need("created", int | float)),
             updated=float(need("updated", int | float)),
             num_hidden_layers=num_hidden_layers,
+            suspect=Suspect.parse(obj.get("suspect"), status),  # optional: older writers never mark a record
         )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from service.spool.bin_unlink import holding, unlink_if_held
 from service.spool.files import _write_all
-from service.spool.record_meta import STATUSES, RecordMeta, Weights
+from service.spool.record_meta import STATUSES, RecordMeta, Suspect, Weights
 
 
 class RecordFiles(Protocol):
@@ -81,6 +81,17 @@ class RecordWriter:
             if publish:
                 self.spool.write_meta(self.meta)
 
+    @property
+    def suspect(self) -> bool:
+        return self._meta.suspect is not None
+
+    def mark_suspect(self, found: Suspect) -> None:
+        """Mark the record `suspect` (the first finding stays): its next publish and its final say so, whatever
+        status it ends with (an `error` end still wins: its rows are never served)."""
+        with self._lock:
+            if self._meta.suspect is None:
+                self._meta = replace(self.meta, status="suspect", suspect=found)
+
     def publish(self) -> None:
         """Make every appended row visible to readers (replace `.json`)."""
         with self._lock:
@@ -96,6 +107,10 @@ class RecordWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            if self._meta.suspect is not None and status != "error":
+                status = "suspect"
+            elif status == "error":
+                versions["suspect"] = None
             meta = self._meta = replace(self.meta, final=True, status=status, updated=time.time(), **versions)
             self.spool.write_meta(meta)
             return meta

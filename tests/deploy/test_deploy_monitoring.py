@@ -237,6 +237,9 @@ def test_alerts_cover_the_operational_risks() -> None:
     assert "== 1" in stale["expr"] and " unless " in absent_engine["expr"]
     (degraded,) = alert_on("r3_engine_degraded_hooks_total")
     assert "hook" in degraded["expr"] and degraded["for"] == "0s"  # a failed hook stays failed: page at once
+    (suspect,) = alert_on("r3_engine_suspect_records_total")
+    assert "increase(r3_engine_suspect_records_total[" in suspect["expr"] and suspect["for"] == "0s"
+    assert suspect["labels"]["severity"] == "critical"  # wrong routes crash nothing: this is the one sign
     (undelivered,) = alert_on("r3_engine_undelivered_total")
     assert "rate(r3_engine_undelivered_total[" in undelivered["expr"] and "reason" in undelivered["expr"]
     (down,) = alert_on("up")

@@ -158,7 +158,13 @@ def engine_file(engine: str, updated: float, fallback: int) -> dict[str, Any]:
             {"buffer": "host_cache", "capacity": 1000, "peak": 950, "window_s": 1},
         ],
         "host_cache": {"capacity_tokens": 1000, "used_tokens": 950},
-        "writer": {"queued_bytes": 0, "records_written": 1, "fallback_inline": fallback, "spool_full": 0},
+        "writer": {
+            "queued_bytes": 0,
+            "records_written": 1,
+            "fallback_inline": fallback,
+            "spool_full": 0,
+            "suspect_records": fallback,  # rises with the fallbacks: R3SuspectRecords fires on dp0 only
+        },
     }
 
 
@@ -275,6 +281,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
             "R3BufferHeadroomLow",
             "R3InlineFallbacksRising",
             "R3EngineDegraded",
+            "R3SuspectRecords",
             "R3EngineTelemetryStale",
             "R3FetchServerErrors",
             "R3FetchRecordsMissing",

@@ -334,6 +334,12 @@ class Stack:
         meta = spool.read_meta(rid)
         return (None, None) if meta is None else (meta, spool.read_array(meta))
 
+    def suspect_rids(self) -> list[str]:
+        """Rids of the spool's records the row check marked `suspect` (issue 40): none, for true routes."""
+        spool = Spool(self.spool, create=False)
+        metas = (spool.read_meta_file(spool.records_dir / f"{name}.json") for name in spool.record_names())
+        return sorted(meta.rid for meta in metas if meta.status == "suspect")
+
     def final_record(self, rid: str, timeout: float = 30.0) -> tuple[RecordMeta, np.ndarray]:
         """The record once final: the writer thread publishes it shortly after SGLang answers."""
 

@@ -11,7 +11,10 @@ a radix-cache prefix hit; a request that does not ask for routed experts; an abo
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,12 +25,19 @@ from sglang_server import Config, Stack
 from waiting import wait_until
 
 from service.client import RoutedExpertsRef
+from service.client.errors import SuspectRows
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 
 UPSTREAM = Config("plain-upstream", plugin=False, sidecar=False)
 MIRROR = Config("plain-mirror", env={"R3_MODE": "mirror"})
-CAPTURE_ALL = Config("plain-capture-all", env={"R3_MODE": "sidecar", "R3_CAPTURE_ALL": "1"})
+# Issue 40: while this file exists, the CPU shim hands the capture zeros for layer ZERO_LAYER (test-only).
+ZERO_FLAG = Path(tempfile.gettempdir()) / f"r3-zero-layer-{os.getpid()}"
+ZERO_LAYER = 2
+CAPTURE_ALL = Config(
+    "plain-capture-all",
+    env={"R3_MODE": "sidecar", "R3_CAPTURE_ALL": "1", "R3_TEST_ZERO_LAYER": f"{ZERO_LAYER}:{ZERO_FLAG}"},
+)
 SPOOL_FULL = Config(  # also the hook timers switched off
     "plain-spool-full", env={"R3_MODE": "sidecar", "R3_SPOOL_MAX_BYTES": "3000", "R3_HOOK_TIMERS": "0"}
 )
@@ -265,6 +275,40 @@ def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_me
         sample = f'{name}{{engine="{engine}",hook="forward_extent",kind="decode"}} '
         line = next((ln for ln in text.splitlines() if ln.startswith(sample)), None)
         assert line is not None and float(line.split()[-1]) > 0, (sample, text[-2000:])
+
+
+def test_a_capture_that_writes_zeros_for_one_layer_leaves_a_suspect_record(capture_all):
+    """Issue 40 on a real server: the capture of one layer says "expert 0" for every token (as a kernel that
+    routes inside itself leaves it). The record is kept and marked at its first row and that layer, the sidecar
+    refuses it unless asked, the trainer client raises, the engine file and /metrics count it; and no other
+    record of this server (true routes) is suspect."""
+    stack = capture_all["stack"]
+    rid = f"{stack.config.name}-zeroed"
+    ZERO_FLAG.touch()
+    try:
+        response = stack.generate(prompt(30, 9), rid=rid, return_routed_experts=True)
+    finally:
+        ZERO_FLAG.unlink()
+    meta, stored = stack.final_record(rid)
+    assert meta.status == "suspect" and (meta.suspect.row, meta.suspect.layer) == (0, ZERO_LAYER), meta
+    assert meta.suspect.reason == "repeated" and not stored[:, meta.layers.index(ZERO_LAYER)].any()
+    fetched = httpx.get(response["meta_info"]["routed_experts_url"], timeout=30)
+    assert fetched.status_code == 422 and fetched.json()["error"] == "record_suspect", fetched.text
+    (ref,) = RoutedExpertsRef.from_response(response)
+    with pytest.raises(SuspectRows, match=f"row 0, layer {ZERO_LAYER}: repeated"):
+        ref.fetch()
+    assert ref.fetch(allow_suspect=True).rows == meta.rows
+    wait_until(
+        lambda: any(r["writer"].get("suspect_records") == 1 for r in _engine_reports(stack)),
+        30,
+        "the engine file counting one suspect record",
+    )
+    text = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
+    engine = _engine_reports(stack)[0]["engine"]
+    assert f'r3_engine_suspect_records_total{{engine="{engine}"}} 1.0' in text, text[-3000:]
+    assert 'r3_records{state="suspect"} 1.0' in text
+    for name in REQUESTS:
+        assert stack.record(f"{stack.config.name}-{name}")[0].status != "suspect", name
 
 
 def test_spool_full_every_request_that_asked_gets_its_rows(upstream, spool_full):

@@ -238,6 +238,7 @@ def test_mirror_records_are_the_inline_payload_byte_for_byte(mirror):
             start = extra.get("routed_experts_start_len", 0)
             assert (meta.status, meta.prompt_len, meta.start) == ("ok", len(ids), start), name
             assert np.array_equal(stored.astype(np.int32), stack.inline_rows(response)), name
+    assert stack.suspect_rids() == []  # issue 40: every record of true routes passes the row check
 
 
 def test_abort_mid_decode_keeps_the_rows_so_far(mirror):
@@ -304,6 +305,7 @@ def test_sidecar_records_are_upstream_payload_byte_for_byte(upstream, sidecar):
         meta, stored = stack.final_record(f"{stack.config.name}-{name}")
         assert meta.status == "ok", name
         assert np.array_equal(stored.astype(np.int32), upstream["stack"].inline_rows(reference)), name
+    assert stack.suspect_rids() == []  # issue 40: every record of true routes passes the row check
 
 
 @pytest.mark.matrix  # a fourth server start per release: CI proves the dense+MoE layout on 0.5.23 (test_sglang_limits)

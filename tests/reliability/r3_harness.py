@@ -51,10 +51,12 @@ def expected_rows(
     num_experts: int = NUM_EXPERTS,
     dtype: str = "uint8",
 ) -> np.ndarray:
-    """The rows a harness writer writes for `rid`: seeded by the rid, so any reader can recompute them."""
+    """The rows a harness writer writes for `rid`: seeded by the rid, so any reader can recompute them; true
+    routes (distinct ids per token and layer), which the engine writer's row check passes."""
     seed = int.from_bytes(hashlib.sha256(rid.encode("utf-8", "surrogatepass")).digest()[:8], "little")
     rng = np.random.default_rng(seed)
-    return rng.integers(0, num_experts, size=(rows, len(layers), topk), dtype=np.int64).astype(dtype)
+    first = rng.integers(0, num_experts, size=(rows, len(layers), 1), dtype=np.int64)
+    return ((first + np.arange(topk) * max(num_experts // topk, 1)) % num_experts).astype(dtype)
 
 
 def checksum(array: np.ndarray) -> str:

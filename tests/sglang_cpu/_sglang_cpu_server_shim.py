@@ -29,6 +29,11 @@ imported SGLang's own `sglang.version`, not from whichever dist-info is first on
    hierarchical cache); it is gone afterwards, so everything else still sees no sgl_kernel.
 
 The plugin's production code carries none of them: they are facts of this machine, not of SGLang on a GPU.
+
+Test-only, and inert unless `R3_TEST_ZERO_LAYER=<layer>:<flag file>` is set (with `R3_TEST_SGLANG_CPU=1`; issue
+40): while the flag file exists, `RoutedExpertsCapturer.capture` (0.5.23's `state_capturer.routed_experts`) is
+handed zeros for that layer's ids, as a kernel that routes inside itself leaves the capture buffer: the model
+still routes truly, the captured rows of that layer say "expert 0" for every token.
 """
 
 import importlib.abc
@@ -84,6 +89,23 @@ class _UnpinnedTorch(types.ModuleType):
 
 def _state_capturer_base(module) -> None:
     module.torch = _UnpinnedTorch(module.torch)
+
+
+ZERO_LAYER_FLAG = "R3_TEST_ZERO_LAYER"
+
+
+def _zero_one_layer(module) -> None:
+    """Capture zeros for one layer while the flag file exists (test-only: `ZERO_LAYER_FLAG`)."""
+    layer, _, flag = os.environ[ZERO_LAYER_FLAG].partition(":")
+    cls = module.RoutedExpertsCapturer
+    original = cls.capture
+
+    def capture(self, layer_id, topk_indices):
+        if layer_id == int(layer) and os.path.exists(flag):
+            topk_indices = topk_indices.new_zeros(topk_indices.shape)
+        return original(self, layer_id, topk_indices)
+
+    cls.capture = capture
 
 
 _KVCACHEIO = "sgl_kernel.kvcacheio"
@@ -191,6 +213,9 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         spec.loader = _Loader()
         return spec
 
+
+if os.environ.get(ZERO_LAYER_FLAG):
+    _PATCHES["sglang.srt.state_capturer.routed_experts"] = _Patch(_zero_one_layer)
 
 if os.environ.get(ENV_FLAG) == "1":
     sys.meta_path.insert(0, _PatchAfterImport())

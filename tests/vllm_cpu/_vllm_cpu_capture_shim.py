@@ -30,6 +30,10 @@ What it does:
 3. 0.27 only: `GPUModelRunner._bind_routed_experts_capturer` binds each MoE layer's router, as 0.24-0.26
    bind it, instead of refusing the CPU layers (everything after the bind is vLLM's own).
 
+Test-only, and inert unless `R3_TEST_ZERO_LAYER=<layer>:<flag file>` is set too (issue 40): while the flag
+file exists, the ids item 1 hands that layer's capture function are zeros, as a kernel that routes inside itself
+leaves the capture buffer (what 0.24-0.26 do on this CPU without this shim, for every layer).
+
 Everything downstream is vLLM's: the capturer's buffer, the slot-indexed store in the scheduler, prefix-cache
 rows, the per-step output, the API server's join. The plugin's production code carries none of this.
 """
@@ -41,6 +45,7 @@ import sys
 import types
 
 ENV_FLAG = "R3_TEST_VLLM_CPU"
+ZERO_LAYER_FLAG = "R3_TEST_ZERO_LAYER"
 VERSIONS = ("0.24.", "0.25.", "0.26.", "0.27.")  # V1 capture bound to the router; 0.32 has its CPURouter
 _MOE = "vllm.model_executor.layers.fused_moe"
 
@@ -72,6 +77,14 @@ def _cpu_topk_ids(runner, router_logits, hidden_states):
     return topk_ids
 
 
+def _zeroed(runner, topk_ids):
+    """Zeros for the layer `ZERO_LAYER_FLAG` names while its flag file exists (test-only), else the ids."""
+    layer, _, flag = os.environ.get(ZERO_LAYER_FLAG, "").partition(":")
+    if layer and getattr(runner, "layer_id", None) == int(layer) and os.path.exists(flag):
+        return topk_ids.new_zeros(topk_ids.shape)
+    return topk_ids
+
+
 def _moe_runner(module) -> None:
     original = module.MoERunner._apply_quant_method
 
@@ -79,7 +92,7 @@ def _moe_runner(module) -> None:
         capture = getattr(self.router, "capture_fn", None)
         method = self.routed_experts.quant_method
         if capture is not None and method.is_monolithic and hasattr(method, "cpu_fused_moe"):
-            capture(_cpu_topk_ids(self, router_logits, hidden_states))
+            capture(_zeroed(self, _cpu_topk_ids(self, router_logits, hidden_states)))
         return original(self, hidden_states, router_logits, *args, **kwargs)
 
     module.MoERunner._apply_quant_method = _apply_quant_method

@@ -39,7 +39,7 @@ def _telemetry(tmp_path, writer: SpoolWriter, **sources) -> Telemetry:
 def test_engine_file_is_accepted_by_the_sidecar(tmp_path):
     writer = SpoolWriter(tmp_path).start()
     spec = RecordSpec("r", num_experts=8, topk=2, layers=(0, 1), start=0, prompt_len=2, dtype="uint8")
-    assert writer.submit(Op("r", spec=spec, rows=np.zeros((3, 2, 2), np.uint8), status="ok"))
+    assert writer.submit(Op("r", spec=spec, rows=np.tile(np.uint8([[0, 1]]), (3, 2, 1)), status="ok"))
     assert writer.flush()
     occupancy = capturer.track("routed_experts_device_cache", 1024, window_s=60)
     occupancy.record(700)
@@ -57,6 +57,7 @@ def test_engine_file_is_accepted_by_the_sidecar(tmp_path):
         "spool_full": 0,
         "queue_full": 0,
         "write_errors": 0,
+        "suspect_records": 0,
     }
     assert undelivered == {
         "spool_full": 0,

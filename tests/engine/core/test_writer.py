@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import random_rows
 from waiting import wait_until
 
 from engine_ext.core.records import RecordSpec, compact, spool_dtype
@@ -31,7 +32,7 @@ def _spec(rid: str, *, layers=(0, 1, 3), topk: int = 2, num_experts: int = 8, st
 
 
 def _rows(n: int, layers: int = 3, topk: int = 2, num_experts: int = 8, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, num_experts, size=(n, layers, topk), dtype=np.int32)
+    return random_rows(n, layers, topk, num_experts, seed).astype(np.int32)
 
 
 def test_dtype_choice():
@@ -62,6 +63,7 @@ def test_finish_record_round_trip(tmp_path):
         "spool_full": 0,
         "queue_full": 0,
         "write_errors": 0,
+        "suspect_records": 0,
         "undelivered": dict.fromkeys(UNDELIVERED_REASONS, 0),
     }
     writer.close()

@@ -113,7 +113,7 @@ def forward(slots, overlap):
     # One forward writing routing for `slots` through the real capturer (overlap: TopkCaptureOutput.finalize).
     n = len(slots)
     for layer in range(2):
-        cap.capture(layer, torch.randint(0, 8, (n, 2), dtype=torch.int32, generator=gen))
+        cap.capture(layer, torch.rand(n, 8, generator=gen).argsort(dim=1)[:, :2].to(torch.int32))  # true routes
     fb = types.SimpleNamespace(out_cache_loc=torch.tensor(slots, dtype=torch.int64), out_cache_loc_virtual=None,
                                global_num_tokens_cpu=[0, n])  # read only under DP attention (as DP rank 1)
     out = cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=overlap)
@@ -288,6 +288,7 @@ def test_finish_path_against_sglang(tmp_path):
         "spool_full": 0,
         "queue_full": 0,
         "write_errors": 0,
+        "suspect_records": 0,
         "undelivered": {
             r: 0 for r in ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")
         },

@@ -70,7 +70,7 @@ def test_stepping_aside_ends_every_record_not_yet_whole_as_error(tmp_path):
     shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), layer_slots=None)
     collector = Collector(writer, shape, mode=Mode.SIDECAR, capture_all=False, dtype="uint8", engine="e")
     live = LiveRows(collector)
-    host = torch.ones(64, 2, 2, dtype=torch.int32)
+    host = torch.tensor([0, 1], dtype=torch.int32).repeat(64, 2, 1)  # every slot a true route: experts 0 and 1
     req_to_token = torch.arange(8 * 16, dtype=torch.int32).reshape(8, 16) % 64
 
     def finished(rid: str, idx: int) -> Finished:
@@ -80,7 +80,7 @@ def test_stepping_aside_ends_every_record_not_yet_whole_as_error(tmp_path):
     collector.end_step(req_to_token, host)
     collector.drain(wait=True)  # handed to the writer whole before the failure
     live.begin("live", start=0, prompt_len=3, retractions=0, first_pos=0, pool_idx=2)
-    live.feed("live", 0, torch.zeros(3, 2, 2, dtype=torch.int32), limit=10)
+    live.feed("live", 0, torch.tensor([0, 1], dtype=torch.int32).repeat(3, 2, 1), limit=10)
     collector.finish(finished("launched", 3), publisher=True)
     collector.end_step(req_to_token, host)  # read and drained at its step's end (a CPU copy is done at once)
     collector.finish(finished("queued", 4), publisher=True)  # queued for the next step's read
@@ -152,7 +152,7 @@ def forward(slots, overlap=True):
     # overlap: SGLang's default (device clones, host write at finalize); else the inline host write
     n = len(slots)
     for layer in range(2):
-        cap.capture(layer, torch.randint(0, 8, (n, 2), dtype=torch.int32, generator=gen))
+        cap.capture(layer, torch.rand(n, 8, generator=gen).argsort(dim=1)[:, :2].to(torch.int32))  # true routes
     fb = types.SimpleNamespace(out_cache_loc=torch.tensor(slots, dtype=torch.int64), out_cache_loc_virtual=None)
     out = cap.on_forward_end(fb, can_run_graph=False, cuda_graph_batch=None, no_copy_to_cpu=overlap)
     return out, fb.out_cache_loc

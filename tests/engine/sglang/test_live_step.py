@@ -30,9 +30,9 @@ def _live(spool_dir) -> tuple[LiveRows, SpoolWriter]:
 
 
 def _rows(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(
-        0, EXPERTS, (n, LAYERS, TOPK), dtype=torch.int32, generator=torch.Generator().manual_seed(seed)
-    )
+    """Rows a router could make: `TOPK` distinct ids below `EXPERTS` per token and layer (the row check's)."""
+    scores = torch.rand((n, LAYERS, EXPERTS), generator=torch.Generator().manual_seed(seed))
+    return scores.argsort(dim=-1)[..., :TOPK].to(torch.int32)
 
 
 def _req(rid: str = "r", *, output: int = 0, **fields) -> StepRequest:

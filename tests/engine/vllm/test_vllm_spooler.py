@@ -32,7 +32,8 @@ SHAPE = ModelShape(num_experts=16, topk=4, num_hidden_layers=4, layers=(0, 1, 2,
 
 
 def _rows(n: int, layers: int = 4, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 16, size=(n, layers, 4), dtype=np.uint8)
+    """Rows a router could make: 4 distinct ids of 16 per token and layer (the writer's row check passes them)."""
+    return np.argsort(np.random.default_rng(seed).random((n, layers, 16)), axis=-1)[..., :4].astype(np.uint8)
 
 
 def _spooler(tmp_path: Path, mode: Mode, shape: ModelShape = SHAPE, **settings: object) -> Spooler:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from helpers import live_server
+from helpers import live_server, random_rows
 
 from engine_ext.core.records import routed_experts_url
 from engine_ext.sglang.frontdoors import PointerStream, inline_shape, sglext_pointer
@@ -36,7 +36,7 @@ TOPK = 4
 
 
 def put(spool: Spool, rid: str, rows: int, *, start: int = 0, seed: int = 0) -> np.ndarray:
-    array = np.random.default_rng(seed).integers(0, 64, (rows, len(LAYERS), TOPK), dtype=np.uint8)
+    array = random_rows(rows, len(LAYERS), TOPK, 64, seed).astype(np.uint8)  # true routes: the client checks
     writer = spool.writer(
         rid,
         num_experts=64,
@@ -248,7 +248,7 @@ def test_inline_without_the_model_shape_says_what_to_pass() -> None:
 
 def test_in_process_tensor_payload(pods) -> None:
     """verl's in-process path (skip_tokenizer_init) hands meta_info["routed_experts"] over as an array."""
-    array = sglang_layout(np.random.default_rng(3).integers(0, 64, (5, len(LAYERS), TOPK), dtype=np.uint8))
+    array = sglang_layout(random_rows(5, len(LAYERS), TOPK, 64, seed=3).astype(np.uint8))
     (ref,) = RoutedExpertsRef.from_response(
         {"meta_info": {"id": "t", "routed_experts": array.reshape(5, -1)}}, num_hidden_layers=HIDDEN, topk=TOPK
     )

@@ -56,8 +56,10 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
     spool = Spool(root)
     stored = {}
     for i, (rid, (layers, model, experts, top)) in enumerate(CASES.items()):
-        rows = np.random.default_rng(i).integers(0, top + 1, (9, len(layers), TOPK))
-        rows[0, 0, 0] = top
+        scores = np.random.default_rng(i).random((9, len(layers), top + 1))
+        rows = np.argsort(scores, axis=-1)[..., :TOPK]  # distinct ids per row: true routes (the client checks)
+        if top not in rows[0, 0]:
+            rows[0, 0, 0] = top
         writer = spool.writer(
             rid,
             num_experts=experts,

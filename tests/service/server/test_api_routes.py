@@ -326,6 +326,7 @@ def test_openapi_documents_every_route(shared: tuple[str, Spool]) -> None:
         "wait",
         "stream",
         "clamp",
+        "suspect",
         "sglang_dtype",
     }
     assert set(spec["paths"]["/routed_experts/{rid}"]) == {"get", "delete"}

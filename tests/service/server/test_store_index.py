@@ -13,7 +13,7 @@ from helpers import FakeClock, random_rows, write_record
 from service.server.settings import Settings
 from service.server.store import Store
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta
+from service.spool.record_meta import RecordMeta, Suspect
 
 
 def make_store(spool: Spool, **overrides: object) -> Store:
@@ -132,3 +132,16 @@ def test_stale_record_on_a_full_spool_is_aborted_in_the_index(spool: Spool) -> N
     now[0] += 0.45  # past ttl_s since it was marked aborted
     assert store.lookup("silent") is None and store.expired("silent")
     assert not spool.meta_path("silent").exists(), "expiry deletes (unlink needs no space)"
+
+
+def test_a_stale_suspect_record_ends_suspect_not_aborted(spool: Spool) -> None:
+    """A silent open record is ended by the sidecar; one the row check marked keeps its mark (issue 40)."""
+    writer = spool.writer("odd", num_experts=8, topk=2, layers=[0])
+    writer.mark_suspect(Suspect(0, 0, "repeated", "ids [0, 0] repeat an expert"))
+    writer.append(np.zeros((3, 1, 2)))
+    now = [spool.read_meta("odd").updated]
+    store = Store(spool, Settings.model_validate({"spool_dir": spool.root, "stale_s": 0.2}), clock=lambda: now[0])
+    now[0] += 0.25  # past stale_s since its last update
+    meta = store.lookup("odd")
+    assert meta.final and meta.status == "suspect" and meta.suspect.row == 0
+    assert spool.read_meta("odd") == meta, "the file parses back as written"
