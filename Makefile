@@ -45,7 +45,7 @@ wheel: env-demo ## dist/r3_sidecar-<version>-py3-none-any.whl: `pip install 'dis
 
 # $(call fresh_venv,DIR[,VENV FLAGS]): a venv at DIR made by a Python >= 3.11. A venv some other Python made (an
 # older `PY`, or one that no longer runs) is removed first; a `PY` that cannot make a usable one is refused before
-# anything is created, with the fix. uv fills the venvs, so they are made --without-pip (uv's own venv has pip).
+# anything is created, with the fix. uv fills the venvs: .venv gets pip from its lock, uv's own venv needs pip.
 PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
 define fresh_venv
 @if [ -e $(1)/bin/python ] && ! $(1)/bin/python -c '$(PY_OK)' 2>/dev/null; then \
@@ -81,11 +81,14 @@ lock: | $(UV_DEP)
 
 env-demo: $(DEMO)/.demo-stamp
 
-# The service and its base dependencies only (no dev tools, no SGLang); `du -sh .venv-demo` measures it.
+# The service and its base dependencies only (no dev tools, no SGLang), from uv.lock; `du -sh .venv-demo` measures
+# it. Then pip, the newest as before (uv's venvs have none; --inexact keeps it): README has its user `pip install
+# torch` there for `to_torch()`.
 $(DEMO)/.demo-stamp: pyproject.toml uv.lock | $(UV_DEP)
 	$(call fresh_venv,$(DEMO),--without-pip)
 	@echo "r3-sidecar: building $(DEMO) for the demo (first run only; the service's dependencies, no engine)"
-	UV_PROJECT_ENVIRONMENT=$(DEMO) $(UV) sync -q --frozen
+	UV_PROJECT_ENVIRONMENT=$(DEMO) $(UV) sync -q --frozen --inexact
+	$(UV) pip install -q --python $(DEMO_BIN)/python pip
 	touch $@
 
 test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the suite, as CI runs it
