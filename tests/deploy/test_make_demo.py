@@ -1,7 +1,7 @@
 """`make demo`'s venv: refused before anything is made when `PY` is older than 3.11, and a venv an older Python
 made is replaced, not reused. Runs the Makefile's own recipe (`make env-demo`) with its variables pointed at a
-temporary directory; `DEMO_BIN` points the pip steps at a stand-in so no package is downloaded here (what the demo
-installs is `tests/deploy/test_pip_story.py`'s to check).
+temporary directory; `UV` and `DEMO_BIN` point the install steps at stand-ins (`true`) so no package is downloaded
+here (what the demo installs is `tests/deploy/test_pip_story.py`'s to check).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def noop_python(bindir: Path) -> Path:
 
 
 def make(tmp_path: Path, **variables: str) -> subprocess.CompletedProcess[str]:
+    variables = {"UV": shutil.which("true") or "/bin/true", **variables}  # uv's install step: a stand-in
     args = [f"{k}={v}" for k, v in variables.items()]
     return subprocess.run(
         ["make", "-C", str(REPO), "env-demo", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path

@@ -161,7 +161,8 @@ def test_readmes_install_forms_beside_each_sglang_move_no_pin(version, install_f
 
 
 def test_the_demo_installs_no_dev_tool_and_no_engine(tmp_path):
-    """`make demo`'s venv (`pip install -e .`): the service's dependencies only (the dev extras made it 869 MB)."""
+    """`make demo`'s venv (uv.lock's base layer; pip's `install -e .` here): the service's dependencies only (the dev
+    extras made it 869 MB)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
     plan = pip_report("-e", str(REPO), python=tmp_path / "venv" / "bin" / "python")
     names = {p["metadata"]["name"].lower() for p in plan["install"]}
