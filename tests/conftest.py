@@ -1,4 +1,5 @@
-"""Shared fixtures: a temporary spool, sidecar settings over it, and a live sidecar on 127.0.0.1."""
+"""Shared fixtures: a temporary spool, sidecar settings over it, and a live sidecar on 127.0.0.1; and the hooks
+that fail a skip in CI (`tests/skips.py`) and sum up every run's skips by reason."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import skips
 from helpers import live_server
 
 from service.server.settings import Settings
@@ -22,6 +24,42 @@ from service.spool import Spool
 # machine's load, not the property (a 16-integer list took 13 s once). Examples still run; only the timing is off.
 settings.register_profile("shared-cores", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-cores")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A test's skip (a `skipif` mark, a fixture's or the test's own `pytest.skip`) fails in CI."""
+    report = yield
+    skips.fail_if_required(report)
+    return report
+
+
+_skipped_modules: list[pytest.CollectReport] = []
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module's skip (a module-level `importorskip`: Ray, SGLang, torch) fails the run in CI, at its end."""
+    if skips.should_fail(report):
+        _skipped_modules.append(report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped_modules and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Every run says why it skipped what it skipped: one line per reason, with its count; in CI, the modules
+    whose skip failed the run."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if skipped:
+        terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+        for line in skips.summary_lines(skipped):
+            terminalreporter.write_line(line)
+    if _skipped_modules:
+        terminalreporter.write_sep("=", f"FAILED: modules skipped in CI: {len(_skipped_modules)}", red=True)
+        for report in _skipped_modules:
+            terminalreporter.write_line(skips.failure_text(report))
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -34,6 +34,7 @@ from service.spool.record_meta import RecordMeta
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
+APPS: dict[str, Any] = {}  # base URL -> the app an in-process sidecar serves (`when_waited` looks at its store)
 
 
 def bound_socket() -> socket.socket:
@@ -167,6 +168,7 @@ def live_app(app: object, *, timeout: float = 20.0) -> Iterator[str]:
     """Serve an already built ASGI app (threaded uvicorn on a free 127.0.0.1 port); yield its base URL."""
     sock = bound_socket()
     base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    APPS[base_url] = app
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="r3-test-uvicorn")
@@ -184,6 +186,32 @@ def live_app(app: object, *, timeout: float = 20.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout)
         sock.close()
+        APPS.pop(base_url, None)
+
+
+@contextlib.contextmanager
+def when_waited(base_url: str, rid: str, action: Callable[[], object], timeout: float = 30.0) -> Iterator[None]:
+    """Run `action` on a thread once a request to the in-process sidecar at `base_url` waits on `rid`: what a
+    test writes "while the reader waits" then comes after the reader's first look, however loaded the machine
+    (a `threading.Timer` guessed that moment). The thread's failure (no waiter by `timeout`) fails the block."""
+    store = APPS[base_url].state.store
+    failed: list[BaseException] = []
+
+    def act() -> None:
+        try:
+            wait_until(lambda: store.is_waited(rid), timeout, f"a request waiting on {rid!r}", interval=0.005)
+            action()
+        except BaseException as exc:  # re-raised in the test's thread below
+            failed.append(exc)
+
+    thread = threading.Thread(target=act, daemon=True, name="r3-test-when-waited")
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join(timeout + 10)
+    if failed:
+        raise failed[0]
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -77,22 +77,28 @@ def last_report(store: Store, since: float) -> float:
 
 
 def watch(store: Store, idle_exit_s: float, exit_with_pid: int, stop: Callable[[str], None]) -> threading.Thread:
-    """A daemon thread that calls `stop(reason)` once the sidecar has no one left to serve."""
-    started = time.time()
+    """A daemon thread that calls `stop(reason)` once the sidecar has no one left to serve.
+
+    Idle time counts from when the store first became ready (its index built), not from the process start: before
+    that its records are unknown, and a start slower than `idle_exit_s` (a loaded node, a large spool) once ended
+    a sidecar that held records (a 1 s idle sidecar racing its own start, seen in tests/engine/core)."""
     period = max(0.2, min(2.0, idle_exit_s / 4 if idle_exit_s > 0 else 2.0))
 
     def run() -> None:
+        ready_since: float | None = None
         while True:
             time.sleep(period)
+            if ready_since is None and store.ready:
+                ready_since = time.time()
             try:
                 records = len(store.records())
             except RuntimeError:  # the index changed under the iteration: ask again next period
                 continue
             reason = exit_reason(
                 now=time.time(),
-                last_report=last_report(store, started),
+                last_report=last_report(store, ready_since or time.time()),
                 records=records,
-                idle_exit_s=idle_exit_s,
+                idle_exit_s=idle_exit_s if ready_since is not None else 0.0,
                 watched_alive=pid_alive(exit_with_pid) if exit_with_pid > 0 else None,
             )
             if reason is not None:

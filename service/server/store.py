@@ -310,6 +310,11 @@ class Store:
         if event is not None:
             event.set()
 
+    def is_waited(self, rid: str) -> bool:
+        """Whether a request waits on `rid` now: a test acts on a record once its reader waits, never after a
+        guessed delay."""
+        return rid in self._events
+
     async def wait_until(
         self, rid: str, done: Callable[[RecordMeta | None], bool], timeout: float
     ) -> RecordMeta | None:

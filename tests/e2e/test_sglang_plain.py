@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import version_suite
+import sglang_abort
 from docs_blocks import RECIPES
 from sglang_server import Config, Stack
 from waiting import wait_until
@@ -67,13 +67,9 @@ def run_requests(stack: Stack) -> dict[str, dict]:
     return out
 
 
-def abort_mid_decode(
-    stack: Stack, rid: str, ids: list[int] | None = None, max_new_tokens: int = 1500, after_s: float = 1.5
-) -> dict:
+def abort_mid_decode(stack: Stack, rid: str, ids: list[int] | None = None, max_new_tokens: int = 1500) -> dict:
     """Start a long greedy decode, abort it once it has produced tokens, return SGLang's response."""
-    return version_suite.abort_mid_decode(
-        stack, rid, ids if ids is not None else prompt(30, 7), max_new_tokens, after_s
-    )
+    return sglang_abort.abort_mid_decode(stack, rid, ids if ids is not None else prompt(30, 7), max_new_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +88,10 @@ def mirror(upstream, sglang_stack) -> dict:
 def resumed(mirror, sglang_stack) -> dict:
     """A partial rollout: abort mid-decode, resume with `routed_experts_start_len`; and the same uninterrupted."""
     stack = sglang_stack(MIRROR)
-    ids, total = prompt(40, 8), 1200  # ~6 s at this CPU's ~190 tok/s: the abort at 0.8 s lands mid-decode
+    ids, total = prompt(40, 8), 300  # the abort lands at the first decode line: after 40 decode steps at most
     params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
     whole = stack.generate(ids, rid="resume-whole", return_routed_experts=True, sampling_params=params, timeout=400)
-    first = abort_mid_decode(stack, "resume-part-0", ids=ids, max_new_tokens=total, after_s=0.8)
+    first = abort_mid_decode(stack, "resume-part-0", ids=ids, max_new_tokens=total)
     done = first["output_ids"]
     start = len(ids) + len(done) - 1  # the first row the aborted part does not hold
     rest = stack.generate(

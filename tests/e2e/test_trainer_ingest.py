@@ -20,6 +20,7 @@ import pybase64
 import pytest
 import torch
 import trainer_code
+from sglang_abort import post_and_abort
 from sglang_server import GLM, Config, Stack
 from waiting import wait_until
 
@@ -180,8 +181,8 @@ class _Server:
     `service.client.trainers.verl`. The first call is aborted once it has produced tokens, as a weight update does.
     """
 
-    def __init__(self, stack: Stack, abort_after_s: float) -> None:
-        self.stack, self.abort_after_s, self.calls, self.rids = stack, abort_after_s, 0, []
+    def __init__(self, stack: Stack) -> None:
+        self.stack, self.calls, self.rids = stack, 0, []
         self.generate = SimpleNamespace(remote=self._generate)
 
     async def _generate(self, *, request_id, prompt_ids, sampling_params, **_):
@@ -193,11 +194,10 @@ class _Server:
         self.calls += 1
         self.rids.append(request_id)
         async with httpx.AsyncClient(base_url=self.stack.url, timeout=300) as http:
-            request = asyncio.ensure_future(http.post("/generate", json=body))
-            if self.calls == 1:
-                await asyncio.sleep(self.abort_after_s)  # not a wait: how far into the decode the abort lands
-                (await http.post("/abort_request", json={"rid": request_id})).raise_for_status()
-            response = (await request).json()
+            if self.calls == 1:  # the first part is aborted once it decodes
+                response = (await post_and_abort(http, self.stack, body)).json()
+            else:
+                response = (await http.post("/generate", json=body)).json()
         url = response["meta_info"]["routed_experts_url"]
         with RoutedExpertsClient(url.rsplit("/routed_experts/", 1)[0], timeout=30) as client:  # at once, no retry
             rows = await asyncio.to_thread(client.get, request_id, wait=30)
@@ -218,12 +218,12 @@ def test_verl_resume_loop_concatenates_to_the_uninterrupted_rows(served):
     """verl 0.9.1 `FullyAsyncLLMServerClient.generate` (llm_server.py:225-352; concatenation at :308-313)."""
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 
-    stack, total = served["stack"], 1200  # as test_sglang_plain's resume: still decoding when the abort lands
+    stack, total = served["stack"], 300  # as test_sglang_plain's resume: still decoding when the abort lands
     ids = prompt(30, 9)
     params = {"max_new_tokens": total, "temperature": 0.0, "ignore_eos": True}
     whole = stack.generate(ids, rid="ingest-verl-whole", return_routed_experts=True, sampling_params=params)
 
-    server = _Server(stack, abort_after_s=0.8)
+    server = _Server(stack)
 
     class Client(FullyAsyncLLMServerClient):
         async def _acquire_server(self, request_id, **extra):
@@ -264,10 +264,7 @@ def test_a_rid_used_again_is_never_served_the_old_requests_rows(served):
             async def aborted(rid=rid, ids=ids, params=params) -> dict:
                 body = {"rid": rid, "input_ids": ids, "sampling_params": params, "return_routed_experts": True}
                 async with httpx.AsyncClient(base_url=stack.url, timeout=300) as http:
-                    request = asyncio.ensure_future(http.post("/generate", json=body))
-                    await asyncio.sleep(0.5)  # not a wait: how far into the decode the abort lands
-                    (await http.post("/abort_request", json={"rid": rid})).raise_for_status()
-                    return (await request).json()
+                    return (await post_and_abort(http, stack, body)).json()
 
             first = asyncio.run(aborted())
             second = stack.generate(

@@ -65,8 +65,10 @@ def _abort(server: VllmServer, route: str) -> dict[str, Any]:
     A failure says how many times the counter was read, what it said and when, so a CI log alone explains it."""
     started = time.monotonic()
     looks = 0
+    failed: list[str] = []  # looks that got no answer: "not yet", never the end of the wait (see below)
     seen = 0.0
-    with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    with httpx.Client() as client:
         before = _generated(server, client)
         # the client's own 300 s timeout outlasts both waits below (120 s each), so a hang fails with their message
         pending = pool.submit(server.completion, "Abort me, please", rid="abort", max_tokens=LONG_DECODE)
@@ -74,14 +76,26 @@ def _abort(server: VllmServer, route: str) -> dict[str, Any]:
         def decoding() -> bool:
             nonlocal seen, looks
             looks += 1
-            seen = _generated(server, client) - before
+            try:
+                seen = _generated(server, client) - before
+            except httpx.HTTPError as exc:
+                failed.append(f"{time.monotonic() - started:.1f} s: {exc!r}")
             return seen >= ABORT_AFTER or pending.done()
 
-        with contextlib.suppress(WaitTimeout):  # the abort goes at the deadline too: `_check_abort` judges it
-            wait_until(decoding, 120, f"{ABORT_AFTER} tokens decoded", interval=0.05)
-        sent = time.monotonic() - started
-        httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=10).raise_for_status()
-        state = f"{server.name}: {looks} looks at the counter, {seen:g} tokens when the abort went at {sent:.1f} s"
+        # A look that failed (a timeout, a kept-alive connection the server had just closed) once left this block
+        # by its exception, and the executor's exit then waited out the long request's 300 s client timeout: the
+        # 2026-11-27 stall. A failed look is now "not yet", and nothing here waits on the request but the result.
+        try:
+            with contextlib.suppress(WaitTimeout):  # the abort goes at the deadline too: `_check_abort` judges it
+                wait_until(decoding, 120, f"{ABORT_AFTER} tokens decoded", interval=0.05)
+        finally:
+            sent = time.monotonic() - started
+            httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=30).raise_for_status()
+            pool.shutdown(wait=False)
+        state = (
+            f"{server.name}: {looks} looks at the counter ({len(failed)} failed: {failed[:3]}), {seen:g} tokens "
+            f"when the abort went at {sent:.1f} s"
+        )
         try:
             return pending.result(timeout=120) | {"seen_before_abort": seen}
         except concurrent.futures.TimeoutError:

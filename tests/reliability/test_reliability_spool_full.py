@@ -178,6 +178,17 @@ def _small_tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def _free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _record_blocks(path) -> int:
+    """The file system's bytes for one record of `ROWS` rows: its rows and its metadata, a page each at least."""
+    page = os.statvfs(path).f_frsize
+    return (-(-ROWS * ROW_BYTES // page) + 1) * page
+
+
 def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
     """No R3_SPOOL_MAX_BYTES: the cap is the file system's, and tmpfs charges whole pages per file."""
     with _small_tmpfs(tmp_path / "shm", "256k") as shm:
@@ -187,6 +198,7 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
         rids = [f"enospc-{i:03d}" for i in range(120)]
         inline = {rid for rid in rids if _offer(writer, rid) is not None}
         assert writer.flush(20)
+        free_when_full = _free_bytes(shm)
         time.sleep(2.5)  # not a wait: stale_s (1 s) elapses twice over, so what can still be marked turns aborted
         accepted = [rid for rid in rids if rid not in inline]
         served, partial, lost = [], [], []
@@ -225,6 +237,11 @@ def test_real_enospc_never_serves_a_partial_record(make_sidecar, tmp_path):
             f"partial {len(partial)}, accepted but not served {len(lost)} {lost[:3]}, write_errors "
             f"{stats.write_errors}"
         )
+        # The premise: the file system, not a byte cap (none is set), filled. The writer refused the rest as
+        # `spool_full` on its free-block count, and what was left could not hold one more record.
+        record_blocks = _record_blocks(shm)
+        assert inline and stats.spool_full == len(inline), f"the tmpfs never filled: {stats}"
+        assert free_when_full < 2 * record_blocks, f"{free_when_full} B still free, a record takes {record_blocks}"
         assert not partial, f"partial records served as final: {partial[:5]}"
         assert side.proc.poll() is None
         assert set(after.values()) <= {404, 410, "aborted"}, f"once the spool has room, silent records end: {after}"

@@ -161,12 +161,13 @@ def test_killed_sidecar_is_restarted_by_the_next_engine_with_nothing_lost(tmp_pa
 
 def test_exits_once_idle_and_every_record_is_acknowledged(tmp_path: Path, sidecars, engines) -> None:
     spool = tmp_path / "spool"
-    _, ((pid, url),) = run(engines, spool, idle_s=1)
-    sidecars.append(pid)
-    ready(url)
+    # The record is there before the sidecar starts: written after, it raced the 1 s idle time on a loaded machine.
     writer = Spool(spool).writer("pending", num_experts=32, topk=4, layers=[0], prompt_len=1)
     writer.append(np.zeros((1, 1, 4), np.uint8))
     writer.finalize()
+    _, ((pid, url),) = run(engines, spool, idle_s=1)
+    sidecars.append(pid)
+    ready(url)
     time.sleep(3)  # not a wait: idle_s elapses three times over, but a record waits for its trainer
     assert alive(pid)
     assert httpx.request("DELETE", f"{url}/routed_experts/pending").status_code == 204

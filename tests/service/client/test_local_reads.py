@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from helpers import when_waited
 from waiting import wait_until
 
 from service.client import (
@@ -129,8 +130,7 @@ def test_everything_but_a_servable_final_record_goes_to_the_sidecar(spool: Spool
 
 def test_a_record_that_becomes_final_while_waiting_comes_over_http(spool: Spool, url: str) -> None:
     data, writer = put(spool, "later", final=False)
-    threading.Timer(2.0, writer.finalize).start()  # the first look finds it open
-    with RoutedExpertsClient(url) as client:
+    with RoutedExpertsClient(url) as client, when_waited(url, "later", writer.finalize):  # first looks: open
         r = client.get("later", wait=20)
         assert r.source == "http"
         np.testing.assert_array_equal(r.array, data)

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pybase64
 import pytest
-from helpers import FakeClock, engine_report, live_server, random_rows, write_record
+from helpers import FakeClock, engine_report, live_server, random_rows, when_waited, write_record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from waiting import wait_until
@@ -217,9 +217,8 @@ def test_wait_for_a_record_not_yet_created(shared: tuple[str, Spool], clock: Fak
     client's timeout); a rid that never comes is 404 once the wait has run out."""
     base, spool = shared
     rows = random_rows(3)
-    timer = threading.Timer(0.3, lambda: write_record(spool, "unborn", rows))
-    timer.start()
-    r = httpx.get(url_for(base, "unborn"), params={"wait": 600, "format": "raw"}, timeout=30)
+    with when_waited(base, "unborn", lambda: write_record(spool, "unborn", rows)):
+        r = httpx.get(url_for(base, "unborn"), params={"wait": 600, "format": "raw"}, timeout=30)
     assert r.status_code == 200 and r.content == rows.astype(np.uint8).tobytes()
     r = clock.run_out(lambda: httpx.get(url_for(base, "still-unborn"), params={"wait": 0.2}, timeout=30), 0.2)
     assert r.status_code == 404
@@ -238,8 +237,8 @@ def test_delete_frees_files(shared: tuple[str, Spool]) -> None:
     r = httpx.delete(url_for(base, "del/me"))  # a repeated ack stays a 404 (`ack(missing_ok=True)`), saying why
     assert r.status_code == 404 and r.json()["error"] == "not_found" and "already acknowledged" in r.json()["detail"]
     # A wait on an acknowledged rid still waits (SGLang may reuse a rid): the record written again answers it.
-    threading.Timer(0.5, write_record, (spool, "del/me", random_rows(3))).start()
-    assert httpx.get(url_for(base, "del/me"), params={"wait": 30}, timeout=60).status_code == 200
+    with when_waited(base, "del/me", lambda: write_record(spool, "del/me", random_rows(3))):
+        assert httpx.get(url_for(base, "del/me"), params={"wait": 30}, timeout=60).status_code == 200
 
 
 def test_engines_health_ready(shared: tuple[str, Spool]) -> None:

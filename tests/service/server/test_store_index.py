@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from helpers import FakeClock, random_rows, write_record
+from waiting import await_until
 
 from service.server.settings import Settings
 from service.server.store import Store
@@ -79,9 +80,10 @@ def test_waiters_wake_on_events_and_time_out(spool: Spool) -> None:
         await store.start()
         try:
             writer = spool.writer("ev", num_experts=8, topk=1, layers=[0])
-            loop = asyncio.get_running_loop()
-            loop.call_later(0.3, lambda: writer.append(np.zeros((2, 1, 1))))
-            meta = await asyncio.wait_for(store.wait_until("ev", lambda m: m is not None and m.rows >= 2, 600), 30)
+            rows = asyncio.create_task(store.wait_until("ev", lambda m: m is not None and m.rows >= 2, 600))
+            await await_until(lambda: store.is_waited("ev"), 30, "the waiter looked and waits")
+            writer.append(np.zeros((2, 1, 1)))
+            meta = await asyncio.wait_for(rows, 30)
             reads = clock.reads
             waiting = asyncio.create_task(store.wait_final("ev", 0.3))
             await asyncio.sleep(0)  # not a wait: one loop step, the waiter's first: it sets its deadline, looks
