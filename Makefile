@@ -28,7 +28,7 @@ export UV_FIND_LINKS ?= $(WHEELS)
 endif
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 trainers clean
+.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -97,7 +97,7 @@ test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0
 
 # The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0): the
 # same tests, marked `matrix`. Run it before a change to a version adapter lands; docs/testing.md has its last run.
-test-matrix: env env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12
+test-matrix: env env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases
 	$(BIN)/python -m pytest -q -m matrix
 
 lint: env-service
@@ -267,12 +267,13 @@ SHIMS := tests/sglang_cpu/_sglang_cpu_tv_shim.py tests/sglang_cpu/_sglang_cpu_se
 SGLANG_0516 := .venv-sglang-0.5.16
 SGLANG_0512 := .venv-sglang-0.5.12
 
-# $(call sglang_overlay,VENV DIR,SGLANG VERSION): the recipe both share
+# $(call sglang_overlay,VENV DIR,SGLANG VERSION[,OVERLAY FILE]): the recipe they share (the overlay file: default
+# requirements/sglang-<version>-overlay.txt where it exists)
 define sglang_overlay
 rm -rf $(1)
 $(BIN)/python -m venv --without-pip $(1)
 $(UV) pip install -q --python $(1)/bin/python --no-deps sglang==$(2) \
-  $(if $(wildcard requirements/sglang-$(2)-overlay.txt),-r requirements/sglang-$(2)-overlay.txt)
+  $(if $(3),-r $(3),$(if $(wildcard requirements/sglang-$(2)-overlay.txt),-r requirements/sglang-$(2)-overlay.txt))
 site=$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
   cp $(SHIMS) $$site/ && \
   echo "import _sglang_cpu_tv_shim" > $$site/_sglang_cpu_tv_shim.pth && \
@@ -288,6 +289,17 @@ $(SGLANG_0516)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirem
 env-sglang-0.5.12: $(SGLANG_0512)/.sglang-stamp
 $(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirements/sglang-0.5.12-overlay.txt)
 	$(call sglang_overlay,$(SGLANG_0512),0.5.12)
+
+# Every other release from 0.5.12 to 0.5.22, for `make test-matrix`'s check that each release's code gets the layout
+# `versions.RELEASES` says (tests/e2e/test_sglang_releases.py): the same overlay, with the transformers pin of the
+# nearest proven release whose pins import it (0.5.12's up to 0.5.14; 0.5.16's for 0.5.15-0.5.19: .venv's
+# transformers registers `qwen3_asr` again; none from 0.5.21, which import on .venv's own).
+SGLANG_RELEASES := 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14 0.5.15 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.21 0.5.22
+release_pins = $(if $(filter 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14,$(1)),requirements/sglang-0.5.12-overlay.txt,$(if \
+  $(filter 0.5.15 0.5.15.post1 0.5.17 0.5.18 0.5.19,$(1)),requirements/sglang-0.5.16-overlay.txt,))
+env-sglang-releases: $(SGLANG_RELEASES:%=.venv-sglang-%/.sglang-stamp)
+$(SGLANG_RELEASES:%=.venv-sglang-%/.sglang-stamp): .venv-sglang-%/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS)
+	$(call sglang_overlay,.venv-sglang-$*,$*,$(call release_pins,$*))
 
 clean:
 	rm -rf $(VENV) $(DEMO) $(TRAINERS) $(VVENV) .venv-vllm-* .venv-sglang-* .pytest_cache .ruff_cache .hypothesis dist
