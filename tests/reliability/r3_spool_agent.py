@@ -97,14 +97,17 @@ class Agent:
             if n == report_after:
                 reply({"storming": n})
 
-    def cmd_burst(self, records: list[list]) -> dict:
-        """The finish-time path: reserve each whole record and hand it over in one op, back to back, so later
-        reservations are made while the writer thread writes earlier ones; then flush."""
+    def cmd_burst(self, records: list[list], split: int) -> dict:
+        """The finish-time path: reserve each whole record and hand it over in one op; after the first `split`,
+        the rest only once the writer thread is writing (a scheduler reserves while its writer writes); then
+        flush. The writer's counters must come out the same whatever the interleaving."""
         from engine_ext.core.records import RecordSpec
         from engine_ext.core.writer import Op
 
         accepted = []
-        for rid, gen, rows in records:
+        for n, (rid, gen, rows) in enumerate(records):
+            if n == split:
+                self._until_writing()
             data = rows_for(rid, gen, 0, rows)
             if self.engine.reserve(data.nbytes) is not None:
                 self.engine.note_fallback()
@@ -132,6 +135,14 @@ class Agent:
             w.close()
         self.open.clear()
         return self.cmd_flush()
+
+    def _until_writing(self) -> None:
+        """Spin until the writer thread has taken the queued ops (it is writing them), or has none left."""
+        e = self.engine
+        while True:
+            with e._lock:
+                if e._busy or not e._ops:
+                    return
 
     def cmd_flush(self) -> dict:
         self.engine.flush(timeout=30)

@@ -11,6 +11,7 @@ leftover never reclaimed (`leftovers`).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -22,8 +23,20 @@ JUST_OPENED_S = 2.0
 """A record opened this recently may not be in the sidecar's index yet (its file event or rescan is due)."""
 
 
+TALLY = {"steps": 0, "first": None, "began": time.monotonic()}
+"""Steps taken in this process, and (steps, time, message) of the first violation: what finding a fault took,
+before hypothesis goes on to shrink it (RELIABILITY.md's table of reverted fixes)."""
+
+
 class Violation(AssertionError):
     """A broken invariant: the state machine fails the run with it, hypothesis prints the seed and shrinks."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        if TALLY["first"] is None:
+            TALLY["first"] = (TALLY["steps"], time.monotonic(), message)
+            took, steps = time.monotonic() - TALLY["began"], TALLY["steps"]
+            print(f"spool model: first violation after {steps} steps, {took:.1f} s: {message}", file=sys.stderr)
 
 
 def judge(rec: Rec, code: int, body: bytes, status: str | None, *, ttl_s: float, stale_s: float, how: str) -> None:

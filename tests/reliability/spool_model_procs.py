@@ -27,9 +27,10 @@ wall-clock time, and hypothesis needs the model's state to follow from its steps
 made old by setting their mtime back instead."""
 TTL_S = 4.0
 RESCAN_S = 0.25
-CAP_RECORDS = 12
-"""The capped engine writer holds about this many burst records before it refuses (the spool fills up)."""
-BURST_ROWS = 16
+CAP_RECORDS = 24
+"""The capped engine writer holds about this many burst records before it refuses (the spool fills up); the
+other records in the spool (tens of KiB) count against its cap too."""
+BURST_ROWS = 64
 ROW_BYTES = 24  # 6 layers x top-4, uint8 (r3_harness's shape)
 CAP = CAP_RECORDS * (BURST_ROWS * ROW_BYTES + 1024)
 """Bytes the engine writer may hold: the records' rows plus its 1 KiB estimate of each record's metadata."""

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import hypothesis.core
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
+from spool_model_checks import TALLY
 from spool_model_machine import RUNS, SpoolMachine
 from spool_model_procs import Procs
 
@@ -32,7 +33,9 @@ LONG_STEPS_PER_RUN = 500
 
 
 def _settings(runs: int, steps: int, *, fixed: bool) -> settings:
+    shrink = os.environ.get("R3_MODEL_SHRINK", "1") != "0"  # 0: report the first failure only (faster)
     return settings(
+        phases=list(Phase) if shrink else [p for p in Phase if p is not Phase.shrink],
         max_examples=runs,
         stateful_step_count=steps,
         deadline=None,
@@ -48,6 +51,7 @@ def _run(root: Path, runs: int, steps: int, *, fixed: bool) -> None:
     SpoolMachine.procs = procs
     counted = _count_steps()
     runs_before, began = RUNS[0], time.monotonic()
+    TALLY.update(steps=0, first=None, began=began)
     try:
         run_state_machine_as_test(SpoolMachine, settings=_settings(runs, steps, fixed=fixed))
     finally:
@@ -76,11 +80,13 @@ def _count_steps():
     return counted
 
 
+@pytest.mark.timeout(1800)  # green in under a minute; a failure's shrinking replays runs of real processes
 def test_spool_model_ci(tmp_path: Path) -> None:
     _run(tmp_path, CI_RUNS, CI_STEPS, fixed=True)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)
 def test_spool_model_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     total = int(os.environ.get("R3_MODEL_STEPS", "100000"))
     seed = int(os.environ.get("R3_MODEL_SEED", str(random.randrange(1 << 32))))
