@@ -46,9 +46,10 @@ def _settings(runs: int, steps: int, *, fixed: bool) -> settings:
     )
 
 
-def _run(root: Path, runs: int, steps: int, *, fixed: bool) -> None:
+def _run(root: Path, runs: int, steps: int, *, fixed: bool, delete_races: bool = False) -> None:
     procs = Procs(root)
     SpoolMachine.procs = procs
+    SpoolMachine.delete_races = delete_races
     counted = _count_steps()
     runs_before, began = RUNS[0], time.monotonic()
     TALLY.update(steps=0, first=None, began=began)
@@ -60,6 +61,7 @@ def _run(root: Path, runs: int, steps: int, *, fixed: bool) -> None:
         rate = n / max(took, 1e-9)
         print(f"\nspool model: {n} steps in {RUNS[0] - runs_before} runs, {took:.1f} s, {rate:.0f} steps/s")
         procs.close()
+        SpoolMachine.delete_races = False
 
 
 def _count_steps():
@@ -83,6 +85,17 @@ def _count_steps():
 @pytest.mark.timeout(1800)  # green in under a minute; a failure's shrinking replays runs of real processes
 def test_spool_model_ci(tmp_path: Path) -> None:
     _run(tmp_path, CI_RUNS, CI_STEPS, fixed=True)
+
+
+@pytest.mark.xfail(
+    reason="D11 (RELIABILITY.md), open: a DELETE that opens the .bin a writer reusing the rid has just created "
+    "removes the new record's files, and the writer's finalize then publishes metadata for rows no file holds",
+    strict=False,  # a race: a run may miss it
+)
+@pytest.mark.timeout(1800)
+def test_spool_model_ci_delete_races_reuse(tmp_path: Path) -> None:
+    """The CI run with trainers acknowledging a rid while a writer reuses it again and again (0f9edea's race)."""
+    _run(tmp_path, CI_RUNS, CI_STEPS, fixed=True, delete_races=True)
 
 
 @pytest.mark.slow
