@@ -14,6 +14,7 @@ Each prints its steps, runs, seconds and steps per second (`-s`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -46,45 +47,47 @@ def _settings(runs: int, steps: int, *, fixed: bool) -> settings:
     )
 
 
-def _run(root: Path, runs: int, steps: int, *, fixed: bool, delete_races: bool = False) -> None:
+def _run(
+    root: Path, runs: int, steps: int, *, seeds: tuple[int, ...] = (), total: int = 0, delete_races: bool = False
+) -> None:
+    """`runs` runs of up to `steps` steps from the fixed seed; with `seeds`, one batch of `runs` per seed until
+    `total` steps are taken (hypothesis shortens some runs: batches make up for it)."""
     procs = Procs(root)
     SpoolMachine.procs = procs
     SpoolMachine.delete_races = delete_races
-    counted = _count_steps()
     runs_before, began = RUNS[0], time.monotonic()
     TALLY.update(steps=0, first=None, began=began)
     try:
-        run_state_machine_as_test(SpoolMachine, settings=_settings(runs, steps, fixed=fixed))
+        if not seeds:
+            run_state_machine_as_test(SpoolMachine, settings=_settings(runs, steps, fixed=True))
+        for seed in seeds:
+            if TALLY["steps"] >= total:
+                break
+            print(f"spool model: batch seed {seed} at step {TALLY['steps']}")
+            with _forced_seed(seed):
+                run_state_machine_as_test(SpoolMachine, settings=_settings(runs, steps, fixed=False))
     finally:
-        took = time.monotonic() - began
-        n = counted()
+        took, n = time.monotonic() - began, TALLY["steps"]
         rate = n / max(took, 1e-9)
         print(f"\nspool model: {n} steps in {RUNS[0] - runs_before} runs, {took:.1f} s, {rate:.0f} steps/s")
         procs.close()
         SpoolMachine.delete_races = False
 
 
-def _count_steps():
-    """Steps taken by every run from now on (the machine counts its own; runs are summed here)."""
-    total = [0]
-    original = SpoolMachine.teardown
-
-    def counting(self) -> None:
-        total[0] += self.steps
-        original(self)
-
-    SpoolMachine.teardown = counting
-
-    def counted() -> int:
-        SpoolMachine.teardown = original
-        return total[0]
-
-    return counted
+@contextlib.contextmanager
+def _forced_seed(seed: int):
+    """Hypothesis's seed for the runs inside: what `pytest --hypothesis-seed` sets, one batch at a time."""
+    before = hypothesis.core.global_force_seed
+    hypothesis.core.global_force_seed = seed
+    try:
+        yield
+    finally:
+        hypothesis.core.global_force_seed = before
 
 
 @pytest.mark.timeout(1800)  # green in under a minute; a failure's shrinking replays runs of real processes
 def test_spool_model_ci(tmp_path: Path) -> None:
-    _run(tmp_path, CI_RUNS, CI_STEPS, fixed=True)
+    _run(tmp_path, CI_RUNS, CI_STEPS)
 
 
 @pytest.mark.xfail(
@@ -95,14 +98,16 @@ def test_spool_model_ci(tmp_path: Path) -> None:
 @pytest.mark.timeout(1800)
 def test_spool_model_ci_delete_races_reuse(tmp_path: Path) -> None:
     """The CI run with trainers acknowledging a rid while a writer reuses it again and again (0f9edea's race)."""
-    _run(tmp_path, CI_RUNS, CI_STEPS, fixed=True, delete_races=True)
+    _run(tmp_path, CI_RUNS, CI_STEPS, delete_races=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(0)
-def test_spool_model_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spool_model_long(tmp_path: Path) -> None:
     total = int(os.environ.get("R3_MODEL_STEPS", "100000"))
     seed = int(os.environ.get("R3_MODEL_SEED", str(random.randrange(1 << 32))))
-    print(f"\nspool model: seed {seed} (R3_MODEL_SEED={seed} reproduces this run)")
-    monkeypatch.setattr(hypothesis.core, "global_force_seed", seed)  # what `pytest --hypothesis-seed` sets
-    _run(tmp_path, -(-total // LONG_STEPS_PER_RUN), LONG_STEPS_PER_RUN, fixed=False)
+    print(f"\nspool model: seed {seed} (R3_MODEL_SEED={seed} repeats this run; batch seeds follow it)")
+    runs = 20  # per batch: a batch's runs share one hypothesis seed
+    seeds = tuple(seed + i for i in range(1 + total // LONG_STEPS_PER_RUN))
+    _run(tmp_path, runs, LONG_STEPS_PER_RUN, seeds=seeds, total=total)
+    assert TALLY["steps"] >= total, f"{TALLY['steps']} steps, {total} asked for"
