@@ -35,7 +35,7 @@ from service.spool.record_meta import safe_name
 SWEEP_EVERY = 25
 KILL_EVERY = 60  # steps between writer kills (a respawn costs a process start)
 RESTARTS_PER_RUN = 1  # a sidecar restart costs its start (about a second): one per run
-MAX_STREAMS = 4
+STREAMS_PER_RUN = 16  # by count, not by how many still run: rules must follow from the model, not from timing
 PLANT_EVERY = 40
 RECLAIM_S = 12 * RESCAN_S  # the sidecar rescans every RESCAN_S: a leftover older than R3_STALE_S goes at the next
 RUNS = [0]  # runs so far in this process: each run's rids get their own prefix
@@ -55,6 +55,7 @@ class SpoolMachine(RuleBasedStateMachine):
         self.last_kill = 0
         self.restarts = 0
         self.streams: list[StreamWatch] = []
+        self.streams_started = 0
         self.planted: dict[str, float] = {}  # crash leftovers made an hour old, and when
         self.last_plant = 0
         self.charged = [0] * AGENTS  # each engine writer's usage, as the model predicts it
@@ -269,12 +270,13 @@ class SpoolMachine(RuleBasedStateMachine):
         for rec, item in zip(recs, got, strict=True):
             self._judge(rec, item_answer(item), "batch")
 
-    @precondition(lambda self: self._writable() and sum(not s.done for s in self.streams) < MAX_STREAMS)
+    @precondition(lambda self: self._writable() and self.streams_started < STREAMS_PER_RUN)
     @rule(i=PICK, ahead=st.integers(-4, 6))
     def stream(self, i: int, ahead: int) -> None:
         """A trainer streams a live record from a row near its end, possibly past the rows written so far."""
         rec = self._pick(self._writable(), i)
         start = max(0, rec.rows + ahead)
+        self.streams_started += 1
         self.streams.append(StreamWatch(rec.rid, rec.gen, start, self.procs.sidecar.url).begin())
 
     @precondition(lambda self: self.model.by_state("final", "orphan", "raced"))
