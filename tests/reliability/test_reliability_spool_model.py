@@ -63,9 +63,10 @@ def _run(
         for seed in seeds:
             if TALLY["steps"] >= total:
                 break
+            batch = min(runs, -(-(total - TALLY["steps"]) // steps))  # no more runs than the steps left need
             print(f"spool model: batch seed {seed} at step {TALLY['steps']}")
             with _forced_seed(seed):
-                run_state_machine_as_test(SpoolMachine, settings=_settings(runs, steps, fixed=False))
+                run_state_machine_as_test(SpoolMachine, settings=_settings(batch, steps, fixed=False))
     finally:
         took, n = time.monotonic() - began, TALLY["steps"]
         rate = n / max(took, 1e-9)
