@@ -108,6 +108,8 @@ class Agent:
         for n, (rid, gen, rows) in enumerate(records):
             if n == split:
                 self._until_writing()
+            if n >= split:
+                self._until_one_more_written()
             data = rows_for(rid, gen, 0, rows)
             if self.engine.reserve(data.nbytes) is not None:
                 self.engine.note_fallback()
@@ -142,6 +144,17 @@ class Agent:
         while True:
             with e._lock:
                 if e._busy or not e._ops:
+                    return
+
+    def _until_one_more_written(self) -> None:
+        """Spin until the writer thread has written one more op of its batch (its usage moved), or is idle: each
+        later reservation then lands between two writes of one batch, where a double count would show."""
+        e = self.engine
+        with e._lock:
+            seen = e._usage
+        while True:
+            with e._lock:
+                if not e._busy or e._usage != seen:
                     return
 
     def cmd_flush(self) -> dict:

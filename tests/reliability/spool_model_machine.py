@@ -149,14 +149,16 @@ class SpoolMachine(RuleBasedStateMachine):
         self.model.recs[rec.rid] = Rec(rec.rid, w, gen, rows=8, state="raced", final_sent=time.monotonic())
         check_disk(self.procs.records)
 
-    @rule(w=W, k=st.integers(1, 40), split=st.integers(1, 20))
-    def burst(self, w: int, k: int, split: int) -> None:
-        """The engine's finish-time path hands `k` whole records (up to more than its cap holds) to its capped
-        writer: `split` of them, then the rest while its thread writes those (as a scheduler reserves while the
-        writer writes). Each must be accepted exactly while the cap has room (the model's count), refused once it
-        has none (697cdc5)."""
+    @rule(w=W, over=st.integers(1, 4), back=st.integers(0, 3))
+    def burst(self, w: int, over: int, back: int) -> None:
+        """The engine's finish-time path hands whole records to its capped writer, `over` more than the cap has
+        room for: all but the last `back` of those that fit, then the rest one by one between two writes of the
+        writer thread's batch (as a scheduler reserves while its writer writes). Each must be accepted exactly
+        while the cap has room (the model's count), refused once it has none (697cdc5)."""
         self._probe(w)  # the writer's refresh (every second in an engine): acks and expiries give room back
         size = BURST_ROWS * 24 + 1024
+        room = max(0, (CAP - self.charged[w]) // size)  # records the cap still holds, as the model counts
+        k, split = room + over, max(1, room - back)  # the reservations that cross the cap come mid-batch
         recs = [Rec(self.model.new_rid("e"), w, self.model.gen(), rows=BURST_ROWS, state="final") for _ in range(k)]
         sent = time.monotonic()
         snap = self._agent(w).call("burst", records=[[r.rid, r.gen, r.rows] for r in recs], split=split)
