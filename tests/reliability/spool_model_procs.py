@@ -1,0 +1,155 @@
+"""The spool model's real processes: writer agents (`r3_spool_agent.py`) and the sidecar (`r3-sidecar serve`).
+
+Why they outlive one run of the state machine: starting a sidecar takes seconds and a writer process half of
+one, while a run of the machine is a few hundred steps; `Procs` keeps them between runs, and each run uses its
+own rid prefix and starts from an emptied spool (`reset`), so runs stay independent and shrinkable. A killed
+process is replaced by the rule that killed it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from r3_harness import HERE, PYTHON, REPO, Sidecar
+from spool_model_records import MAX_ROWS
+from waiting import wait_until
+
+STALE_S = 600.0
+"""Longer than any run: a live record is never aborted as stale while the model expects it live (staleness is
+wall-clock time, and hypothesis needs the model's state to follow from its steps alone). Crash leftovers are
+made old by setting their mtime back instead."""
+TTL_S = 4.0
+RESCAN_S = 0.25
+CAP_RECORDS = 24
+"""The capped engine writer holds about this many burst records before it refuses (the spool fills up); the
+other records in the spool (tens of KiB) count against its cap too."""
+BURST_ROWS = 64
+ROW_BYTES = 24  # 6 layers x top-4, uint8 (r3_harness's shape)
+CAP = CAP_RECORDS * (BURST_ROWS * ROW_BYTES + 1024)
+"""Bytes the engine writer may hold: the records' rows plus its 1 KiB estimate of each record's metadata."""
+AGENTS = 2
+
+
+class AgentDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Agent:
+    """One writer process and its command pipe."""
+
+    spool: Path
+    name: str
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> Agent:
+        cmd = [PYTHON, str(HERE / "r3_spool_agent.py"), "--spool", str(self.spool), "--cap", str(CAP)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [*cmd, "--name", self.name], env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.read()  # {"ready": pid}
+        return self
+
+    def read(self) -> dict:
+        assert self.proc is not None and self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AgentDied(f"writer {self.name} exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def send(self, op: str, **args) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, op: str, **args) -> dict:
+        self.send(op, **args)
+        answer = self.read()
+        if not answer.get("ok"):
+            raise AssertionError(f"writer {self.name}: {op} {args} failed: {answer.get('error')}")
+        return answer
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            for f in (self.proc.stdin, self.proc.stdout):
+                if f is not None:
+                    f.close()
+
+
+@dataclass
+class Procs:
+    """The sidecar and the writer agents over one spool, kept across runs of the machine."""
+
+    root: Path
+    sidecar: Sidecar = field(init=False)
+    agents: list[Agent] = field(default_factory=list)
+    started: float = 0.0
+
+    def __post_init__(self) -> None:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.root  # tmpfs: the spool's real medium
+        self.spool = Path(tempfile.mkdtemp(prefix="r3-model-", dir=base))
+        env = {
+            "R3_TTL_S": str(TTL_S),
+            "R3_STALE_S": str(STALE_S),
+            "R3_RESCAN_S": str(RESCAN_S),
+            "R3_SPOOL_MAX_BYTES": str(CAP * 4),
+        }
+        self.sidecar = Sidecar(spool=self.spool, env=env, log_path=self.root / "sidecar.log")
+        self.records = self.spool / "v1" / "records"
+        assert MAX_ROWS >= BURST_ROWS
+
+    def ensure(self) -> None:
+        if self.sidecar.proc is None or self.sidecar.proc.poll() is not None:
+            self.sidecar.start()
+        while len(self.agents) < AGENTS:
+            self.agents.append(Agent(self.spool, f"a{len(self.agents)}").start())
+        for i, a in enumerate(self.agents):
+            if a.proc is None or a.proc.poll() is not None:
+                self.agents[i] = Agent(self.spool, a.name).start()
+
+    def respawn(self, i: int) -> None:
+        self.agents[i].kill()
+        self.agents[i] = Agent(self.spool, self.agents[i].name).start()
+
+    def restart_sidecar(self, sig: int) -> None:
+        self.sidecar.kill(sig) if sig == signal.SIGKILL else self.sidecar.stop()
+        self.sidecar.start()
+
+    def reset(self) -> None:
+        """Empty the spool between runs: every record file goes, the sidecar's index follows, and each engine
+        writer re-measures the spool (its probe), so a run starts from nothing the last one left."""
+        for a in self.agents:
+            a.call("forget")
+        for entry in os.scandir(self.records):
+            Path(entry.path).unlink(missing_ok=True)
+        wait_until(lambda: not self.index_count(), 10, "the sidecar's index emptied with the spool", ignore=(OSError,))
+        for a in self.agents:
+            a.call("probe")
+
+    def index_count(self) -> int:
+        import httpx
+
+        text = httpx.get(self.sidecar.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("r3_records{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.kill()
+        self.sidecar.stop()
+        shutil.rmtree(self.spool, ignore_errors=True)
