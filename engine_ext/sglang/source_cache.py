@@ -4,8 +4,8 @@ Why: `attributes.missing` parses SGLang's largest modules (scheduler, model runn
 seconds per process, and every SGLang process that loads plugins decides its layout (`fit`). The answer depends
 only on the installed source files and on the plugin's own tables, so it is computed once per build and reused
 by every process and every later start. The key covers each `.py` file of the installed `sglang` package (path,
-size, modification time: an image patched after install changes it) and the plugin's own `compat` and
-`attributes` sources. The cache is an optimisation only: a directory that cannot be read or written means the
+size, modification time: an image patched after install changes it) and the plugin's own `layout`, `compat`
+and `attributes` sources. The cache is an optimisation only: a directory that cannot be read or written means the
 check runs, never that it is skipped.
 """
 
@@ -43,7 +43,7 @@ def source_key(*parts: str) -> str | None:
             stat = os.stat(os.path.join(folder, name))
             digest.update(f"{folder}/{name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
     here = Path(__file__).parent
-    for own in ("compat.py", "attributes.py"):
+    for own in ("layout.py", "compat.py", "attributes.py"):
         digest.update((here / own).read_bytes())
     return digest.hexdigest()[:32]
 

@@ -44,7 +44,8 @@ def test_0_5_12_layouts_as_first_written_are_named_by_the_checker():
         ".venv-sglang-0.5.12",
         """
         import json
-                from engine_ext.sglang import attributes, compat
+        from dataclasses import replace
+        from engine_ext.sglang import attributes, compat
         layout = compat.use("0.5.12")
         compat._layout[0] = replace(layout, graph_batch_set_in=(), verify_stride=compat.Layout("x").verify_stride)
         print(json.dumps(attributes.missing()))
@@ -60,7 +61,8 @@ def test_0_5_12_with_0_5_23_graph_runner_classes_names_the_missing_class():
         ".venv-sglang-0.5.12",
         """
         import json
-                from engine_ext.sglang import attributes, compat
+        from dataclasses import replace
+        from engine_ext.sglang import attributes, compat
         layout = compat.use("0.5.12")
         compat._layout[0] = replace(layout, classes={k: v for k, v in layout.classes.items() if k != "decode_graph"})
         print(json.dumps(attributes.missing()))
@@ -74,7 +76,8 @@ def test_0_5_20_forward_batch_has_no_padded_counts_of_0_5_23():
         ".venv-sglang-0.5.20",
         """
         import json
-                from engine_ext.sglang import attributes, compat
+        from dataclasses import replace
+        from engine_ext.sglang import attributes, compat
         compat._layout[0] = replace(compat.use("0.5.20"), padded_counts="global_num_tokens_padded_cpu")
         print(json.dumps(attributes.missing()))
         """,
@@ -131,7 +134,9 @@ def test_every_read_names_a_role_and_a_hook_function():
         assert set(layout.classes) <= set(compat.CLASSES), layout.version
 
 
-def test_a_build_whose_source_lacks_an_attribute_the_hooks_read_is_refused_at_start_naming_it(monkeypatch, caplog):
+def test_a_build_whose_source_lacks_an_attribute_the_hooks_read_is_refused_at_start_naming_it(
+    monkeypatch, caplog, tmp_path
+):
     """The installed 0.5.23 with one read attribute made absent fits no layout (`fit`): one ERROR naming the
     attribute, no hook registered; the engine starts without the plugin."""
     import engine_ext.sglang as plugin
@@ -139,6 +144,7 @@ def test_a_build_whose_source_lacks_an_attribute_the_hooks_read_is_refused_at_st
 
     lacking = "sglang.srt.model_executor.model_runner.ModelRunner.decode_cuda_graph_runner"
     monkeypatch.setattr(attributes, "missing", lambda functions=None: [lacking])
+    monkeypatch.setenv("R3_CACHE_DIR", str(tmp_path))  # the made-up answer must not reach the real cache
     fit.installed.cache_clear()
     installed = []
     monkeypatch.setattr("engine_ext.sglang.hooks.install", lambda settings: installed.append(settings), raising=False)

@@ -78,18 +78,33 @@ def test_load_plugins_discovers_and_applies_capture_hooks(tmp_path) -> None:
     assert outside == []
 
 
-@pytest.mark.sglang
-def test_another_sglang_version_registers_nothing_and_says_so_once(tmp_path) -> None:
-    pretend = """
+def _pretend(version: str) -> str:
+    return f"""
 import importlib.metadata as md
 _real = md.version
-md.version = lambda name: "0.5.22" if name == "sglang" else _real(name)
+md.version = lambda name: {version!r} if name == "sglang" else _real(name)
 """
-    (result,) = run_sglang(pretend + _load_plugins_child(CAPTURE_TARGETS), env={"R3_SPOOL_DIR": str(tmp_path)})
+
+
+@pytest.mark.sglang
+def test_a_build_before_the_plugin_mechanism_registers_nothing_and_says_so_once(tmp_path) -> None:
+    (result,) = run_sglang(
+        _pretend("0.5.10.post1") + _load_plugins_child(CAPTURE_TARGETS), env={"R3_SPOOL_DIR": str(tmp_path)}
+    )
     assert result["r3_hooks"] == 0
     assert result["patched"] == [] and result["wrapped"] == []
     (line,) = result["log"]
-    assert line[0] == "ERROR" and "0.5.23" in line[1] and "0.5.22" in line[1] and "no hooks" in line[1]
+    assert line[0] == "ERROR" and "0.5.10.post1" in line[1] and "sglang>=0.5.12" in line[1] and "no hooks" in line[1]
+
+
+@pytest.mark.sglang
+def test_an_unproven_build_that_fits_registers_every_hook_and_says_so_once(tmp_path) -> None:
+    """0.5.23's code under a dev build's version string: the layout its code fits, and one WARNING naming both."""
+    build = "0.5.24.dev1+g5ee1f00"
+    (result,) = run_sglang(_pretend(build) + _load_plugins_child(CAPTURE_TARGETS), env={"R3_SPOOL_DIR": str(tmp_path)})
+    assert result["patched"] == sorted(CAPTURE_TARGETS)
+    (line,) = [entry for entry in result["log"] if "layout" in entry[1]]
+    assert line[0] == "WARNING" and f"sglang=={build}: layout 0.5.23 applied (fits, but no test ran" in line[1]
 
 
 @pytest.mark.sglang
