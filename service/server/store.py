@@ -347,7 +347,7 @@ class Store:
         """Expire a final record past its TTL; mark a silent non-final record aborted."""
         s = self.settings
         if meta.final and now - meta.updated >= s.ttl_s:
-            self._remove(meta.rid)
+            self._remove(meta)
             self._forget(meta.rid, "expired")
             self.expired_total += 1
             return None
@@ -372,15 +372,17 @@ class Store:
             return entry.meta if entry else None
         return meta
 
-    def _remove(self, rid: str) -> None:
-        self.spool.delete(rid)
-        self._apply(safe_name(rid), None, None)
+    def _remove(self, meta: RecordMeta) -> None:
+        """Delete the record this index holds, and only it: a record that replaced it on disk stays (D11)."""
+        self.spool.delete(meta.rid, created=meta.created)
+        self._apply(safe_name(meta.rid), None, None)
 
     def delete(self, rid: str, *, how: str = "delete") -> bool:
         """The trainer's acknowledgement: remove both files now. False when there is no such record."""
-        if self.lookup(rid) is None:
+        meta = self.lookup(rid)
+        if meta is None:
             return False
-        self._remove(rid)
+        self._remove(meta)
         self._forget(rid, "acknowledged")
         self.acked[how] += 1
         return True

@@ -6,8 +6,10 @@ opens the file it means, checks that the name still names it, then unlinks the n
 unlink the other side could unlink the old file and create its new one, and the unlink would remove the new
 record's rows under metadata that promises them (a 410 "corrupt" for as long as the record lives). Both sides
 therefore hold an exclusive `flock` on the file they mean across the check and the unlink: the other one waits
-the few system calls it takes. The wait is bounded (`WAIT_S`): a holder that stalls past it (a stopped process)
-costs a warning, never a stopped engine writer or sidecar.
+the few system calls it takes. A writer also publishes its metadata under its own file's lock (`locked`), and
+not at all once a delete unlinked that file: a record acknowledged while still written stays deleted, instead of
+reappearing as metadata that promises rows no file holds (D11). The wait is bounded (`WAIT_S`): a holder that
+stalls past it (a stopped process) costs a warning, never a stopped engine writer or sidecar.
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def holding(path: Path | str) -> Iterator[int | None]:
         yield fd  # the lock goes with the descriptor's close
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(fd: int, path: Path | str) -> Iterator[bool]:
+    """Hold the exclusive lock on the open file `fd` (the writer's own `.bin`) for the block; yields whether that
+    file still has a name: False once a delete unlinked it, which then can no longer be racing this holder."""
+    _lock(fd, path)
+    try:
+        yield os.fstat(fd).st_nlink > 0
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def unlink_if_held(fd: int, path: Path | str) -> bool:

@@ -148,20 +148,31 @@ class Spool:
         data = b"".join(self.iter_rows(meta, row_lo, row_hi, chunk_bytes=1 << 30))
         return np.frombuffer(data, dtype=meta.dtype).reshape(-1, len(meta.layers), meta.topk)
 
-    def delete(self, rid: str) -> bool:
+    def delete(self, rid: str, created: float | None = None) -> bool:
         """Remove both files of a record: metadata first, so readers stop trusting the rows, then its `.bin`.
 
-        The `.bin` goes only if it is still the file that was there before: a writer that reuses the rid in
-        between (the demo restores an acknowledged rid at once; an engine may reuse one) unlinks the old `.bin`
-        and creates its own, which must survive, or its final metadata would promise rows no file holds. The old
-        file is held open and locked across the check and the unlink (`bin_unlink`), and the writer takes the
-        same lock before it unlinks that file, so its new `.bin` cannot appear in between."""
+        `created`: remove only the record created then, the one the caller indexed. A writer that reuses the rid
+        (the demo restores an acknowledged rid at once; an engine may reuse one) publishes its new `.json` and
+        swaps in its own `.bin` while holding the old `.bin`'s lock (`RecordWriter`); under that same lock this
+        delete reads which record the name holds now, and a newer one stays whole: otherwise the delete could
+        unlink the new `.bin` and the writer's final metadata would promise rows no file holds (D11). The `.bin`
+        itself goes only if it is still the file held (`bin_unlink`). False when nothing was removed."""
         bin_path = self.bin_path(rid)
         with holding(bin_path) as held:
+            if created is not None and self._replaced(rid, created):
+                return False
             found = _unlink(self.meta_path(rid))
             if held is not None:
                 found = unlink_if_held(held, bin_path) or found
         return found
+
+    def _replaced(self, rid: str, created: float) -> bool:
+        """Whether the name now holds another record of `rid` than the one created at `created`."""
+        try:
+            meta = self.read_meta(rid)
+        except SpoolFormatError:
+            return False  # a damaged `.json` is the caller's to remove
+        return meta is not None and meta.created != created
 
     def reclaim_leftovers(self, older_than_s: float, now: float | None = None) -> list[Path]:
         """Remove what a crash leaves behind once untouched for `older_than_s`; return what was removed.

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.spool.bin_unlink import holding, unlink_if_held
+from service.spool.bin_unlink import holding, locked, unlink_if_held
 from service.spool.files import _write_all
 from service.spool.record_meta import STATUSES, RecordMeta, Suspect, Weights
 
@@ -43,9 +43,11 @@ class RecordWriter:
         self._shape = (len(meta.layers), meta.topk)
         self._dtype = np.dtype(meta.dtype)
         self._lock = threading.Lock()
-        spool.write_meta(meta)
         path = spool.bin_path(meta.rid)
-        with holding(path) as old:  # a new file, not a truncated one: a reader of the old record keeps its rows
+        # `rows=0` first, then a new `.bin`, not a truncated one: a reader of the old record keeps its rows. Both
+        # under the old file's lock, so a delete of the old record sees which record the name holds (`Spool.delete`)
+        with holding(path) as old:
+            spool.write_meta(meta)
             if old is not None:
                 unlink_if_held(old, path)
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
@@ -79,7 +81,18 @@ class RecordWriter:
             self.rows += rows.shape[0]
             self._updated = time.time()
             if publish:
-                self.spool.write_meta(self.meta)
+                self._publish(self.meta, self._fd)
+
+    def _publish(self, meta: RecordMeta, fd: int | None) -> bool:
+        """Replace `.json` with `meta` unless a delete has unlinked this record's `.bin` (`fd`, open), after which
+        the record stays deleted. Under the file's lock, so a delete is wholly before or after (`locked`)."""
+        if fd is None:
+            self.spool.write_meta(meta)
+            return True
+        with locked(fd, self.spool.bin_path(meta.rid)) as named:
+            if named:
+                self.spool.write_meta(meta)
+            return named
 
     @property
     def suspect(self) -> bool:
@@ -95,7 +108,7 @@ class RecordWriter:
     def publish(self) -> None:
         """Make every appended row visible to readers (replace `.json`)."""
         with self._lock:
-            self.spool.write_meta(self.meta)
+            self._publish(self.meta, self._fd)
 
     def finalize(self, status: str = "ok", *, weights: Weights | None = None) -> RecordMeta:
         """Close the record: no rows follow. `status` is one of `ok`, `aborted`, `error`; `weights`, when
@@ -104,15 +117,17 @@ class RecordWriter:
             raise ValueError(f"status {status!r} not in {STATUSES}")
         versions = {} if weights is None else {"weight_version": weights[0], "weight_versions": tuple(weights[1])}
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            fd, self._fd = self._fd, None
             if self._meta.suspect is not None and status != "error":
                 status = "suspect"
             elif status == "error":
                 versions["suspect"] = None
             meta = self._meta = replace(self.meta, final=True, status=status, updated=time.time(), **versions)
-            self.spool.write_meta(meta)
+            try:
+                self._publish(meta, fd)
+            finally:
+                if fd is not None:
+                    os.close(fd)
             return meta
 
     def abort(self) -> RecordMeta:

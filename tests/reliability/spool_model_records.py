@@ -29,8 +29,8 @@ def _all_rows(rid: str, gen: int) -> np.ndarray:
     from r3_harness import LAYERS, NUM_EXPERTS, TOPK
 
     seed = int.from_bytes(hashlib.sha256(f"{rid}#{gen}".encode()).digest()[:8], "little")
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, NUM_EXPERTS, size=(MAX_ROWS, len(LAYERS), TOPK), dtype=np.uint8)
+    rng = np.random.default_rng(seed)  # routes a router can make: top-k distinct experts per row and layer
+    return rng.random((MAX_ROWS, len(LAYERS), NUM_EXPERTS)).argsort(axis=-1)[..., :TOPK].astype(np.uint8)
 
 
 def rows_for(rid: str, gen: int, lo: int, hi: int) -> np.ndarray:

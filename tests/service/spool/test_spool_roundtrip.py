@@ -256,3 +256,31 @@ def test_a_delete_spares_the_bin_of_a_record_that_reused_its_rid_meanwhile(
     np.testing.assert_array_equal(spool.read_array(meta).astype(fresh.dtype), fresh)
     monkeypatch.undo()
     assert spool.delete("kept") and spool.read_meta("kept") is None and not spool.bin_path("kept").exists()
+
+
+def _written(spool: Spool, rows: int, value: int):
+    writer = spool.writer("r", num_experts=8, topk=2, layers=[0, 1], prompt_len=2)
+    writer.append(np.full((rows, 2, 2), value, dtype=np.uint8))
+    return writer
+
+
+def test_a_record_deleted_while_written_stays_deleted(tmp_path: Path) -> None:
+    """D11: an ack of a record whose writer goes on (a reused rid's new request) removes it; the writer's later
+    appends and its finalize publish nothing, so no metadata ever promises rows no file holds."""
+    spool = Spool(tmp_path)
+    writer = _written(spool, 3, 1)
+    assert spool.delete("r", created=spool.read_meta("r").created)
+    writer.append(np.full((2, 2, 2), 1, dtype=np.uint8))
+    writer.finalize()
+    assert spool.read_meta("r") is None and not spool.bin_path("r").exists()
+
+
+def test_a_delete_of_the_old_record_leaves_the_new_one_whole(tmp_path: Path) -> None:
+    """D11: a delete meant for the record the sidecar indexed (its `created`) after a writer reused the rid
+    removes nothing; the new record ends final with every row it promises."""
+    spool = Spool(tmp_path)
+    old = _written(spool, 2, 1).finalize()
+    new = _written(spool, 4, 2)
+    assert not spool.delete("r", created=old.created)
+    final = new.finalize()
+    assert spool.read_meta("r") == final and (spool.read_array(final) == 2).all() and final.rows == 4
