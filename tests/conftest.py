@@ -71,27 +71,3 @@ def base_url(serve: Callable[..., str]) -> str:
     """A sidecar with default settings over the test spool."""
     return serve()
 
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its worker's hook of the same name)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `make test`'s `-n 2 --dist loadgroup`, a module's tests that use a module-scoped fixture of ours run on
-    one worker, so what it builds once (an SGLang child, a benchmark run, a live sidecar, a chart render) is not
-    built again on the other worker; a fixture parametrized per version makes one group per version, so the
-    versions still spread over both workers."""
-    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers only, under --dist loadgroup
-        return
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None or item.get_closest_marker("xdist_group"):
-            continue
-        indices = item.callspec.indices if hasattr(item, "callspec") else {}
-        shared = [
-            name
-            for name in item.fixturenames
-            if (defs := info.name2fixturedefs.get(name))
-            and defs[-1].scope in ("module", "package", "class")
-            and defs[-1].baseid  # ours: a plugin's (tmp_path_factory, ...) has none
-        ]
-        if shared:
-            params = ",".join(f"{name}[{indices[name]}]" for name in sorted(shared) if name in indices)
-            item.add_marker(pytest.mark.xdist_group(f"{item.nodeid.split('::')[0]}:{params}"))
