@@ -11,11 +11,13 @@ accept (SGLang's own pins stay satisfiable).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,11 +49,25 @@ def pip_report(*args: str, python: Path | None = None) -> dict:
     return json.loads(done.stdout)
 
 
+@functools.cache
+def published(name: str, version: str) -> dict:
+    """PyPI's metadata of `name==version` (pip fetches it, PEP 658). Cached for the session: a release's published
+    metadata does not change, and each fetch is a resolver run of several seconds (it was fetched 23 times)."""
+    (meta,) = pip_report("--no-deps", "--ignore-installed", f"{name}=={version}")["install"]
+    return meta["metadata"]
+
+
+@functools.cache
+def _our_requires_dist() -> tuple[str, ...]:
+    (ours,) = pip_report("--no-deps", "--ignore-installed", str(REPO))["install"]
+    return tuple(ours["metadata"]["requires_dist"])
+
+
 @pytest.fixture(scope="module")
 def our_requirements() -> list[Requirement]:
-    """`Requires-Dist` of this checkout as pip builds it (setuptools, not our reading of pyproject.toml)."""
-    (ours,) = pip_report("--no-deps", "--ignore-installed", str(REPO))["install"]
-    return [Requirement(r) for r in ours["metadata"]["requires_dist"]]
+    """`Requires-Dist` of this checkout as pip builds it (setuptools, not our reading of pyproject.toml); built once
+    per session (both pip-story modules read it)."""
+    return [Requirement(r) for r in _our_requires_dist()]
 
 
 def extra(requirements: list[Requirement], name: str | None) -> list[str]:
@@ -69,16 +85,20 @@ def extra(requirements: list[Requirement], name: str | None) -> list[str]:
     return picked
 
 
-def venv_with_sglang(root: Path, version: str) -> Path:
-    """A bare venv whose site-packages holds `sglang-<version>.dist-info` with PyPI's metadata of it."""
-    (meta,) = pip_report("--no-deps", "--ignore-installed", f"sglang=={version}")["install"]
-    metadata = meta["metadata"]
+def bare_venv(root: Path) -> Path:
+    """A venv without pip and without packages; returns its site-packages."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-    purelib = Path(
+    return Path(
         sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}, scheme="venv")
         if "venv" in sysconfig.get_scheme_names()
         else sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)})
     )
+
+
+def venv_with_sglang(root: Path, version: str) -> Path:
+    """A bare venv whose site-packages holds `sglang-<version>.dist-info` with PyPI's metadata of it."""
+    metadata = published("sglang", version)
+    purelib = bare_venv(root)
     dist_info = purelib / f"sglang-{version}.dist-info"
     dist_info.mkdir(parents=True)
     lines = ["Metadata-Version: 2.1", f"Name: {metadata['name']}", f"Version: {metadata['version']}"]
@@ -139,8 +159,7 @@ def compatible(ours: SpecifierSet, theirs: SpecifierSet) -> bool:
 
 def sglang_requirements(version: str) -> dict[str, SpecifierSet]:
     """SGLang `version`'s unconditional requirements as published (PyPI's metadata), by name."""
-    (meta,) = pip_report("--no-deps", "--ignore-installed", f"sglang=={version}")["install"]
-    reqs = [Requirement(r) for r in meta["metadata"].get("requires_dist", [])]
+    reqs = [Requirement(r) for r in published("sglang", version).get("requires_dist", [])]
     env = default_environment() | {"extra": ""}
     return {r.name.lower(): r.specifier for r in reqs if r.marker is None or r.marker.evaluate(env)}
 
@@ -148,8 +167,12 @@ def sglang_requirements(version: str) -> dict[str, SpecifierSet]:
 @pytest.mark.parametrize("version", supported())  # every supported SGLang, in CI
 def test_readmes_install_forms_beside_each_sglang_move_no_pin(version, install_forms, our_requirements, tmp_path):
     python = venv_with_sglang(tmp_path / "venv", version)
-    for form, spec in install_forms.items():
-        plan = pip_report("--no-deps", spec, python=python)
+    # The three resolver runs at once: each waits mostly on its build of our metadata (an isolated build env)
+    # and on the index, not on this process, so together they take about as long as the slowest.
+    with ThreadPoolExecutor(len(install_forms)) as pool:
+        plans = {form: pool.submit(pip_report, "--no-deps", s, python=python) for form, s in install_forms.items()}
+    for form, planned in plans.items():
+        plan = planned.result()
         assert [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan["install"]] == [
             ("r3-sidecar", "0.1.0")
         ], form

