@@ -28,6 +28,7 @@ from typing import Any
 
 from engine_ext.core.records import Finished, ModelShape, moe_layer_ids
 from engine_ext.core.settings import EngineSettings
+from engine_ext.vllm.fit import Plan
 from engine_ext.vllm.spooler import Spooler, status_of
 from engine_ext.vllm.versions import MATRIX, SUPPORTED_VLLM, Release, release
 from service.spool.vllm_rids import record_rid, vllm_choice_rid
@@ -64,15 +65,18 @@ HOOKS: tuple[Hook, ...] = (
 _settings: EngineSettings | None = None
 _vllm_version = ""
 _release: Release = MATRIX[SUPPORTED_VLLM[-1]]  # `install` sets the running vLLM's row
+_plan: Plan | None = None  # `install` sets the build's plan: the row applied, proven or not
 SPOOLER: Spooler | None = None
 _failed: set[str] = set()
 
 
-def install(settings: EngineSettings, vllm_version: str) -> None:
-    """Wrap the first row of `HOOKS`; the API server's `AsyncLLM` wraps the rest and builds the Spooler."""
-    global _settings, _vllm_version, _release
+def install(settings: EngineSettings, vllm_version: str, plan: Plan | None = None) -> None:
+    """Wrap the first row of `HOOKS`; the API server's `AsyncLLM` wraps the rest and builds the Spooler. `plan`:
+    the row the build fits (`fit.plan`; None: its own release's), and whether a test proved that build."""
+    global _settings, _vllm_version, _release, _plan
     _settings, _vllm_version = settings, vllm_version
-    _release = release(vllm_version) or _release
+    _plan = plan
+    _release = plan.row if plan is not None and plan.row is not None else release(vllm_version) or _release
     _wrap(HOOKS[0])
 
 
@@ -172,7 +176,11 @@ def _start(vllm_config: Any, client_index: int) -> None:
     for hook in HOOKS[1:]:
         _wrap(hook)
     engine = f"{_settings.engine_id}/api{client_index}"
-    SPOOLER = Spooler(_settings, model_shape(vllm_config.model_config), engine=engine, vllm=_vllm_version)
+    proven = _plan is None or _plan.proven
+    SPOOLER = Spooler(
+        _settings, model_shape(vllm_config.model_config), engine=engine, vllm=_vllm_version, row=_release.version,
+        proven=proven,
+    )  # fmt: skip
     atexit.register(SPOOLER.close)
     log.info(
         "r3-sidecar: vLLM routed experts to the spool %s (R3_MODE=%s, engine %s)",

@@ -44,9 +44,13 @@ def status_of(finish_reason: str | None) -> str:
 class Spooler:
     """One API server process's delivery: the writer thread, the engine file, the pointers to attach."""
 
-    def __init__(self, settings: EngineSettings, shape: ModelShape, *, engine: str, vllm: str) -> None:
+    def __init__(
+        self, settings: EngineSettings, shape: ModelShape, *, engine: str, vllm: str, row: str = "", proven: bool = True
+    ) -> None:
         self.settings = settings
-        self.mode = settings.mode
+        # a build no test ran keeps vLLM's inline rows beside the records (`fit`): sidecar acts as mirror there
+        self.mode = Mode.MIRROR if settings.mode is Mode.SIDECAR and not proven else settings.mode
+        kept = None if self.mode is settings.mode else f"vLLM {vllm}: no test ran this build (matrix row {row})"
         self.shape = shape
         self.engine = engine
         self.dtype = spool_dtype(settings.dtype, shape.num_experts)
@@ -65,10 +69,13 @@ class Spooler:
             spool_dir=settings.spool_dir,
             engine=engine,
             dp_rank=None,
-            sources=Sources(writer=self.writer.snapshot),
+            sources=Sources(
+                writer=self.writer.snapshot,
+                build=lambda: {"found": vllm, "layout": row or vllm, "proven": proven, "check": None},
+            ),
             interval_s=settings.telemetry_interval_s,
             vllm=vllm,
-            delivery={"mode": str(self.mode), "configured_mode": str(settings.mode), "inline_kept": None},
+            delivery={"mode": str(self.mode), "configured_mode": str(settings.mode), "inline_kept": kept},
         ).start()
 
     def spool_rows(self, rows: np.ndarray | None) -> np.ndarray:

