@@ -108,4 +108,3 @@ def serve(make_settings: Callable[..., Settings]) -> Iterator[Callable[..., str]
 def base_url(serve: Callable[..., str]) -> str:
     """A sidecar with default settings over the test spool."""
     return serve()
-

@@ -84,7 +84,7 @@ def test_stepping_aside_ends_every_record_not_yet_whole_as_error(tmp_path):
     collector.finish(finished("launched", 3), publisher=True)
     collector.end_step(req_to_token, host)  # read and drained at its step's end (a CPU copy is done at once)
     collector.finish(finished("queued", 4), publisher=True)  # queued for the next step's read
-    collector.mode = Mode.MIRROR
+    collector.configured_mode = Mode.MIRROR
     collector.finish(finished("mirrored", 5), publisher=True)  # waits for SGLang's inline payload
     assert collector.reopen("whole", prompt_len=4, start_len=0)  # a new request under a written rid
     queued_bytes = writer.snapshot()["queued_bytes"]

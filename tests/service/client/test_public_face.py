@@ -55,4 +55,6 @@ def test_the_two_clients_declare_the_same_methods_in_plain_code() -> None:
         blocking, coroutine = getattr(sync, name), getattr(asyncio_, name)
         assert not hasattr(blocking, "__wrapped__") and not hasattr(coroutine, "__wrapped__"), name
         assert inspect.signature(blocking).parameters == inspect.signature(coroutine).parameters, name
-    assert list(inspect.signature(sync.get).parameters) == ["self", "rid", "start", "end", "layers", "wait", "clamp"]
+    assert list(inspect.signature(sync.get).parameters) == [
+        "self", "rid", "start", "end", "layers", "wait", "clamp", "allow_suspect"
+    ]  # fmt: skip
