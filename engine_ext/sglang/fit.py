@@ -185,9 +185,9 @@ def still_present(layout: compat.Layout, rows: list) -> list[str]:
     attribute they read, and SGLang helpers it renames (a target it merely leaves unhooked is not a claim, nor is
     a helper of the plugin's own, `compat_shims`, that another layout calls instead)."""
     newest = compat.LAYOUTS[compat.NEWEST]
-    claims = [row.target for row in rows if isinstance(layout.targets.get(row.target, row.target), str | tuple)]
-    claims = [t for t in claims if t in layout.targets]
-    present = [t for t in claims if not compat.missing([t])]
+    hooked = {row.target for row in rows}
+    moved = [t for t, where in layout.targets.items() if where is not None and t in hooked]
+    present = [t for t in moved if not compat.missing([t])]
     for name in layout.reads:
         getter, attrs = compat.split_read(newest.read_spec(name))
         if compat.missing([getter]):
