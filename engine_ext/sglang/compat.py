@@ -178,6 +178,25 @@ LAYOUTS["0.5.13"] = replace(  # 0.5.13, 0.5.13.post1: 0.5.12's, but batch result
     classes={"decode_graph": LAYOUTS["0.5.12"].classes["decode_graph"]},  # the allocator in allocator/base.py
 )
 
+LAYOUTS["0.5.17"] = replace(  # 0.5.20's settings bags in runtime_context, but 0.5.16's targets and helpers
+    LAYOUTS["0.5.20"],
+    version="0.5.17",
+    targets=LAYOUTS["0.5.16"].targets,
+    functions=_OLD_FUNCTIONS,
+    req_pool_idx="req_pool_idx",  # schedule_batch.py: a Req field, no `kv` yet
+    budget_at_resolution=False,
+    verify_stride=("speculative_num_draft_tokens",),  # managers/utils.py: no speculative_output_stride
+)
+LAYOUTS["0.5.18"] = replace(  # … with runtime_context.cutedsl_moe_max_num_tokens, hooked as 0.5.23's
+    LAYOUTS["0.5.17"],
+    version="0.5.18",
+    targets={t: where for t, where in LAYOUTS["0.5.17"].targets.items() if t != CUTEDSL},
+)
+LAYOUTS["0.5.19"] = replace(  # 0.5.20's, but no speculative_output_stride yet (managers/utils.py)
+    LAYOUTS["0.5.20"],
+    version="0.5.19",
+    verify_stride=("speculative_num_draft_tokens",),
+)
 LAYOUTS["0.5.21"] = replace(  # 0.5.20's, but with 0.5.23's DP helpers (dp_attention.dp_slot_in, dp_gather_slot)
     LAYOUTS["0.5.20"], version="0.5.21", functions={}
 )
