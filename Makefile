@@ -27,6 +27,11 @@ ifneq ($(wildcard $(WHEELS)),)
 export UV_FIND_LINKS ?= $(WHEELS)
 endif
 export UV_PYTHON_DOWNLOADS := never
+# This machine's environment sets PYTHONDONTWRITEBYTECODE=1, and uv installs no .pyc: every Python process then
+# compiled SGLang and torch from source at each import (28 s for SGLang's HTTP server module here, 13 s with its
+# bytecode cached), in every server start's three processes and every test's SGLang child. Python caches bytecode
+# again for everything make runs (docs/testing.md, "Bytecode").
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
 

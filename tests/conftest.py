@@ -4,6 +4,7 @@ that fail a skip in CI (`tests/skips.py`) and sum up every run's skips by reason
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -19,6 +20,12 @@ from helpers import live_server
 
 from service.server.settings import Settings
 from service.spool import Spool
+
+# Bytecode is cached, also where the machine says not to (PYTHONDONTWRITEBYTECODE=1): otherwise every engine
+# server and SGLang child the tests start compiles SGLang and torch from source (docs/testing.md, "Bytecode").
+# `make` unsets it before pytest starts; this covers a direct `pytest` and every child the tests spawn.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 # CI's 2 cores also run engine servers: input generation is timed against wall-clock time there, which measures the
 # machine's load, not the property (a 16-integer list took 13 s once). Examples still run; only the timing is off.
