@@ -4,16 +4,18 @@ The model directory carries a word-level tokenizer built by the harness (`write_
 `tokenizer_config.json`), so `/generate` with text, `/v1/completions` and `/v1/chat/completions` run without
 `--skip-tokenizer-init`. The same requests (greedy, fixed lengths) go to each configuration in the same order:
 
-- mirror: SGLang's inline rows at every door (`meta_info["routed_experts"]`, `sglext.routed_experts`), and a
-  pointer beside them; the reference rows. Each door's response (a stream's chunks) decodes with
+- upstream: the same install with no plugin (`SGLANG_PLUGINS=__none__`); its inline rows at every door are the
+  reference rows, read only once it proved it ran no plugin (no pointer, an empty spool: `Stack.assert_plugin_off`).
+- mirror: SGLang's inline rows at every door (`meta_info["routed_experts"]`, `sglext.routed_experts`), equal to
+  upstream's, and a pointer beside them. Each door's response (a stream's chunks) decodes with
   `RoutedExpertsRef.from_response(resp)[0].fetch()`, no model numbers, and so does a continuation
   (`routed_experts_start_len`), whose start the response says.
 - sidecar: no inline rows; the pointer (`meta_info["routed_experts_url"]`, `sglext.routed_experts_url(s)`) leads
-  to rows equal to the mirror run's inline rows, for every choice of `n > 1`.
+  to rows equal to upstream's inline rows, for every choice of `n > 1`.
 - `--tokenizer-worker-num 2` (SGLang loads no plugins in its tokenizer workers): sidecar mode keeps the inline
   rows, says so in the engine file, and the spool still gets the record; the workers import the plugin's app
   (`engine_ext.sglang.http_worker`), so those rows, and a continuation's, decode without the model's numbers.
-- `--dp-size 2` (two schedulers behind SGLang's DP controller): pointers, rows equal to mirror's.
+- `--dp-size 2` (two schedulers behind SGLang's DP controller): pointers, rows equal to upstream's.
 - offline `sglang.Engine`: the pointer in `meta_info`.
 - `R3_CAPTURE_ALL=1` with several tokenizer workers under `R3_BUDGET=enforce`: refused at launch.
 """
@@ -35,6 +37,7 @@ from service.client import RoutedExpertsRef, fetch_many
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a start counts in its first test (minutes)
 
 TOK = {"tokenizer": True}
+UPSTREAM = Config("doors-upstream", plugin=False, sidecar=False, **TOK)
 MIRROR = Config("doors-mirror", env={"R3_MODE": "mirror"}, **TOK)
 SIDECAR = Config("doors-sidecar", env={"R3_MODE": "sidecar"}, **TOK)
 # uvicorn kills a worker that does not answer its health ping within this many seconds (SGLang's default 10):
@@ -197,7 +200,9 @@ def knock(stack: Stack, doors: dict = DOORS) -> dict[str, list[dict]]:
 
 
 def rows_of(stack: Stack, answer: dict) -> np.ndarray:
-    """The rows an answer gives a trainer: inline if present, else fetched through the pointer (SGLang's layout)."""
+    """The rows an answer gives a trainer: inline if present, else fetched through the pointer (SGLang's layout).
+    A plugin-off baseline's answer must carry no pointer and leave its spool empty (`Stack.assert_plugin_off`)."""
+    stack.assert_plugin_off({"routed_experts_url": answer["url"]} if answer["url"] else {})
     if answer["inline"] is not None:
         payload = answer["inline"]
     else:
@@ -209,7 +214,14 @@ def rows_of(stack: Stack, answer: dict) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def mirror(sglang_stack) -> dict:
+def upstream(sglang_stack) -> dict:
+    """The same requests on the same install with no plugin: every other configuration's reference rows."""
+    stack = sglang_stack(UPSTREAM)
+    return {"stack": stack, "answers": knock(stack)}
+
+
+@pytest.fixture(scope="module")
+def mirror(upstream, sglang_stack) -> dict:
     stack = sglang_stack(MIRROR)
     return {"stack": stack, "answers": knock(stack), "continued": knock(stack, CONTINUATIONS)}
 
@@ -232,20 +244,21 @@ def dp2(mirror, sglang_stack) -> dict:
     return {"stack": stack, "answers": knock(stack)}
 
 
-def reference(mirror) -> dict[str, np.ndarray]:
-    """Mirror's inline rows per door (first choice), the rows every other configuration must match."""
-    return {name: rows_of(mirror["stack"], answers[0]) for name, answers in mirror["answers"].items()}
+def reference(upstream) -> dict[str, np.ndarray]:
+    """The plugin-off server's inline rows per door (first choice), the rows every configuration must match."""
+    return {name: rows_of(upstream["stack"], answers[0]) for name, answers in upstream["answers"].items()}
 
 
 def expected_rows(prompt_tokens: int) -> int:
     return prompt_tokens + MAX_NEW - 1
 
 
-def test_mirror_every_door_returns_inline_rows_and_a_pointer_to_the_same_rows(mirror):
-    stack = mirror["stack"]
+def test_mirror_every_door_returns_inline_rows_and_a_pointer_to_the_same_rows(upstream, mirror):
+    stack, ref = mirror["stack"], reference(upstream)
     for name, answers in mirror["answers"].items():
         assert answers[0]["inline"] is not None, name  # upstream's own payload stays in mirror mode
         inline = rows_of(stack, answers[0])
+        assert np.array_equal(inline, ref[name]), name  # and equals the plugin-off server's
         assert inline.shape[1:] == (4, 2) and inline.shape[0] > MAX_NEW, name
         for i, answer in enumerate(answers):
             assert answer["url"] and answer["url"].startswith(stack.sidecar_url), (name, i)
@@ -271,11 +284,12 @@ def test_mirror_inline_rows_decode_without_the_models_numbers(mirror):
     assert_decodes_without_the_models_numbers(mirror)
 
 
-def test_refs_of_every_door_fetch_the_same_rows(mirror, sidecar):
-    """Contract 4 on the real server. Mirror: each door's first ref decodes SGLang's inline rows locally (no
-    request: mirror's server is stopped by now, the pool runs one stack at a time). Sidecar: `fetch_many` over every
-    door's refs (one batch per sidecar) gives mirror's rows for the first choice and the pointer's for each choice."""
-    ref_rows = reference(mirror)
+def test_refs_of_every_door_fetch_the_same_rows(upstream, mirror, sidecar):
+    """Contract 4 on the real server. Mirror: each door's first ref decodes SGLang's inline rows locally, upstream's
+    rows (no request: mirror's server is stopped by now, the pool runs one stack at a time). Sidecar: `fetch_many`
+    over every door's refs (one batch per sidecar) gives upstream's rows for the first choice and the pointer's for
+    each choice."""
+    ref_rows = reference(upstream)
     layers = mirror["stack"].num_hidden_layers
     for name, answers in mirror["answers"].items():
         assert answers[0]["ref"].inline is not None, name
@@ -288,8 +302,8 @@ def test_refs_of_every_door_fetch_the_same_rows(mirror, sidecar):
             assert np.array_equal(r.to_sglang_layout(layers), rows_of(stack, answer)), (name, i)
 
 
-def test_sidecar_every_door_drops_inline_rows_and_points_to_mirrors_rows(mirror, sidecar):
-    ref = reference(mirror)
+def test_sidecar_every_door_drops_inline_rows_and_points_to_the_plugin_off_rows(upstream, sidecar):
+    ref = reference(upstream)
     stack = sidecar["stack"]
     for name, answers in sidecar["answers"].items():
         for i, answer in enumerate(answers):
@@ -300,8 +314,8 @@ def test_sidecar_every_door_drops_inline_rows_and_points_to_mirrors_rows(mirror,
     assert len(set(urls)) == len(urls)  # one record per request and per choice
 
 
-def test_several_tokenizer_workers_keep_inline_rows_and_say_so(mirror, multi_tokenizer):
-    ref = reference(mirror)
+def test_several_tokenizer_workers_keep_inline_rows_and_say_so(upstream, multi_tokenizer):
+    ref = reference(upstream)
     stack = multi_tokenizer["stack"]
     for name, answers in multi_tokenizer["answers"].items():
         answer = answers[0]
@@ -324,8 +338,8 @@ def test_several_tokenizer_workers_inline_rows_decode_without_the_models_numbers
     assert_decodes_without_the_models_numbers(multi_tokenizer)
 
 
-def test_dp_controller_with_two_schedulers_points_to_mirrors_rows(mirror, dp2):
-    ref = reference(mirror)
+def test_dp_controller_with_two_schedulers_points_to_the_plugin_off_rows(upstream, dp2):
+    ref = reference(upstream)
     stack = dp2["stack"]
     for name, answers in dp2["answers"].items():
         for i, answer in enumerate(answers):
@@ -362,7 +376,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.timeout(600)
-def test_offline_engine_returns_the_pointer(mirror, sglang_exclusive):
+def test_offline_engine_returns_the_pointer(upstream, mirror, sglang_exclusive):
     """`sglang.Engine` in a process of its own (sidecar mode), with a sidecar on its spool; no server beside it."""
     root = sglang_exclusive() / "doors-engine"
     model_dir = write_tokenizer(write_model(root / "model"))
@@ -393,7 +407,7 @@ def test_offline_engine_returns_the_pointer(mirror, sglang_exclusive):
         assert "routed_experts" not in meta  # sidecar mode: the spool took the rows
         assert meta["routed_experts_url"].startswith(sidecar.url)
         rows = rows_of(mirror["stack"], {"inline": None, "url": meta["routed_experts_url"]})
-        assert np.array_equal(rows, reference(mirror)["generate"])
+        assert np.array_equal(rows, reference(upstream)["generate"])
     finally:
         engine.stop()
         sidecar.stop()

@@ -11,6 +11,7 @@ a radix-cache prefix hit; a request that does not ask for routed experts; an abo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import sglang_abort
 from docs_blocks import RECIPES
-from sglang_server import Config, Stack
+from sglang_server import Config, Stack, spool_files
 from waiting import wait_until
 
 from service.client import RoutedExpertsRef
@@ -145,6 +146,21 @@ def test_the_model_routes_differently_per_layer_and_per_token(upstream):
             assert same < 0.5, (a, b, same)  # dummy weights: 1.0 for every pair
     assert len({row.tobytes() for row in expert_sets}) > rows.shape[0] // 2  # per token, too
     assert not np.array_equal(rows, rows[:, ::-1]), "reversed layers would read the same"
+
+
+def test_a_baseline_proves_it_ran_without_the_plugin(upstream, mirror):
+    """Every plugin-off reference is read through `Stack.assert_plugin_off` (an empty spool, no pointer). The same
+    check on the mirror server's spool and answers, as if it were a baseline, names what the plugin left."""
+    assert spool_files(upstream["stack"].spool) == []
+    assert all("routed_experts_url" not in r["meta_info"] for r in upstream["responses"].values())
+    posing = dataclasses.replace(mirror["stack"], config=dataclasses.replace(MIRROR, plugin=False))
+    with pytest.raises(AssertionError, match="is a plugin-off baseline, yet the plugin left") as left:
+        posing.assert_plugin_off({})
+    assert "v1/engines/" in str(left.value)  # its engine file
+    with pytest.raises(AssertionError, match="routed_experts_url"):
+        dataclasses.replace(posing, spool=upstream["stack"].spool).assert_plugin_off(
+            mirror["responses"]["chunked"]["meta_info"]
+        )
 
 
 def test_loading_the_plugin_changes_nothing_sglang_returns(upstream, mirror):
