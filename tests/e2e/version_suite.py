@@ -25,6 +25,9 @@ from test_sglang_front_doors import CONTINUATIONS, SLOW_WORKERS, assert_decodes_
 from tiers import tier_marks
 from waiting import wait_until
 
+from engine_ext.core.settings import EngineSettings
+from engine_ext.sglang import compat
+from engine_ext.sglang.versions import RELEASES, support
 from service.client import RoutedExpertsRef, trainers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,12 +67,17 @@ def configs(version: str) -> dict[str, Config]:
         # process Granian spawns; 0.5.16-0.5.20 embed it in the main process for one, and spawn for several.
         "http2": Config(
             f"{tag}-http2-sidecar",
-            args={"enable-http2": True} | ({} if version == "0.5.12" else {"tokenizer-worker-num": 2}),
+            args={"enable-http2": True} | ({} if spawns_one(version) else {"tokenizer-worker-num": 2}),
             env={"R3_MODE": "sidecar"} | SLOW_WORKERS,
             tokenizer=True,
             python=python,
         ),
     }
+
+
+def spawns_one(version: str) -> bool:
+    """Whether that release's Granian serves even one tokenizer worker from a process it spawns (0.5.12, 0.5.13)."""
+    return compat.LAYOUTS[RELEASES[version]].granian_spawns_one
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -124,6 +132,11 @@ def engine_report(stack: Stack) -> dict:
     return found[0]
 
 
+def check_state(stack: Stack) -> str | None:
+    """The engine file's build self-check state (None: no check, a proven build)."""
+    return (engine_report(stack)["build"].get("check") or {}).get("state")
+
+
 # Tests run in this file's order and the pool keeps one server: each server's tests come before the next's.
 
 
@@ -168,7 +181,13 @@ def mirror(version, upstream, sglang_stack) -> dict:
 
 @pytest.fixture(scope="module")
 def sidecar(version, mirror, sglang_stack) -> dict:
+    """Sidecar mode. On a release no test proved, the plugin keeps SGLang's inline rows until its first records
+    agree with them (`build_check`): those records come first, so the suite's requests meet sidecar delivery."""
     stack = sglang_stack(configs(version)["sidecar"])
+    if not support(version, RELEASES[version]).proven:
+        for i in range(EngineSettings.model_fields["build_check_records"].default):  # the servers set none
+            stack.generate(prompt(12, 40 + i), return_routed_experts=True, rid=f"{stack.config.name}-check-{i}")
+        wait_until(lambda: check_state(stack) == "agreed", 30, f"the self-check's agreement ({check_state(stack)})")
     return {"stack": stack, "responses": run_requests(stack)}
 
 
@@ -192,10 +211,18 @@ def test_upstream_rows_route_differently_per_layer(upstream):
 
 
 def test_the_plugin_runs_on_this_version_and_names_it(version, mirror):
+    """A proven release starts quietly; an unproven one says so in one WARNING line and, once its first records
+    equal SGLang's own inline rows, its engine file's self-check says `agreed` (`build_check`)."""
     stack = mirror["stack"]
     log = stack.server.log_text()
-    assert "registering no hooks" not in log and "r3-sidecar: sglang==" not in log
-    assert engine_report(stack)["sglang"] == version
+    plan = support(version, RELEASES[version])
+    assert "registering no hooks" not in log and "r3-sidecar: hook" not in log
+    assert ("r3-sidecar: sglang==" in log) is not plan.proven and (plan.proven or plan.describe() in log)
+    report = engine_report(stack)
+    assert report["sglang"] == version
+    assert (report["build"]["layout"], report["build"]["proven"]) == (RELEASES[version], plan.proven)
+    if not plan.proven:
+        wait_until(lambda: check_state(stack) == "agreed", 30, f"the self-check's agreement ({check_state(stack)})")
     assert mirror["responses"]["chunked"]["meta_info"]["routed_experts_url"].startswith(stack.sidecar_url)
 
 
