@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from baseline import assert_plugin_off
 from tiny_weights import supports, write_weights
 
 from service.spool import Spool
@@ -318,8 +319,7 @@ class Stack:
         return self.sidecar.url
 
     def generate(self, input_ids: list[int], *, timeout: float = 120.0, **body: Any) -> dict[str, Any]:
-        """POST /generate; greedy unless `sampling_params` says otherwise. A plugin-off baseline's answer is
-        checked to come from a server that ran no plugin (`assert_plugin_off`)."""
+        """POST /generate; greedy unless `sampling_params` says otherwise; a baseline's answers are checked."""
         body.setdefault("sampling_params", {"max_new_tokens": 8, "temperature": 0.0})
         response = httpx.post(f"{self.url}/generate", json={"input_ids": input_ids, **body}, timeout=timeout)
         response.raise_for_status()
@@ -329,20 +329,15 @@ class Stack:
         return answer
 
     def inline_rows(self, response: dict[str, Any]) -> np.ndarray | None:
-        """SGLang's `meta_info["routed_experts"]` as (rows, num_hidden_layers, topk) int32, or None if absent.
-        Where the rows are a plugin-off baseline's, they are read only once it proved it ran no plugin."""
+        """SGLang's `meta_info["routed_experts"]` as (rows, num_hidden_layers, topk) int32, or None if absent
+        (a plugin-off baseline's, once it proved it ran no plugin)."""
         self.assert_plugin_off(response["meta_info"])
         return decode_inline(response["meta_info"].get("routed_experts"), self.num_hidden_layers, self.topk)
 
     def assert_plugin_off(self, meta_info: dict[str, Any]) -> None:
-        """On a plugin-off baseline (`Config(plugin=False)`): nothing under its spool and no pointer in its answer.
-        A loaded plugin writes its engine file there within a second of the scheduler's start, and in its
-        default mode (sidecar) it puts a pointer in every answer that asks for routed experts, so either trace
-        names a baseline that was not one. A no-op on a plugin-on server."""
-        if self.config.plugin:
-            return
-        traces = spool_files(self.spool) + [key for key in ("routed_experts_url",) if key in meta_info]
-        assert not traces, f"{self.config.name} is a plugin-off baseline, yet the plugin left {traces[:5]}"
+        """On a plugin-off baseline: its spool empty, no pointer in its answer (`baseline`); else a no-op."""
+        if not self.config.plugin:
+            assert_plugin_off(self.config.name, self.spool, meta_info)
 
     def record(self, rid: str) -> tuple[RecordMeta | None, np.ndarray | None]:
         """The spool's record of `rid` read straight from its files: (metadata, rows as stored), or Nones."""
@@ -369,13 +364,6 @@ class Stack:
         for process in (self.sidecar, self.server):
             if process is not None:
                 process.stop()
-
-
-def spool_files(spool: Path) -> list[str]:
-    """Every file under a spool, as paths relative to it; none where no plugin ran (the directory may not exist)."""
-    if not spool.exists():
-        return []
-    return sorted(str(path.relative_to(spool)) for path in spool.rglob("*") if path.is_file())
 
 
 def decode_inline(payload: str | None, num_layers: int, topk: int) -> np.ndarray | None:

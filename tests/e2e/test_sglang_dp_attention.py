@@ -5,7 +5,7 @@ cache. With eager forwards (no CUDA graphs on CPU) upstream's host-integer slice
 sides must be exact; the graph-only offset defect (`r · graph_bs · w`, not a request count) is proven on
 SGLang's real classes in tests/engine. What this adds: the plugin inside two real DP schedulers, one spool
 record per request whichever rank served it, byte-identical to SGLang's inline rows, and those rows match the
-same server run without the plugin (which proves it ran none: `Stack.assert_plugin_off`) but for a few near-tie
+same server run without the plugin (which proves it ran none: `baseline.assert_plugin_off`) but for a few near-tie
 flips two DP-attention CPU servers show (the test's docstring).
 """
 

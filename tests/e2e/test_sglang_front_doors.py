@@ -5,7 +5,7 @@ The model directory carries a word-level tokenizer built by the harness (`write_
 `--skip-tokenizer-init`. The same requests (greedy, fixed lengths) go to each configuration in the same order:
 
 - upstream: the same install with no plugin (`SGLANG_PLUGINS=__none__`); its inline rows at every door are the
-  reference rows, read only once it proved it ran no plugin (no pointer, an empty spool: `Stack.assert_plugin_off`).
+  reference rows, read only once it proved it ran no plugin (no pointer, an empty spool: `baseline.assert_plugin_off`).
 - mirror: SGLang's inline rows at every door (`meta_info["routed_experts"]`, `sglext.routed_experts`), equal to
   upstream's, and a pointer beside them. Each door's response (a stream's chunks) decodes with
   `RoutedExpertsRef.from_response(resp)[0].fetch()`, no model numbers, and so does a continuation
@@ -201,7 +201,7 @@ def knock(stack: Stack, doors: dict = DOORS) -> dict[str, list[dict]]:
 
 def rows_of(stack: Stack, answer: dict) -> np.ndarray:
     """The rows an answer gives a trainer: inline if present, else fetched through the pointer (SGLang's layout).
-    A plugin-off baseline's answer must carry no pointer and leave its spool empty (`Stack.assert_plugin_off`)."""
+    A plugin-off baseline's answer must carry no pointer and leave its spool empty (`baseline.assert_plugin_off`)."""
     stack.assert_plugin_off({"routed_experts_url": answer["url"]} if answer["url"] else {})
     if answer["inline"] is not None:
         payload = answer["inline"]

@@ -21,8 +21,9 @@ import httpx
 import numpy as np
 import pytest
 import sglang_abort
+from baseline import spool_files
 from docs_blocks import RECIPES
-from sglang_server import Config, Stack, spool_files
+from sglang_server import Config, Stack
 from waiting import wait_until
 
 from service.client import RoutedExpertsRef
@@ -149,7 +150,7 @@ def test_the_model_routes_differently_per_layer_and_per_token(upstream):
 
 
 def test_a_baseline_proves_it_ran_without_the_plugin(upstream, mirror):
-    """Every plugin-off reference is read through `Stack.assert_plugin_off` (an empty spool, no pointer). The same
+    """Every plugin-off reference is read through `baseline.assert_plugin_off` (an empty spool, no pointer). The same
     check on the mirror server's spool and answers, as if it were a baseline, names what the plugin left."""
     assert spool_files(upstream["stack"].spool) == []
     assert all("routed_experts_url" not in r["meta_info"] for r in upstream["responses"].values())

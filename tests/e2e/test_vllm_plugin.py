@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 import pytest
 import vllm_server
-from sglang_server import spool_files
+from baseline import spool_files
 from tiers import param
 from vllm_server import VllmServer, inline_rows
 from waiting import WaitTimeout, wait_until
