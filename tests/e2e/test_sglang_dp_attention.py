@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from baseline import differing_rows, near
 from sglang_server import Config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
@@ -52,17 +53,6 @@ def test_both_ranks_serve_and_return_complete_rows(served):
         assert {r["meta_info"]["dp_rank"] for r in responses} == {0, 1}, side
         for n, response in zip(LENGTHS, responses, strict=True):
             assert stack.inline_rows(response).shape == (n + 8 - 1, 4, 2), side
-
-
-def differing_rows(a: np.ndarray, b: np.ndarray) -> list[int]:
-    """The rows (tokens) where two `(rows, layers, topk)` arrays of one request differ in any slot."""
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return np.flatnonzero((a != b).reshape(a.shape[0], -1).any(axis=1)).tolist()
-
-
-def near(rows: int) -> int:
-    """How many rows two DP-attention CPU servers may route differently for the same request and tokens."""
-    return max(2, rows // 20)
 
 
 def test_records_of_both_ranks_equal_sglang_rows_and_match_the_plugin_off_server(served):

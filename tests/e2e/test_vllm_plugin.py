@@ -98,7 +98,8 @@ def _abort(server: VllmServer, route: str) -> dict[str, Any]:
             f"when the first of {aborts} aborts went at {sent:.1f} s"
         )
         try:
-            return pending.result(timeout=120) | {"seen_before_abort": seen, "aborts_sent": aborts}
+            done = pending.result(timeout=120)
+            return done | {"seen_before_abort": seen, "aborts_sent": aborts, "abort_state": state}
         except concurrent.futures.TimeoutError:
             pytest.fail(f"the aborted request still runs 120 s on ({state})")
         except httpx.HTTPError as exc:
@@ -109,14 +110,15 @@ def _abort_until_done(server: VllmServer, route: str, pending: concurrent.future
     """Send the abort until the request ends, and say how many went. vLLM drops an abort naming an id its output
     processor does not hold yet (`OutputProcessor.abort_requests`), and the token counter is global: in CI one
     abort went at "14 tokens" and the request ran its 16,000 (2026-11-28). A later abort finds it; the request's
-    `finish_reason` then says whether any abort took."""
+    `finish_reason` then says whether any abort took. The next abort goes 0.2 s after the last: CI's vLLM 0.27.1
+    once decoded all 16,000 tokens within the 5 s this loop first waited between aborts (2026-11-28)."""
     sent = 0
     deadline = time.monotonic() + 120
     while not pending.done() and time.monotonic() < deadline:
         httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=30).raise_for_status()
         sent += 1
         with contextlib.suppress(concurrent.futures.TimeoutError):
-            pending.exception(timeout=5)
+            pending.exception(timeout=0.2)
     return sent
 
 
@@ -333,7 +335,13 @@ def _check_abort(runs: dict, mode: str) -> None:
     usage = results["abort"]["usage"]
     seen = results["abort"]["seen_before_abort"]
     aborts = results["abort"]["aborts_sent"]
-    assert choice["finish_reason"] == "abort", (mode, f"{seen} tokens decoded when the first of {aborts} went", usage)
+    state = results["abort"]["abort_state"]
+    assert choice["finish_reason"] == "abort", (
+        mode,
+        f"{seen} tokens decoded when the first of {aborts} went",
+        usage,
+        state,
+    )
     meta, rows = server.record("cmpl-abort-0")
     assert meta.status == "aborted" and meta.rows == usage["prompt_tokens"] + usage["completion_tokens"] - 1
     if mode == "mirror":
