@@ -356,7 +356,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
     def main():  # SGLang spawns its scheduler and detokenizer: this module is re-imported in them
         engine = sglang.Engine(
-            model_path=sys.argv[1], load_format="auto", device="cpu", dtype="bfloat16",
+            model_path=sys.argv[1], load_format="auto", device="cpu", dtype="float32",
             enable_return_routed_experts=True, max_total_tokens=8192, max_running_requests=16,
             chunked_prefill_size=64, disable_cuda_graph=True, log_level="warning",
         )

@@ -3,7 +3,7 @@
 Why not `--load-format dummy`: SGLang's dummy loader fills every layer alike, so every layer of a token picks
 the same experts and a swapped, reversed or shifted layer in a record would pass every real-server test. Here
 each tensor is drawn from one seeded generator in a fixed order (same seed, same bytes), the routers are
-large (std 1 against RMS-normalised hidden states: wide top-k margins, stable in bfloat16) and differ per
+large (std 1 against RMS-normalised hidden states: wide top-k margins) and differ per
 layer, so routing differs per layer and per token. The special ids (0-2) get zero `lm_head` rows: their
 logit is exactly 0 while the others spread with std ~1, so greedy decoding never stops early on EOS.
 """

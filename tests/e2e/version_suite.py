@@ -5,9 +5,8 @@ servers run that version's venv (`.venv-sglang-<VERSION>`, skipped with the reas
 Four module-scoped servers, one after another: upstream (plugin off), mirror, sidecar mode, and a dense+MoE
 model (GLM-4.5's layout, layer 0 dense) in mirror mode. What is proven per version: the plugin's hooks run
 there (records, pointer, engine file naming that version), the records are that version's own inline
-payload byte for byte (mirror: the same response's; sidecar: the upstream server's rows for the same request,
-near-tie flips between two CPU servers aside: `baseline.assert_near`), loading the plugin changes nothing SGLang
-returns (the same tokens; rows as near), an abort keeps its rows, and a resumed partial rollout
+payload byte for byte (mirror: the same response's; sidecar: the upstream server's rows for the same request),
+loading the plugin changes nothing SGLang returns, an abort keeps its rows, and a resumed partial rollout
 splices into the uninterrupted one. Few prompts: CI runs this per version (docs/versions.md).
 """
 
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from baseline import assert_near
+from baseline import assert_same_rows
 from sglang_abort import abort_mid_decode
 from sglang_server import GLM, Config, Stack, decode_inline
 from test_sglang_front_doors import CONTINUATIONS, SLOW_WORKERS, assert_decodes_without_the_models_numbers, knock
@@ -102,13 +101,12 @@ def run_requests(stack: Stack) -> dict[str, dict]:
 
 
 def assert_same_answer(name: str, stack: Stack, up: dict, on: dict) -> None:
-    """Two servers answered one request alike: the same tokens, and SGLang's inline rows equal but for near-tie
-    flips (`baseline.assert_near`; a shifted or missing row fails). `stack` is the reference's."""
+    """Two servers answered one request alike: the same tokens and SGLang's inline rows slot for slot
+    (`baseline.assert_same_rows` names the rows that differ). `stack` is the reference's."""
     assert up["output_ids"] == on["output_ids"], f"{name}: different tokens"
     reference = stack.inline_rows(up)
     rows = decode_inline(on["meta_info"].get("routed_experts"), stack.num_hidden_layers, stack.topk)
-    assert reference is not None and rows is not None, (name, "no inline rows")
-    assert_near(name, reference, rows)
+    assert_same_rows(name, reference, rows)
 
 
 def expected_rows(response: dict, start: int = 0) -> int:
@@ -305,7 +303,7 @@ def test_the_trainer_line_decodes_every_delivery_mode_without_the_models_numbers
 
 def test_sidecar_serves_its_records_in_sglang_bytes_and_they_are_upstream_rows(upstream, sidecar):
     """Sidecar mode's answer has no inline rows: its pointer serves the record's rows in SGLang's own base64
-    bytes, and the record holds the plugin-off server's rows for the same request (near ties aside)."""
+    bytes, and the record holds the plugin-off server's rows for the same request."""
     stack = sidecar["stack"]
     for name in REQUESTS:
         response, reference = sidecar["responses"][name], upstream["responses"][name]
@@ -316,7 +314,7 @@ def test_sidecar_serves_its_records_in_sglang_bytes_and_they_are_upstream_rows(u
         meta, stored = stack.final_record(f"{stack.config.name}-{name}")
         assert meta.status == "ok", name
         assert served.text == base64.b64encode(stored.astype(np.int32).tobytes()).decode(), name  # the record's bytes
-        assert_near(name, upstream["stack"].inline_rows(reference), stored.astype(np.int32))  # upstream's rows
+        assert_same_rows(name, upstream["stack"].inline_rows(reference), stored.astype(np.int32))  # upstream's
     assert stack.suspect_rids() == []  # issue 40: every record of true routes passes the row check
 
 
@@ -369,7 +367,7 @@ def test_several_tokenizer_workers_change_nothing_sglang_returns(upstream, worke
     for name, (_, extra) in REQUESTS.items():
         up, on = upstream["responses"][name], workers["responses"][name]
         assert_same_answer(name, upstream["stack"], up, on)
-        want = stack.inline_rows(on)  # checked near the plugin-off server's just above
+        want = stack.inline_rows(on)  # the plugin-off server's rows: checked just above
         start = extra.get("routed_experts_start_len", 0)
         assert on["meta_info"]["routed_experts_shape"] == list(want.shape), name
         assert on["meta_info"]["routed_experts_start_len"] == start, name
@@ -440,7 +438,7 @@ def test_granian_workers_keep_the_rows_inline_and_say_their_shape(upstream, http
     for name, (_, extra) in REQUESTS.items():
         up, on = upstream["responses"][name], http2["responses"][name]
         assert_same_answer(name, upstream["stack"], up, on)
-        want, start = stack.inline_rows(on), extra.get("routed_experts_start_len", 0)  # near upstream's: above
+        want, start = stack.inline_rows(on), extra.get("routed_experts_start_len", 0)  # upstream's: above
         assert on["meta_info"]["routed_experts_shape"] == list(want.shape), name
         r = RoutedExpertsRef.from_response(on)[0].fetch()
         assert r.start == start and np.array_equal(r.array, want), name
