@@ -44,4 +44,5 @@ def assert_same_rows(name: str, reference: np.ndarray | None, rows: np.ndarray |
     assert reference is not None and rows is not None, (name, "no rows")
     assert rows.shape == reference.shape, (name, rows.shape, reference.shape)
     wrong = differing_rows(rows, reference)
-    assert not wrong, f"{name}: {len(wrong)} of {len(reference)} rows differ: {wrong[:8]}"
+    shown = {row: (reference[row].tolist(), rows[row].tolist()) for row in wrong[:3]}  # (reference, other) by layer
+    assert not wrong, f"{name}: {len(wrong)} of {len(reference)} rows differ: {wrong[:8]}; first {shown}"
