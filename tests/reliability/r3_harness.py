@@ -25,16 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also in the writer and trainer processes
     sys.path.append(str(REPO / "tests"))
+from r3_shape import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK  # noqa: E402, F401  # the records' shape
 from waiting import wait_until  # noqa: E402
 
 PYTHON = sys.executable
 CLI = Path(PYTHON).with_name("r3-sidecar")
-
-# Shape of the synthetic records: small but with every dimension > 1, so layer subsets and ranges matter.
-LAYERS = (1, 3, 4, 7, 9, 12)
-NUM_HIDDEN_LAYERS = 14  # the model: layers 0-13, the ones not in LAYERS dense (SGLang's payload has 14 slots)
-TOPK = 4
-NUM_EXPERTS = 64
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
+from r3_shape import LAYERS, NUM_EXPERTS, TOPK
 
 MAX_ROWS = 1024
 """Rows any generation of a record can hold (a storm wraps around inside it)."""
@@ -33,16 +34,12 @@ ROUTE_TABLE = 4096
 def _routes() -> np.ndarray:
     """`ROUTE_TABLE` routes a router can make (top-k distinct experts), once per process: sorting a random key
     per expert for every row of every record took 15 ms a generation, most of a writer's or a check's time."""
-    from r3_harness import NUM_EXPERTS, TOPK
-
     rng = np.random.default_rng(0x5EED)
     return rng.random((ROUTE_TABLE, NUM_EXPERTS)).argsort(axis=-1)[:, :TOPK].astype(np.uint8)
 
 
 @lru_cache(maxsize=4096)
 def _all_rows(rid: str, gen: int) -> np.ndarray:
-    from r3_harness import LAYERS
-
     seed = int.from_bytes(hashlib.sha256(f"{rid}#{gen}".encode()).digest()[:8], "little")
     picks = np.random.default_rng(seed).integers(0, ROUTE_TABLE, size=(MAX_ROWS, len(LAYERS)))
     return _routes()[picks]
