@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from r3_harness import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK
+from r3_shape import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK
 from spool_model_records import MAX_ROWS, rows_for
 
 import engine_ext.core.writer as engine_writer_module
