@@ -194,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spool", required=True)
     ap.add_argument("--cap", type=int, required=True)
     ap.add_argument("--name", required=True)
+    ap.add_argument("--warm", action="store_true", help="wait for a `begin` line before opening the spool")
     args = ap.parse_args(argv)
+    if args.warm and json.loads(sys.stdin.readline() or "{}").get("op") != "begin":
+        return 0  # a spare never used: its test ended
     agent = Agent(args.spool, args.cap, args.name)
     reply({"ready": os.getpid()})
     for line in sys.stdin:
