@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,6 +146,7 @@ class Agent:
             with e._lock:
                 if e._busy or not e._ops:
                     return
+            time.sleep(0)  # not a wait: hands the GIL to the writer thread at once, not after 5 ms
 
     def _until_one_more_written(self) -> None:
         """Spin until the writer thread has written one more op of its batch (its usage moved), or is idle: each
@@ -156,6 +158,7 @@ class Agent:
             with e._lock:
                 if not e._busy or e._usage != seen:
                     return
+            time.sleep(0)  # not a wait: hands the GIL to the writer thread at once, not after 5 ms
 
     def cmd_flush(self) -> dict:
         self.engine.flush(timeout=30)
