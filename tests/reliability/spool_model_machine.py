@@ -60,6 +60,7 @@ class SpoolMachine(RuleBasedStateMachine):
         self.last_plant = 0
         self.charged = [0] * AGENTS  # each engine writer's usage, as the model predicts it
         self.since_probe: list[list[str]] = [[] for _ in range(AGENTS)]  # engine records since its probe
+        self.seen_meta: dict[str, tuple] | None = {} if self.procs.tmpfs else None  # for `check_disk`
 
     # ---- set-up and helpers ---------------------------------------------------------------------
     @initialize()
@@ -147,7 +148,7 @@ class SpoolMachine(RuleBasedStateMachine):
         if any(c >= 500 for c in codes):
             raise Violation(f"DELETE {rec.rid} during reuse answered {sorted(set(codes))}")
         self.model.recs[rec.rid] = Rec(rec.rid, w, gen, rows=8, state="raced", final_sent=time.monotonic())
-        check_disk(self.procs.records)
+        check_disk(self.procs.records, self.seen_meta)
 
     @rule(w=W, over=st.integers(1, 4), back=st.integers(0, 3))
     def burst(self, w: int, over: int, back: int) -> None:
@@ -297,7 +298,7 @@ class SpoolMachine(RuleBasedStateMachine):
         self.steps += 1
         TALLY["steps"] += 1
         self._judge_streams(done_only=True)
-        check_disk(self.procs.records)
+        check_disk(self.procs.records, self.seen_meta)
         self._check_leftovers()
         if self.steps % SWEEP_EVERY == 0:
             self.sweep()

@@ -119,6 +119,7 @@ class Procs:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.root  # tmpfs: the spool's real medium
         self.spool = Path(tempfile.mkdtemp(prefix="r3-model-", dir=base))
+        self.tmpfs = base == shm  # inode numbers only grow: a file's identity is never another's (`check_disk`)
         env = {
             "R3_TTL_S": str(TTL_S),
             "R3_STALE_S": str(STALE_S),
