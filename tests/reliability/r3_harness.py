@@ -127,14 +127,21 @@ class Sidecar:
         return [*entry, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
 
     def start(self, ready_timeout: float = 30.0) -> Sidecar:
+        self.proc = self.launch([*self.wrap, *self.command()])
+        self.wait_ready(ready_timeout)
+        return self
+
+    def launch(self, cmd: list[str], stdin: int | None = None) -> subprocess.Popen:
+        """`cmd` in the sidecar's environment (its spool, `env`), logging to `log_path`, in its own session."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("R3_")}
         env.update({"PYTHONPATH": str(REPO), "R3_SPOOL_DIR": str(self.spool), **self.env})
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen(
-                [*self.wrap, *self.command()],
+            return subprocess.Popen(
+                cmd,
                 env=env,
                 cwd=self.cwd or REPO,
+                stdin=stdin,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 user=self.user,
@@ -145,8 +152,6 @@ class Sidecar:
         finally:
             if self.log_path:
                 log.close()
-        self.wait_ready(ready_timeout)
-        return self
 
     def wait_ready(self, timeout: float) -> None:
         # One client for the whole wait: each `httpx.get` builds a TLS context (0.1 s of CPU) even for http.

@@ -105,11 +105,45 @@ class Agent:
 
 
 @dataclass
+class WarmSidecar(Sidecar):
+    """The sidecar, each start from a spare process that imported it ahead (`r3_warm_sidecar.py`): the model
+    restarts it once a run, and a start was then mostly Python's imports (1.4 s); the spare for the next
+    start is spawned as soon as one is ready, and imports while the machine steps."""
+
+    spare: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [PYTHON, str(HERE / "r3_warm_sidecar.py"), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def start(self, ready_timeout: float = 30.0) -> WarmSidecar:
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.close()  # the last one's, exited
+        if self.spare is None or self.spare.poll() is not None:
+            self.spare = self.launch(self.command(), stdin=subprocess.PIPE)
+        self.proc, self.spare = self.spare, None
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+        self.wait_ready(ready_timeout)
+        self.spare = self.launch(self.command(), stdin=subprocess.PIPE)
+        return self
+
+    def close(self) -> None:
+        self.stop()
+        if self.spare is not None:
+            self.spare.kill()
+            self.spare.wait(timeout=30)
+        for p in (self.proc, self.spare):
+            if p is not None and p.stdin is not None:
+                p.stdin.close()
+
+
+@dataclass
 class Procs:
     """The sidecar and the writer agents over one spool, kept across runs of the machine."""
 
     root: Path
-    sidecar: Sidecar = field(init=False)
+    sidecar: WarmSidecar = field(init=False)
     agents: list[Agent] = field(default_factory=list)
     spares: dict[str, Agent] = field(default_factory=dict)  # by name: spawned, not begun (`Agent`)
     started: float = 0.0
@@ -126,7 +160,7 @@ class Procs:
             "R3_RESCAN_S": str(RESCAN_S),
             "R3_SPOOL_MAX_BYTES": str(CAP * 4),
         }
-        self.sidecar = Sidecar(spool=self.spool, env=env, log_path=self.root / "sidecar.log")
+        self.sidecar = WarmSidecar(spool=self.spool, env=env, log_path=self.root / "sidecar.log")
         self.records = self.spool / "v1" / "records"
         assert MAX_ROWS >= BURST_ROWS
 
@@ -188,7 +222,7 @@ class Procs:
     def close(self) -> None:
         for a in [*self.agents, *self.spares.values()]:
             a.kill()
-        self.sidecar.stop()
+        self.sidecar.close()
         if self.http is not None:
             self.http.close()
         shutil.rmtree(self.spool, ignore_errors=True)
