@@ -25,16 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also in the writer and trainer processes
     sys.path.append(str(REPO / "tests"))
+from r3_shape import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK  # noqa: E402, F401  # the records' shape
 from waiting import wait_until  # noqa: E402
 
 PYTHON = sys.executable
 CLI = Path(PYTHON).with_name("r3-sidecar")
-
-# Shape of the synthetic records: small but with every dimension > 1, so layer subsets and ranges matter.
-LAYERS = (1, 3, 4, 7, 9, 12)
-NUM_HIDDEN_LAYERS = 14  # the model: layers 0-13, the ones not in LAYERS dense (SGLang's payload has 14 slots)
-TOPK = 4
-NUM_EXPERTS = 64
 
 
 def free_port() -> int:
@@ -132,14 +127,21 @@ class Sidecar:
         return [*entry, "serve", "--host", "127.0.0.1", "--port", str(self.port)]
 
     def start(self, ready_timeout: float = 30.0) -> Sidecar:
+        self.proc = self.launch([*self.wrap, *self.command()])
+        self.wait_ready(ready_timeout)
+        return self
+
+    def launch(self, cmd: list[str], stdin: int | None = None) -> subprocess.Popen:
+        """`cmd` in the sidecar's environment (its spool, `env`), logging to `log_path`, in its own session."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("R3_")}
         env.update({"PYTHONPATH": str(REPO), "R3_SPOOL_DIR": str(self.spool), **self.env})
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen(
-                [*self.wrap, *self.command()],
+            return subprocess.Popen(
+                cmd,
                 env=env,
                 cwd=self.cwd or REPO,
+                stdin=stdin,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 user=self.user,
@@ -150,16 +152,17 @@ class Sidecar:
         finally:
             if self.log_path:
                 log.close()
-        self.wait_ready(ready_timeout)
-        return self
 
     def wait_ready(self, timeout: float) -> None:
-        def ready() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {self.proc.returncode}; log: {self.log_tail()}")
-            return httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200
+        # One client for the whole wait: each `httpx.get` builds a TLS context (0.1 s of CPU) even for http.
+        with httpx.Client(timeout=1.0) as http:
 
-        wait_until(ready, timeout, lambda: f"sidecar ready; log: {self.log_tail()}", ignore=(httpx.HTTPError,))
+            def ready() -> bool:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"sidecar exited with {self.proc.returncode}; log: {self.log_tail()}")
+                return http.get(self.url + "/readyz").status_code == 200
+
+            wait_until(ready, timeout, lambda: f"sidecar ready; log: {self.log_tail()}", ignore=(httpx.HTTPError,))
 
     def log_tail(self, n: int = 4000) -> str:
         if self.log_path and self.log_path.exists():

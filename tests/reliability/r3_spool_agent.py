@@ -20,11 +20,12 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from r3_harness import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK
+from r3_shape import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK
 from spool_model_records import MAX_ROWS, rows_for
 
 import engine_ext.core.writer as engine_writer_module
@@ -145,6 +146,7 @@ class Agent:
             with e._lock:
                 if e._busy or not e._ops:
                     return
+            time.sleep(0)  # not a wait: hands the GIL to the writer thread at once, not after 5 ms
 
     def _until_one_more_written(self) -> None:
         """Spin until the writer thread has written one more op of its batch (its usage moved), or is idle: each
@@ -156,6 +158,7 @@ class Agent:
             with e._lock:
                 if not e._busy or e._usage != seen:
                     return
+            time.sleep(0)  # not a wait: hands the GIL to the writer thread at once, not after 5 ms
 
     def cmd_flush(self) -> dict:
         self.engine.flush(timeout=30)
@@ -194,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spool", required=True)
     ap.add_argument("--cap", type=int, required=True)
     ap.add_argument("--name", required=True)
+    ap.add_argument("--warm", action="store_true", help="wait for a `begin` line before opening the spool")
     args = ap.parse_args(argv)
+    if args.warm and json.loads(sys.stdin.readline() or "{}").get("op") != "begin":
+        return 0  # a spare never used: its test ended
     agent = Agent(args.spool, args.cap, args.name)
     reply({"ready": os.getpid()})
     for line in sys.stdin:

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from r3_harness import HERE, PYTHON, REPO, Sidecar
 from spool_model_records import MAX_ROWS
 from waiting import wait_until
@@ -43,20 +44,36 @@ class AgentDied(RuntimeError):
 
 @dataclass
 class Agent:
-    """One writer process and its command pipe."""
+    """One writer process and its command pipe.
+
+    Started in two halves: `spawn` starts the process, which imports and then waits, touching nothing;
+    `begin` makes it open the spool and its engine writer. `Procs` keeps one spawned spare per writer, so a
+    respawn after a SIGKILL costs a pipe round trip, not a Python start (0.6 s, most of a writer kill's time)."""
 
     spool: Path
     name: str
     proc: subprocess.Popen | None = None
 
-    def start(self) -> Agent:
+    def spawn(self) -> Agent:
         cmd = [PYTHON, str(HERE / "r3_spool_agent.py"), "--spool", str(self.spool), "--cap", str(CAP)]
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
-            [*cmd, "--name", self.name], env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [*cmd, "--name", self.name, "--warm"],
+            env=env,
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
+        return self
+
+    def begin(self) -> Agent:
+        self.send("begin")
         self.read()  # {"ready": pid}
         return self
+
+    def start(self) -> Agent:
+        return self.spawn().begin()
 
     def read(self) -> dict:
         assert self.proc is not None and self.proc.stdout is not None
@@ -88,40 +105,89 @@ class Agent:
 
 
 @dataclass
+class WarmSidecar(Sidecar):
+    """The sidecar, each start from a spare process that imported it ahead (`r3_warm_sidecar.py`): the model
+    restarts it once a run, and a start was then mostly Python's imports (1.4 s); the spare for the next
+    start is spawned as soon as one is ready, and imports while the machine steps."""
+
+    spare: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [PYTHON, str(HERE / "r3_warm_sidecar.py"), "serve", "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def start(self, ready_timeout: float = 30.0) -> WarmSidecar:
+        if self.proc is not None and self.proc.stdin is not None:
+            self.proc.stdin.close()  # the last one's, exited
+        if self.spare is None or self.spare.poll() is not None:
+            self.spare = self.launch(self.command(), stdin=subprocess.PIPE)
+        self.proc, self.spare = self.spare, None
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+        self.wait_ready(ready_timeout)
+        self.spare = self.launch(self.command(), stdin=subprocess.PIPE)
+        return self
+
+    def close(self) -> None:
+        self.stop()
+        if self.spare is not None:
+            self.spare.kill()
+            self.spare.wait(timeout=30)
+        for p in (self.proc, self.spare):
+            if p is not None and p.stdin is not None:
+                p.stdin.close()
+
+
+@dataclass
 class Procs:
     """The sidecar and the writer agents over one spool, kept across runs of the machine."""
 
     root: Path
-    sidecar: Sidecar = field(init=False)
+    sidecar: WarmSidecar = field(init=False)
     agents: list[Agent] = field(default_factory=list)
+    spares: dict[str, Agent] = field(default_factory=dict)  # by name: spawned, not begun (`Agent`)
     started: float = 0.0
+    http: httpx.Client | None = None
 
     def __post_init__(self) -> None:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.root  # tmpfs: the spool's real medium
         self.spool = Path(tempfile.mkdtemp(prefix="r3-model-", dir=base))
+        self.tmpfs = base == shm  # inode numbers only grow: a file's identity is never another's (`check_disk`)
         env = {
             "R3_TTL_S": str(TTL_S),
             "R3_STALE_S": str(STALE_S),
             "R3_RESCAN_S": str(RESCAN_S),
             "R3_SPOOL_MAX_BYTES": str(CAP * 4),
         }
-        self.sidecar = Sidecar(spool=self.spool, env=env, log_path=self.root / "sidecar.log")
+        self.sidecar = WarmSidecar(spool=self.spool, env=env, log_path=self.root / "sidecar.log")
         self.records = self.spool / "v1" / "records"
         assert MAX_ROWS >= BURST_ROWS
 
     def ensure(self) -> None:
+        """Start whatever is not running (the writers import while the sidecar starts), and a spare per writer."""
+        while len(self.agents) < AGENTS:
+            self.agents.append(Agent(self.spool, f"a{len(self.agents)}"))
+        down = [i for i, a in enumerate(self.agents) if a.proc is None or a.proc.poll() is not None]
+        for i in down:
+            name = self.agents[i].name
+            self.agents[i].kill()
+            self.agents[i] = self.spares.pop(name, None) or Agent(self.spool, name).spawn()
         if self.sidecar.proc is None or self.sidecar.proc.poll() is not None:
             self.sidecar.start()
-        while len(self.agents) < AGENTS:
-            self.agents.append(Agent(self.spool, f"a{len(self.agents)}").start())
-        for i, a in enumerate(self.agents):
-            if a.proc is None or a.proc.poll() is not None:
-                self.agents[i] = Agent(self.spool, a.name).start()
+        for i in down:
+            self.agents[i].begin()
+        for a in self.agents:
+            if a.name not in self.spares:
+                self.spares[a.name] = Agent(self.spool, a.name).spawn()
 
     def respawn(self, i: int) -> None:
+        """SIGKILL writer `i` and put its spare in its place (then spawn the next spare: it imports meanwhile)."""
+        name = self.agents[i].name
         self.agents[i].kill()
-        self.agents[i] = Agent(self.spool, self.agents[i].name).start()
+        spare = self.spares.pop(name, None) or Agent(self.spool, name).spawn()
+        self.agents[i] = spare.begin()
+        self.spares[name] = Agent(self.spool, name).spawn()
 
     def restart_sidecar(self, sig: int) -> None:
         self.sidecar.kill(sig) if sig == signal.SIGKILL else self.sidecar.stop()
@@ -138,10 +204,15 @@ class Procs:
         for a in self.agents:
             a.call("probe")
 
-    def index_count(self) -> int:
-        import httpx
+    def metrics(self) -> str:
+        """The sidecar's `/metrics`, through one client kept for the whole test: a new `httpx.get` builds a TLS
+        context each time (0.1 s of CPU, a third of a sweep)."""
+        if self.http is None:
+            self.http = httpx.Client(timeout=10)
+        return self.http.get(self.sidecar.url + "/metrics").text
 
-        text = httpx.get(self.sidecar.url + "/metrics", timeout=5).text
+    def index_count(self) -> int:
+        text = self.metrics()
         total = 0.0
         for line in text.splitlines():
             if line.startswith("r3_records{"):
@@ -149,7 +220,9 @@ class Procs:
         return int(total)
 
     def close(self) -> None:
-        for a in self.agents:
+        for a in [*self.agents, *self.spares.values()]:
             a.kill()
-        self.sidecar.stop()
+        self.sidecar.close()
+        if self.http is not None:
+            self.http.close()
         shutil.rmtree(self.spool, ignore_errors=True)
