@@ -192,10 +192,11 @@ LAYOUTS["0.5.18"] = replace(  # … with runtime_context.cutedsl_moe_max_num_tok
     version="0.5.18",
     targets={t: where for t, where in LAYOUTS["0.5.17"].targets.items() if t != CUTEDSL},
 )
-LAYOUTS["0.5.19"] = replace(  # 0.5.20's, but no speculative_output_stride yet (managers/utils.py)
-    LAYOUTS["0.5.20"],
+LAYOUTS["0.5.19"] = replace(  # 0.5.20's, but no speculative_output_stride yet (managers/utils.py) and a resolution
+    LAYOUTS["0.5.20"],  # pipeline with no arg_groups.resolution_hooks to register a step with (its real server)
     version="0.5.19",
     verify_stride=("speculative_num_draft_tokens",),
+    budget_at_resolution=False,
 )
 LAYOUTS["0.5.21"] = replace(  # 0.5.20's, but with 0.5.23's DP helpers (dp_attention.dp_slot_in, dp_gather_slot)
     LAYOUTS["0.5.20"], version="0.5.21", functions={}
@@ -295,12 +296,17 @@ def function(name: str) -> Callable[..., Any]:
     return fn
 
 
+# Where a layout with `budget_at_resolution` registers the budget check (`hooks.install_budget_hooks`).
+RESOLUTION_HOOK = "sglang.srt.arg_groups.resolution_hooks.register_resolution_hook"
+
+
 def unresolved(hook_targets: Sequence[str]) -> list[str]:
     """What of this layout does not import here: retargeted hook targets, getters, functions (a version check)."""
     names = [t for t in (target(h) for h in hook_targets) if t is not None]
     names += sorted({split_read(_layout[0].read_spec(n))[0] for n in READS})
     names += [_layout[0].function_path(n) for n in FUNCTIONS]
     names += [call for call in (_layout[0].worker_app_call,) if call is not None]
+    names += [RESOLUTION_HOOK] if _layout[0].budget_at_resolution else []
     return missing(names)
 
 

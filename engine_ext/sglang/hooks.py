@@ -27,6 +27,7 @@ The budget check is not a `HookRegistry` target: it runs at the last ServerArgs 
 from __future__ import annotations
 
 import os
+import pkgutil
 from dataclasses import dataclass
 from functools import partial
 
@@ -243,8 +244,7 @@ def install_budget_hooks(settings: EngineSettings) -> None:
         )
         _budget_hook_registered.append(True)
         return
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-
+    register_resolution_hook = pkgutil.resolve_name(compat.RESOLUTION_HOOK)
     register_resolution_hook(BUDGET_RESOLUTION_STEP)(partial(budget_hooks.check_budget_at_resolution, settings))
     _budget_hook_registered.append(True)
 

@@ -95,3 +95,18 @@ def test_every_hook_row_binds_its_0_5_23_target():
             continue
         gap = fit.signature_gap(pkgutil.resolve_name(row.target), body(row.function), row.type is REPLACE, row.keywords)
         assert gap is None, (row.target, gap)
+
+
+def test_a_layout_that_checks_the_budget_at_resolution_needs_the_registrar(monkeypatch):
+    """0.5.19 has a resolution pipeline but no `arg_groups.resolution_hooks`: a layout that registers the budget
+    check there must not fit it (its real server's `register` failed on that import before this check)."""
+    monkeypatch.setattr(compat, "RESOLUTION_HOOK", "sglang.srt.arg_groups.no_such_module.register_resolution_hook")
+    previous = compat.layout().version
+    try:
+        compat.use("0.5.23")
+        assert compat.RESOLUTION_HOOK in compat.unresolved([])
+        compat.use("0.5.16")  # no budget check at resolution: the registrar is not needed
+        assert compat.RESOLUTION_HOOK not in compat.unresolved([])
+    finally:
+        compat.use(previous)
+    assert not compat.LAYOUTS["0.5.19"].budget_at_resolution
