@@ -1,8 +1,9 @@
-"""Run SGLang 0.5.23 internals on a CPU-only machine, each group of checks in a fresh Python process.
+"""Run SGLang 0.5.23 internals on a CPU-only machine, each group of checks in a process of its own.
 
 SGLang sets process environment variables and global state (published config, applied hooks) on import and
-publish, so engine tests run their code through `run_sglang(code)`: a new interpreter with the CPU
-workarounds applied, `emit(obj)` to hand JSON back, and a clear failure carrying the child's stderr.
+publish, so engine tests run their code through `run_sglang(code)`: a new process with the CPU workarounds
+applied (forked from a zygote that imported them once: `sglang_zygote`), `emit(obj)` to hand JSON back, and a
+clear failure carrying the child's stderr.
 
 Inside the child, `from sglang_env import publish_args, tiny_model_config` give a published `ServerArgs`
 and a real `ModelConfig` of the tiny Qwen3-MoE in `tests/sglang_cpu/tiny_qwen3moe`.
@@ -10,13 +11,17 @@ and a real `ModelConfig` of the tiny Qwen3-MoE in `tests/sglang_cpu/tiny_qwen3mo
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
+
+from sglang_zygote import SERVED_PREFIXES, Zygote, serves
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe"
@@ -77,22 +82,42 @@ def tiny_model_config(context_length: int | None = None):
 
 
 def run_sglang(code: str, *, timeout: float = 240, env: dict[str, str] | None = None) -> list[Any]:
-    """Run `code` (dedented) in a fresh interpreter with the CPU workarounds; return what it `emit`ted."""
+    """Run `code` (dedented) in a new process that has run the prelude; return what it `emit`ted. The process is
+    forked from this test process's zygote where the environment allows (`sglang_zygote`), else a fresh
+    interpreter (`R3_TEST_FRESH_CHILDREN=1`: always)."""
     child_env = {**os.environ, **(env or {})}
     paths = [str(REPO), str(Path(__file__).resolve().parent)]
     child_env["PYTHONPATH"] = os.pathsep.join([*paths, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     child_env.setdefault("PYTHONWARNINGS", "ignore")
-    proc = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=child_env,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"SGLang child exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
-            f"--- stderr ---\n{proc.stderr[-8000:]}"
+    source = _PRELUDE + textwrap.dedent(code)
+    zygote = _zygote(child_env)
+    if zygote is not None and serves(zygote.env, child_env):
+        with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
+            out, err = Path(tmp, "out"), Path(tmp, "err")
+            returncode = zygote.run(source, child_env, out, err, timeout)
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-c", source], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=child_env
         )
-    return [json.loads(line[len(_RESULT) :]) for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode != 0:
+        raise AssertionError(
+            f"SGLang child exited {returncode}\n--- stdout ---\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-8000:]}"
+        )
+    return [json.loads(line[len(_RESULT) :]) for line in stdout.splitlines() if line.startswith(_RESULT)]
+
+
+_zygotes: list[Zygote] = []
+
+
+def _zygote(child_env: dict[str, str]) -> Zygote | None:
+    """This process's zygote, started on first use with `child_env` less its `SERVED_PREFIXES` variables; None
+    when fresh children are asked for, or the zygote died (then every later child is fresh too)."""
+    if os.environ.get("R3_TEST_FRESH_CHILDREN") == "1":
+        return None
+    if not _zygotes:
+        base = {k: v for k, v in child_env.items() if not k.startswith(SERVED_PREFIXES)}
+        _zygotes.append(Zygote(_PRELUDE, base, REPO))
+        atexit.register(_zygotes[0].close)
+    return _zygotes[0] if _zygotes[0].alive() else None

@@ -1,0 +1,146 @@
+"""One SGLang import per test process: a zygote that has run `run_sglang`'s prelude forks each child from it.
+
+Why: every `run_sglang` child used to start a fresh interpreter, and the prelude's imports (torch, SGLang's
+`srt` layers: about 8 s here on a quiet core, 30-45 s on a loaded one) were most of each child's time. A fork of
+a process that has run exactly that prelude is the same process a fresh interpreter is after it: the same
+modules, the same CPU workarounds applied, nothing published, no hook applied. The child then runs the same
+source the fresh interpreter would (`_PRELUDE` and the test's code) in a new `__main__`, with its output in
+files and its exit status reported back.
+
+What a fork cannot reproduce is an environment variable read while the prelude imported: the zygote serves a
+child only when the environment asked for differs from its own in `R3_*` and `PYTEST_*` variables alone
+(`SERVED_PREFIXES`); anything else gets a fresh interpreter (`sglang_env.run_sglang`). The
+zygote runs no torch operation before it forks, so no thread pool exists to be lost in a child.
+
+The protocol is one JSON line each way on the zygote's stdin and stdout: a request names the code, the
+environment and two files for the child's stdout and stderr; the zygote answers with the child's pid at once,
+then with its exit status when it ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+import types
+from pathlib import Path
+from typing import IO, Any
+
+# Variables a child may have other than the zygote's: the plugin's (read when it loads, after the fork) and
+# pytest's own (`PYTEST_CURRENT_TEST` names each test), neither read by the prelude's imports.
+SERVED_PREFIXES = ("R3_", "PYTEST_")
+
+
+def serves(zygote_env: dict[str, str], wanted: dict[str, str]) -> bool:
+    """Whether a child with environment `wanted` may be forked from a zygote started with `zygote_env`."""
+    changed = {k for k in zygote_env.keys() | wanted.keys() if zygote_env.get(k) != wanted.get(k)}
+    return all(k.startswith(SERVED_PREFIXES) for k in changed)
+
+
+class Zygote:
+    """The test process's side: starts the zygote once, asks it for children, kills a child past its time."""
+
+    def __init__(self, prelude: str, env: dict[str, str], cwd: Path) -> None:
+        self.env = dict(env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", prelude + "\nimport sglang_zygote\nsglang_zygote.serve()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=cwd,
+            env=env,
+        )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, source: str, env: dict[str, str], out: Path, err: Path, timeout: float) -> int:
+        """Run `source` in a forked child; its exit status (negative: killed by that signal)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        request = {"source": source, "env": env, "out": str(out), "err": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = int(_read_line(self.proc.stdout, 900)["pid"])  # the first waits for the zygote's own prelude
+        try:
+            return int(_read_line(self.proc.stdout, timeout)["rc"])
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)
+            _read_line(self.proc.stdout, 60)
+            raise subprocess.TimeoutExpired(["sglang_zygote child", str(pid)], timeout) from None
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _read_line(stream: IO[str], timeout: float) -> dict[str, Any]:
+    """The zygote's next answer, or TimeoutError; EOF (the zygote died) is an error of its own."""
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        raise TimeoutError
+    line = stream.readline()
+    if not line:
+        raise RuntimeError("the SGLang zygote exited")
+    return json.loads(line)
+
+
+def serve() -> None:
+    """The zygote's loop (runs after the prelude): fork one child per request, answer its pid, then its status."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In the forked child: its own process group (killed whole on a timeout), the asked environment, stdout and
+    stderr to the request's files, the zygote's pipes closed, then the source as `python -c` runs it."""
+    os.setpgid(0, 0)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for fd, path in ((1, request["out"]), (2, request["err"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    os.close(0)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 (the child's stdin, as a fresh interpreter's with no input)
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    sys.argv = ["-c"]
+    code = compile(request["source"], "<string>", "exec")
+    try:
+        exec(code, main.__dict__)
+        status = 0
+    except SystemExit as done:
+        status = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, int | None):
+            print(done.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    _exit(status)
+
+
+def _exit(status: int) -> None:
+    """End the child as an interpreter ends, less its teardown: non-daemon threads are joined, the atexit handlers
+    run and the streams are flushed, but no module is cleared and no last collection runs. In a fork those touch
+    every page of the heap the zygote's imports built (4-5 s a child here, against 0.1 s for this)."""
+    threading._shutdown()  # what `Py_FinalizeEx` does first: wait for the threads the code left running
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,60 @@
+"""The zygote `run_sglang` forks its children from: each child is a process of its own, as a fresh interpreter
+would be (nothing one child changes reaches the next), with the environment asked for; an environment the
+zygote cannot give (a variable other than `R3_*`, `PYTEST_*` changed) gets a fresh interpreter; and one zygote
+serves every test of the process (the children of two tests share a parent)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from sglang_env import run_sglang
+from sglang_zygote import serves
+
+WHO = """
+import os, sglang.srt.server_args as server_args
+emit({"pid": os.getpid(), "parent": os.getppid(), "mark": getattr(server_args, "R3_MARK", None),
+      "r3": {k: v for k, v in os.environ.items() if k.startswith("R3_Z")}, "other": os.environ.get("OTHER_Z")})
+server_args.R3_MARK = "set by an earlier child"
+"""
+
+
+def test_only_r3_variables_may_differ_from_the_zygotes_environment() -> None:
+    base = {"PATH": "/bin", "R3_MODE": "mirror"}
+    assert serves(base, base | {"R3_SPOOL_DIR": "/x"})
+    assert serves(base, {"PATH": "/bin"})  # an R3_ variable removed
+    assert serves(base, base | {"PYTEST_CURRENT_TEST": "t.py::test (call)"})  # pytest's, set for every test
+    assert not serves(base, base | {"SGLANG_RUST_SERVER": "1"})
+    assert not serves(base, {"PATH": "/usr/bin", "R3_MODE": "mirror"})
+
+
+@pytest.mark.sglang
+def test_each_child_is_a_new_process_with_its_own_environment() -> None:
+    first, second = (run_sglang(WHO, env={"R3_Z": str(i)})[0] for i in range(2))
+    assert first["pid"] != second["pid"] and first["parent"] == second["parent"] != os.getpid()  # the zygote's
+    assert (first["mark"], second["mark"]) == (None, None)  # the first child's change stayed in it
+    assert (first["r3"], second["r3"]) == ({"R3_Z": "0"}, {"R3_Z": "1"})
+    (fresh,) = run_sglang(WHO, env={"OTHER_Z": "yes"})
+    assert fresh["parent"] == os.getpid() and fresh["other"] == "yes"  # not the zygote's: a fresh interpreter
+
+
+@pytest.mark.sglang
+def test_a_later_test_forks_from_the_same_zygote() -> None:
+    (child,) = run_sglang(WHO)
+    assert child["parent"] != os.getpid() and child["mark"] is None  # forked: pytest changed PYTEST_CURRENT_TEST
+
+
+@pytest.mark.sglang
+def test_a_failing_child_reports_its_status_and_output() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)exited 1.*--- stdout ---\nbefore.*ZeroDivisionError"):
+        run_sglang("print('before', flush=True)\n1 / 0")
+    with pytest.raises(AssertionError, match="exited 3"):
+        run_sglang("import sys\nsys.exit(3)")
+
+
+@pytest.mark.sglang
+def test_a_child_past_its_time_is_killed_and_the_next_one_runs() -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_sglang("import time\ntime.sleep(120)", timeout=2)
+    assert run_sglang("emit('next')") == ["next"]
