@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from sglang_zygote import SERVED_PREFIXES, Zygote, serves
+from sglang_zygote import SERVED_PREFIXES, Zygote
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe"
@@ -85,13 +85,10 @@ def run_sglang(code: str, *, timeout: float = 240, env: dict[str, str] | None = 
     """Run `code` (dedented) in a new process that has run the prelude; return what it `emit`ted. The process is
     forked from this test process's zygote where the environment allows (`sglang_zygote`), else a fresh
     interpreter (`R3_TEST_FRESH_CHILDREN=1`: always)."""
-    child_env = {**os.environ, **(env or {})}
-    paths = [str(REPO), str(Path(__file__).resolve().parent)]
-    child_env["PYTHONPATH"] = os.pathsep.join([*paths, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    child_env.setdefault("PYTHONWARNINGS", "ignore")
+    child_env = _child_env({**os.environ, **(env or {})})
     source = _PRELUDE + textwrap.dedent(code)
-    zygote = _zygote(child_env)
-    if zygote is not None and serves(zygote.env, child_env):
+    zygote = _zygote()
+    if zygote is not None and zygote.serves(child_env):
         with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
             out, err = Path(tmp, "out"), Path(tmp, "err")
             returncode = zygote.run(source, child_env, out, err, timeout)
@@ -108,16 +105,27 @@ def run_sglang(code: str, *, timeout: float = 240, env: dict[str, str] | None = 
     return [json.loads(line[len(_RESULT) :]) for line in stdout.splitlines() if line.startswith(_RESULT)]
 
 
+def _child_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this directory and the repository first on the child's path, and warnings off."""
+    paths = [str(REPO), str(Path(__file__).resolve().parent)]
+    out = dict(env)
+    out["PYTHONPATH"] = os.pathsep.join([*paths, out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out.setdefault("PYTHONWARNINGS", "ignore")
+    return out
+
+
+_IMPORTED_WITH = dict(os.environ)  # this process's environment before any test changed it
 _zygotes: list[Zygote] = []
 
 
-def _zygote(child_env: dict[str, str]) -> Zygote | None:
-    """This process's zygote, started on first use with `child_env` less its `SERVED_PREFIXES` variables; None
-    when fresh children are asked for, or the zygote died (then every later child is fresh too)."""
+def _zygote() -> Zygote | None:
+    """This process's zygote, started on first use with the environment this module was imported with (less its
+    `SERVED_PREFIXES` variables); None when fresh children are asked for, or the zygote died (then every later
+    child is fresh too)."""
     if os.environ.get("R3_TEST_FRESH_CHILDREN") == "1":
         return None
     if not _zygotes:
-        base = {k: v for k, v in child_env.items() if not k.startswith(SERVED_PREFIXES)}
+        base = {k: v for k, v in _child_env(_IMPORTED_WITH).items() if not k.startswith(SERVED_PREFIXES)}
         _zygotes.append(Zygote(_PRELUDE, base, REPO))
         atexit.register(_zygotes[0].close)
     return _zygotes[0] if _zygotes[0].alive() else None

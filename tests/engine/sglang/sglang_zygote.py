@@ -37,17 +37,24 @@ from typing import IO, Any
 SERVED_PREFIXES = ("R3_", "PYTEST_")
 
 
-def serves(zygote_env: dict[str, str], wanted: dict[str, str]) -> bool:
-    """Whether a child with environment `wanted` may be forked from a zygote started with `zygote_env`."""
-    changed = {k for k in zygote_env.keys() | wanted.keys() if zygote_env.get(k) != wanted.get(k)}
-    return all(k.startswith(SERVED_PREFIXES) for k in changed)
+def serves(started: dict[str, str], ready: dict[str, str], wanted: dict[str, str]) -> bool:
+    """Whether a child with environment `wanted` may be forked from a zygote started with `started` whose prelude
+    left `ready`: apart from `SERVED_PREFIXES` variables, `wanted` is `ready`, but for variables the prelude's
+    imports added (SGLang sets some on import), which a fresh interpreter's import adds as well."""
+    for key in ready.keys() | wanted.keys():
+        if key.startswith(SERVED_PREFIXES) or ready.get(key) == wanted.get(key):
+            continue
+        if key in wanted or key in started:  # a variable set otherwise, or one the prelude did not add
+            return False
+    return True
 
 
 class Zygote:
     """The test process's side: starts the zygote once, asks it for children, kills a child past its time."""
 
     def __init__(self, prelude: str, env: dict[str, str], cwd: Path) -> None:
-        self.env = dict(env)
+        self.started = dict(env)
+        self._ready: dict[str, str] | None = None
         self.proc = subprocess.Popen(
             [sys.executable, "-c", prelude + "\nimport sglang_zygote\nsglang_zygote.serve()"],
             stdin=subprocess.PIPE,
@@ -58,6 +65,13 @@ class Zygote:
             env=env,
         )
 
+    def serves(self, wanted: dict[str, str]) -> bool:
+        """Whether this zygote may fork a child with environment `wanted` (waits for its prelude the first time)."""
+        if self._ready is None:
+            assert self.proc.stdout is not None
+            self._ready = _read_line(self.proc.stdout, 900)["env"]
+        return serves(self.started, self._ready, wanted)
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -67,7 +81,7 @@ class Zygote:
         request = {"source": source, "env": env, "out": str(out), "err": str(err)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
-        pid = int(_read_line(self.proc.stdout, 900)["pid"])  # the first waits for the zygote's own prelude
+        pid = int(_read_line(self.proc.stdout, 60)["pid"])
         try:
             return int(_read_line(self.proc.stdout, timeout)["rc"])
         except TimeoutError:
@@ -93,7 +107,9 @@ def _read_line(stream: IO[str], timeout: float) -> dict[str, Any]:
 
 
 def serve() -> None:
-    """The zygote's loop (runs after the prelude): fork one child per request, answer its pid, then its status."""
+    """The zygote's loop (runs after the prelude): say its environment, then fork one child per request, answer
+    its pid, then its status."""
+    print(json.dumps({"env": dict(os.environ)}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
@@ -107,11 +123,14 @@ def serve() -> None:
 
 
 def _child(request: dict[str, Any]) -> None:
-    """In the forked child: its own process group (killed whole on a timeout), the asked environment, stdout and
+    """In the forked child: its own process group (killed whole on a timeout), the asked `SERVED_PREFIXES`
+    variables (the others are the zygote's, which `serves` found equal, or the prelude's own), stdout and
     stderr to the request's files, the zygote's pipes closed, then the source as `python -c` runs it."""
     os.setpgid(0, 0)
-    os.environ.clear()
-    os.environ.update(request["env"])
+    wanted = request["env"]
+    for key in [k for k in os.environ if k.startswith(SERVED_PREFIXES) and k not in wanted]:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in wanted.items() if k.startswith(SERVED_PREFIXES)})  # the rest: `serves`
     for fd, path in ((1, request["out"]), (2, request["err"])):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)

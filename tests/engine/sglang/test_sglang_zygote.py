@@ -20,13 +20,15 @@ server_args.R3_MARK = "set by an earlier child"
 """
 
 
-def test_only_r3_variables_may_differ_from_the_zygotes_environment() -> None:
-    base = {"PATH": "/bin", "R3_MODE": "mirror"}
-    assert serves(base, base | {"R3_SPOOL_DIR": "/x"})
-    assert serves(base, {"PATH": "/bin"})  # an R3_ variable removed
-    assert serves(base, base | {"PYTEST_CURRENT_TEST": "t.py::test (call)"})  # pytest's, set for every test
-    assert not serves(base, base | {"SGLANG_RUST_SERVER": "1"})
-    assert not serves(base, {"PATH": "/usr/bin", "R3_MODE": "mirror"})
+def test_only_served_variables_may_differ_but_for_what_the_prelude_added() -> None:
+    started = {"PATH": "/bin", "R3_MODE": "mirror"}
+    ready = started | {"SET_BY_IMPORT": "1"}  # the prelude's imports added it
+    assert serves(started, ready, started | {"R3_SPOOL_DIR": "/x"})
+    assert serves(started, ready, {"PATH": "/bin"})  # an R3_ variable removed; the import adds SET_BY_IMPORT again
+    assert serves(started, ready, ready | {"PYTEST_CURRENT_TEST": "t.py::test (call)"})  # pytest's, every test
+    assert not serves(started, ready, started | {"SGLANG_RUST_SERVER": "1"})
+    assert not serves(started, ready, {"PATH": "/usr/bin", "R3_MODE": "mirror"})
+    assert not serves(started, ready, started | {"SET_BY_IMPORT": "2"})  # set otherwise before the import
 
 
 @pytest.mark.sglang
@@ -56,5 +58,5 @@ def test_a_failing_child_reports_its_status_and_output() -> None:
 @pytest.mark.sglang
 def test_a_child_past_its_time_is_killed_and_the_next_one_runs() -> None:
     with pytest.raises(subprocess.TimeoutExpired):
-        run_sglang("import time\ntime.sleep(120)", timeout=2)
+        run_sglang("import time\ntime.sleep(120)", timeout=2)  # not a wait: the child must outlive its limit
     assert run_sglang("emit('next')") == ["next"]
