@@ -23,6 +23,8 @@ from service.server.settings import Settings
 from service.spool import Spool
 
 TOPK = 4
+# Loopback answers in about 0.1 s; a whole run beside engine servers once stalled one past httpx's default 5 s.
+HTTP_TIMEOUT = 60.0
 
 
 def sglang_main_payload(host_rows: np.ndarray, configured: str) -> tuple[str, str]:
@@ -82,20 +84,28 @@ def test_sglang_b64_is_sglang_mains_payload_byte_for_byte(sidecar, rid: str, con
     base, stored = sidecar
     layers, model, _experts, _top = CASES[rid]
     payload, advertised = sglang_main_payload(host_layout(stored[rid], layers, model), configured)
-    r = httpx.get(f"{base}/routed_experts/{rid}", params={"format": "sglang_b64", "sglang_dtype": configured})
+    r = httpx.get(
+        f"{base}/routed_experts/{rid}",
+        params={"format": "sglang_b64", "sglang_dtype": configured},
+        timeout=HTTP_TIMEOUT,
+    )
     assert r.status_code == 200, r.text
     assert r.text == payload and r.headers["x-r3-dtype"] == advertised
     assert int(r.headers["content-length"]) == len(payload)
-    legacy = httpx.get(f"{base}/routed_experts/{rid}", params={"format": "sglang_b64"})
+    legacy = httpx.get(f"{base}/routed_experts/{rid}", params={"format": "sglang_b64"}, timeout=HTTP_TIMEOUT)
     assert legacy.text == sglang_main_payload(host_layout(stored[rid], layers, model), "int32")[0]
 
 
 def test_sglang_dtype_is_refused_where_it_means_nothing(sidecar) -> None:
     base, _ = sidecar
     for params in ({"format": "npy", "sglang_dtype": "uint8"}, {"stream": "true", "sglang_dtype": "uint8"}):
-        r = httpx.get(f"{base}/routed_experts/dense3-uint8", params=params)
+        r = httpx.get(f"{base}/routed_experts/dense3-uint8", params=params, timeout=HTTP_TIMEOUT)
         assert r.status_code == 422 and "sglang_b64" in r.json()["detail"]
-    r = httpx.get(f"{base}/routed_experts/dense3-uint8", params={"format": "sglang_b64", "sglang_dtype": "int8"})
+    r = httpx.get(
+        f"{base}/routed_experts/dense3-uint8",
+        params={"format": "sglang_b64", "sglang_dtype": "int8"},
+        timeout=HTTP_TIMEOUT,
+    )
     assert r.status_code == 422
 
 
