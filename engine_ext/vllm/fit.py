@@ -1,6 +1,6 @@
 """Which matrix row a vLLM build gets when its version is not a proven release: decided from what its code has.
 
-Why: trainers run vLLM builds the matrix does not name (0.28-0.31 between its rows, a local `+cu` or dev build). Keyed
+Why: trainers run vLLM builds the matrix does not name (a post or dev build between its rows, a `+cu` build). Keyed
 by exact release, the plugin refused them although their code takes the same hooks. A row fits a build when every
 hooked attribute exists there (`hooks.HOOKS`), `--enable-return-routed-experts` lands where the row says
 (`Release.capture_flag`: a field of `VllmConfig`, then of that config), and the row's source of experts and top-k

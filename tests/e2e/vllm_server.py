@@ -7,10 +7,11 @@ loopback ports, teardown by process group (API server, engine core and worker go
 
 CPU facts (see `tests/vllm_cpu/README.md`): on 0.32 routed-experts capture needs Model Runner V2, which needs
 Triton; `.venv-vllm` carries a test-only shim that registers a `cpu` Triton backend name, and `TRITON_INTERPRET=1`
-runs vLLM's Triton kernels in Triton's interpreter. 0.24-0.27 capture on Model Runner V1, whose CPU MoE never
-calls the router the capturer is bound to: their venvs (`.venv-vllm-<version>`, overlays built by `make
-env-vllm-<version>`) carry `_vllm_cpu_capture_shim.py`, on with `R3_TEST_VLLM_CPU=1`. What differs per release
-(runner, abort endpoint and what turns it on) is the plugin's own matrix, `engine_ext.vllm.versions.MATRIX`.
+runs vLLM's Triton kernels in Triton's interpreter (0.31 too). 0.24-0.30 run on Model Runner V1; up to 0.29
+their CPU MoE never hands the capturer its ids: their venvs (`.venv-vllm-<version>`, overlays built by `make
+env-vllm-<version>`) carry `_vllm_cpu_capture_shim.py`, on with `R3_TEST_VLLM_CPU=1` (inert from 0.30). What
+differs per release (runner, abort endpoint and what turns it on) is the plugin's own matrix,
+`engine_ext.vllm.versions.MATRIX`.
 The upstream baseline is the same install with `VLLM_PLUGINS` naming no plugin, so the plugin's entry point is
 not loaded.
 """
@@ -57,7 +58,7 @@ CPU_ENV = {
 }
 
 
-# Model Runner V1 (0.24-0.27): no Triton kernel runs, and the CPU capture shim is on.
+# Model Runner V1 (the matrix's V1 rows, 0.24-0.30): no Triton kernel runs, and the CPU capture shim is on.
 V1_ENV = {k: v for k, v in CPU_ENV.items() if k != "VLLM_USE_V2_MODEL_RUNNER"} | {
     "VLLM_USE_V2_MODEL_RUNNER": "0",
     "R3_TEST_VLLM_CPU": "1",

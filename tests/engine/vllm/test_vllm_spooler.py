@@ -124,26 +124,26 @@ def test_refused_reservation_keeps_the_inline_array_and_is_counted(tmp_path):
         spooler.close()
 
 
-NONE_FITS = "r3-sidecar: vLLM 0.28.0 fits none of the support matrix's rows (0.24.0 to 0.33.0: "
+NONE_FITS = "r3-sidecar: vLLM 0.28.1 fits none of the support matrix's rows (0.24.0 to 0.33.0: "
 
 
 def test_a_build_is_planned_by_its_code_and_refused_only_where_no_row_fits(tmp_path):
     """Every proven release gets its own row (a `+cpu` label too); a build between rows gets the first row its code
     takes, unproven; one whose code takes none is refused with one message naming it, the range and the gap."""
-    for version in ("0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.32.0", "0.33.0", "0.32.0+cpu", "0.27.1+cpu"):
+    for version in (*MATRIX, "0.32.0+cpu", "0.27.1+cpu", "0.29.0+cpu"):
         decided = plan(version)
         assert decided.proven and decided.row is MATRIX[version.split("+")[0]], version
-    v2_only = plan("0.28.0", lambda row: [] if row.runner == "V2" else ["model_config.enable_return_routed_experts"])
-    assert v2_only.row is MATRIX["0.32.0"] and not v2_only.proven  # 0.27.1 and below tried first, then above
-    assert "vLLM 0.28.0: matrix row 0.32.0 applied (fits, but no test ran this build" in v2_only.describe()
-    refused = plan("0.28.0", lambda row: [f"{row.version}-gap"])
+    v2_only = plan("0.28.1", lambda row: [] if row.runner == "V2" else ["model_config.enable_return_routed_experts"])
+    assert v2_only.row is MATRIX["0.31.0"] and not v2_only.proven  # 0.28.0 and below tried first, then above
+    assert "vLLM 0.28.1: matrix row 0.31.0 applied (fits, but no test ran this build" in v2_only.describe()
+    refused = plan("0.28.1", lambda row: [f"{row.version}-gap"])
     assert refused.row is None and refused.reason.startswith(NONE_FITS), refused.reason
-    assert "the nearest, 0.27.1, lacks: 0.27.1-gap" in refused.reason and "no spool records" in refused.reason
+    assert "the nearest, 0.28.0, lacks: 0.28.0-gap" in refused.reason and "no spool records" in refused.reason
     assert "not installed" in plan(None).reason
     settings = EngineSettings(spool_dir=tmp_path, mode=Mode.SIDECAR, engine_id="t")
-    report = EngineReport.from_dict(refusal_report(settings, engine="t/vllm", vllm="0.28.0", reason=refused.reason))
+    report = EngineReport.from_dict(refusal_report(settings, engine="t/vllm", vllm="0.28.1", reason=refused.reason))
     assert report.delivery.mode == "off" and report.delivery.configured_mode == "sidecar"
-    assert report.delivery.inline_kept == refused.reason and report.vllm == "0.28.0"
+    assert report.delivery.inline_kept == refused.reason and report.vllm == "0.28.1"
 
 
 def test_an_unproven_build_keeps_vllms_rows_and_says_so(tmp_path):
@@ -151,7 +151,7 @@ def test_an_unproven_build_keeps_vllms_rows_and_says_so(tmp_path):
     engine file names the build, the row applied, and why the rows stay inline."""
     settings = EngineSettings(spool_dir=tmp_path, mode=Mode.SIDECAR, engine_id="t")
     shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), num_hidden_layers=2)
-    spooler = Spooler(settings, shape, engine="t/api0", vllm="0.30.0", row="0.32.0", proven=False)
+    spooler = Spooler(settings, shape, engine="t/api0", vllm="0.32.1", row="0.32.0", proven=False)
     try:
         rows = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=np.uint8)
         assert spooler.finish(Finished("r", rows, 0, 1, "ok")) is True  # True: keep the inline array
@@ -159,8 +159,8 @@ def test_an_unproven_build_keeps_vllms_rows_and_says_so(tmp_path):
     finally:
         spooler.close()
     assert report.delivery.mode == "mirror" and report.delivery.configured_mode == "sidecar"
-    assert report.delivery.inline_kept == "vLLM 0.30.0: no test ran this build (matrix row 0.32.0)"
-    assert report.build.to_dict() == {"found": "0.30.0", "layout": "0.32.0", "proven": False, "check": None}
+    assert report.delivery.inline_kept == "vLLM 0.32.1: no test ran this build (matrix row 0.32.0)"
+    assert report.build.to_dict() == {"found": "0.32.1", "layout": "0.32.0", "proven": False, "check": None}
 
 
 def test_the_capture_flag_is_read_where_each_release_keeps_it():
@@ -179,10 +179,11 @@ def test_the_capture_flag_is_read_where_each_release_keeps_it():
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="`make env-vllm` builds the vLLM venv")
 def test_in_real_vllm_a_build_between_rows_is_hooked_and_one_without_a_hook_target_is_refused(tmp_path):
-    """In the vLLM venv: each row of the hook table resolves on the installed vLLM. Calling itself 0.28.0 (between
-    the matrix's rows), its code takes 0.32.0's row: the hooks are wrapped, one WARNING says it is unproven. The same
-    vLLM without a hooked attribute fits no row: `register()` wraps nothing, logs the one refusal naming the gap and
-    writes it to the engine file."""
+    """In the vLLM venv: each row of the hook table resolves on the installed vLLM. Calling itself 0.28.1 (between
+    the matrix's rows), its code takes 0.31.0's row (the nearest above it whose flag sits on `aux_output_config`,
+    as 0.32's does): the hooks are wrapped, one WARNING says it is unproven. The same vLLM without a hooked
+    attribute fits no row: `register()` wraps nothing, logs the one refusal naming the gap and writes it to the
+    engine file."""
 
     def run(body: str, spool: Path) -> subprocess.CompletedProcess[str]:
         script = textwrap.dedent(
@@ -196,7 +197,7 @@ def test_in_real_vllm_a_build_between_rows_is_hooked_and_one_without_a_hook_targ
                 assert attr in vars(getattr(importlib.import_module(module), cls)), hook.target
             import vllm
             assert vllm.__version__ in {SUPPORTED_VLLM!r}, vllm.__version__
-            vllm.__version__ = "0.28.0"
+            vllm.__version__ = "0.28.1"
             os.environ.update(R3_SPOOL_DIR={str(spool)!r}, R3_ENGINE_ID="old")
             """
         ) + textwrap.dedent(body)
@@ -214,7 +215,7 @@ def test_in_real_vllm_a_build_between_rows_is_hooked_and_one_without_a_hook_targ
         tmp_path / "fits",
     )
     assert hooked.returncode == 0 and hooked.stdout.strip().endswith("ok"), hooked.stderr[-3000:]
-    assert "vLLM 0.28.0: matrix row 0.32.0 applied (fits, but no test ran this build" in hooked.stderr
+    assert "vLLM 0.28.1: matrix row 0.31.0 applied (fits, but no test ran this build" in hooked.stderr
     lacking = run(
         """
         from vllm.v1.engine.output_processor import OutputProcessor
@@ -235,7 +236,7 @@ def test_in_real_vllm_a_build_between_rows_is_hooked_and_one_without_a_hook_targ
     report = EngineReport.from_dict(Spool(tmp_path).read_engine_file(engine))
     assert report.engine == "old/vllm" and report.delivery.mode == "off" and report.delivery.inline_kept == reason
     (served,) = _served_engines(tmp_path)  # the sidecar's `GET /v1/engines` says it too
-    assert served["delivery"]["inline_kept"] == reason and served["vllm"] == "0.28.0"
+    assert served["delivery"]["inline_kept"] == reason and served["vllm"] == "0.28.1"
 
 
 def _served_engines(spool_dir: Path) -> list[dict]:
