@@ -17,11 +17,9 @@ missing or mixed-up row fails.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import io
 import json
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,9 @@ import pytest
 import vllm_server
 from baseline import spool_files
 from tiers import param
+from vllm_abort import LONG_DECODE, abort_mid_decode
 from vllm_server import VllmServer, inline_rows
-from waiting import WaitTimeout, wait_until
+from waiting import wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release
 from service.client.engine_responses import vllm_choice_rid
@@ -43,83 +42,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]  # three server start
 
 LONG = "".join(chr(ord("a") + (i * 7) % 26) for i in range(300))  # 300 byte tokens: two full 128-token blocks
 MAX_MODEL_LEN = 16384
-LONG_DECODE = 16000  # tokens: the abort lands mid-decode even where vLLM decodes this model 100x faster than here
-ABORT_AFTER = 8  # tokens vLLM reports decoded before the abort is sent
-GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 PREFIX_HITS = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
 def _prefix_hits(server: VllmServer) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return sum(float(v) for v in PREFIX_HITS.findall(text))
-
-
-def _generated(server: VllmServer, client: httpx.Client) -> float:
-    text = client.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(v) for v in GENERATED.findall(text))
-
-
-def _abort(server: VllmServer, route: str) -> dict[str, Any]:
-    """A long request aborted through vLLM's own endpoint (by its external id) once it has decoded a few
-    tokens: the abort waits on vLLM's own token counter, not on a clock, so a fast or a loaded machine alike
-    aborts it mid-decode. The response gains `seen_before_abort`, what the counter said when the abort went.
-    A failure says how many times the counter was read, what it said and when, so a CI log alone explains it."""
-    started = time.monotonic()
-    looks = 0
-    failed: list[str] = []  # looks that got no answer: "not yet", never the end of the wait (see below)
-    seen = 0.0
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    with httpx.Client() as client:
-        before = _generated(server, client)
-        # the client's own 300 s timeout outlasts both waits below (120 s each), so a hang fails with their message
-        pending = pool.submit(server.completion, "Abort me, please", rid="abort", max_tokens=LONG_DECODE)
-
-        def decoding() -> bool:
-            nonlocal seen, looks
-            looks += 1
-            try:
-                seen = _generated(server, client) - before
-            except httpx.HTTPError as exc:
-                failed.append(f"{time.monotonic() - started:.1f} s: {exc!r}")
-            return seen >= ABORT_AFTER or pending.done()
-
-        # A look that failed (a timeout, a kept-alive connection the server had just closed) once left this block
-        # by its exception, and the executor's exit then waited out the long request's 300 s client timeout: the
-        # 2026-11-27 stall. A failed look is now "not yet", and nothing here waits on the request but the result.
-        try:
-            with contextlib.suppress(WaitTimeout):  # the abort goes at the deadline too: `_check_abort` judges it
-                wait_until(decoding, 120, f"{ABORT_AFTER} tokens decoded", interval=0.05)
-        finally:
-            sent = time.monotonic() - started
-            aborts = _abort_until_done(server, route, pending)
-            pool.shutdown(wait=False)
-        state = (
-            f"{server.name}: {looks} looks at the counter ({len(failed)} failed: {failed[:3]}), {seen:g} tokens "
-            f"when the first of {aborts} aborts went at {sent:.1f} s"
-        )
-        try:
-            done = pending.result(timeout=120)
-            return done | {"seen_before_abort": seen, "aborts_sent": aborts, "abort_state": state}
-        except concurrent.futures.TimeoutError:
-            pytest.fail(f"the aborted request still runs 120 s on ({state})")
-        except httpx.HTTPError as exc:
-            pytest.fail(f"the aborted request failed after {time.monotonic() - started:.1f} s: {exc!r} ({state})")
-
-
-def _abort_until_done(server: VllmServer, route: str, pending: concurrent.futures.Future) -> int:
-    """Send the abort until the request ends, and say how many went. vLLM drops an abort naming an id its output
-    processor does not hold yet (`OutputProcessor.abort_requests`), and the token counter is global: in CI one
-    abort went at "14 tokens" and the request ran its 16,000 (2026-11-28). A later abort finds it; the request's
-    `finish_reason` then says whether any abort took. The next abort goes 0.2 s after the last: CI's vLLM 0.27.1
-    once decoded all 16,000 tokens within the 5 s this loop first waited between aborts (2026-11-28)."""
-    sent = 0
-    deadline = time.monotonic() + 120
-    while not pending.done() and time.monotonic() < deadline:
-        httpx.post(f"{server.url}{route}", json={"request_ids": ["cmpl-abort-0"]}, timeout=30).raise_for_status()
-        sent += 1
-        with contextlib.suppress(concurrent.futures.TimeoutError):
-            pending.exception(timeout=0.2)
-    return sent
 
 
 def _hang_up(server: VllmServer) -> None:
@@ -167,7 +95,7 @@ def workload(server: VllmServer, release: Release) -> dict[str, Any]:
     out["stream_ref"] = server.completion("Streaming prompt", rid="streamref", max_tokens=6)
     out["stream_text"] = _stream(server)
     if release.abort_route is not None:
-        out["abort"] = _abort(server, release.abort_route)
+        out["abort"] = abort_mid_decode(server, release.abort_route, "Abort me, please", "abort")
     _hang_up(server)
     return out
 
@@ -227,7 +155,8 @@ def runs(
             for other, _ in out.values():
                 other.stop()
             if isinstance(exc, Exception | pytest.fail.Exception):  # not an interrupt: name the server, show its log
-                raise RuntimeError(f"the workload on {server.name} failed: {exc!r}\n{tail}") from exc
+                # the cause last: CI shows a failure's last lines, and they must say what went wrong
+                raise RuntimeError(f"the workload on {server.name} failed; its log ends:\n{tail}\n{exc!r}") from exc
             raise
     yield out
     out["sidecar"][0].stop()
