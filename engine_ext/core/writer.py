@@ -183,8 +183,9 @@ class SpoolWriter:
         with self._lock:
             self.stats.fallback_inline += 1
 
-    def note_undelivered(self, reason: str, *, rid: str, inline: bool) -> None:
-        """Count a request whose rows did not reach the spool; `inline`: it keeps SGLang's inline payload.
+    def note_undelivered(self, reason: str, *, rid: str, inline: bool, detail: str = "") -> None:
+        """Count a request whose rows did not reach the spool; `inline`: it keeps SGLang's inline payload;
+        `detail`: what the log line adds to the reason (the row counts of a mismatch).
 
         Logged at most once per reason every `UNDELIVERED_LOG_EVERY_S` (a full spool refuses every request,
         and the scheduler thread must not format a line for each), always with the running count.
@@ -200,9 +201,10 @@ class SpoolWriter:
                 self._undelivered_logged[reason] = now
         if due:
             logger.warning(
-                "r3-sidecar: rows of request %r not delivered to the spool (%s; %s); %d such requests so far",
+                "r3-sidecar: rows of request %r not delivered to the spool (%s%s; %s); %d such requests so far",
                 rid,
                 reason,
+                f": {detail}" if detail else "",
                 "SGLang's inline payload kept" if inline else "no inline payload was asked for: rows lost",
                 total,
             )

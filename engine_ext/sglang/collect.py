@@ -224,7 +224,9 @@ class Collector:
             if check is not None:
                 check.theirs(rid, None)
             self.writer.release(nbytes)
-            self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None)
+            got = "no rows" if rows is None else f"{rows.shape[0]} rows"
+            want = f"{nbytes // spec.row_bytes} expected"
+            self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None, detail=f"{got}, {want}")
             if rows is None:
                 self.dropped += 1
             self.writer.end_refused(rid, spec)

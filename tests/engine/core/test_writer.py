@@ -213,14 +213,14 @@ def test_undelivered_requests_are_counted_by_reason_and_logged(tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="r3_sidecar.writer"):
         for i in range(5):
             writer.note_undelivered("spool_full", rid=f"r{i}", inline=i % 2 == 0)
-        writer.note_undelivered("mirror_mismatch", rid="m", inline=True)
+        writer.note_undelivered("mirror_mismatch", rid="m", inline=True, detail="9 rows, 8 expected")
     snap = writer.snapshot()
     assert snap["undelivered"] == {**dict.fromkeys(UNDELIVERED_REASONS, 0), "spool_full": 5, "mirror_mismatch": 1}
     assert snap["fallback_inline"] == 4, "only requests that asked for routed experts keep an inline payload"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, "one line per reason per interval, not one per request"
     assert "'r0'" in lines[0] and "spool_full" in lines[0] and "inline payload kept" in lines[0]
-    assert "mirror_mismatch" in lines[1]
+    assert "(mirror_mismatch: 9 rows, 8 expected; SGLang's inline payload kept)" in lines[1]  # why, for the log
 
 
 def test_a_failed_write_counts_its_request_once(tmp_path):
