@@ -213,20 +213,29 @@ class Collector:
         """Queue rows `[lo, hi)` of a running request for this step's batched slot read (live prefixes)."""
         self.gather.add(ticket, pool_idx, lo, hi)
 
-    def mirror(self, rid: str, rows: torch.Tensor | None) -> None:
-        """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather)."""
+    def mirror(self, rid: str, rows: torch.Tensor | None, *, past_stop: int = 0) -> None:
+        """Mirror mode: hand the inline payload SGLang just built to the writer (no second gather).
+
+        `past_stop`: tokens SGLang sampled after the request's stop (`output_ids` beyond `finished_len`). SGLang's
+        rows run to its last sampled token, the record's to the stop: a `max_new_tokens=0` request (SGLang's
+        prefix-caching request for `n>1`) samples one token it discards, so its payload has one row more. The
+        record keeps the rows of the tokens the request kept, as sidecar mode's gather does."""
         spec, nbytes, status, skip = self._mirror.pop(rid)
         check = self.check if rid in self._checking else None
         self._checking.discard(rid)
+        want = nbytes // spec.row_bytes
         if rows is not None and skip:
             rows = rows[skip:]
-        if rows is None or rows.shape[0] * spec.row_bytes != nbytes:
+        if rows is not None and past_stop > 0 and rows.shape[0] == want + past_stop:
+            rows = rows[:want]
+        if rows is None or rows.shape[0] != want:
             if check is not None:
                 check.theirs(rid, None)
             self.writer.release(nbytes)
             got = "no rows" if rows is None else f"{rows.shape[0]} rows"
-            want = f"{nbytes // spec.row_bytes} expected"
-            self.writer.note_undelivered("mirror_mismatch", rid=rid, inline=rows is not None, detail=f"{got}, {want}")
+            self.writer.note_undelivered(
+                "mirror_mismatch", rid=rid, inline=rows is not None, detail=f"{got}, {want} expected"
+            )
             if rows is None:
                 self.dropped += 1
             self.writer.end_refused(rid, spec)

@@ -167,7 +167,8 @@ def _around_collect(original, self, req):
     if route in (Route.INLINE, Route.BOTH):
         original(self, req)
     if route == Route.BOTH:
-        PROCESS.delivery.collector.mirror(req.rid, req.routed_experts)
+        past_stop = len(req.output_ids) - len(req.output_ids_through_stop)
+        PROCESS.delivery.collector.mirror(req.rid, req.routed_experts, past_stop=past_stop)
     return None
 
 

@@ -139,6 +139,7 @@ ATTRIBUTES: tuple[Read, ...] = (
         "retraction_count",
         "is_retracted",
         "routed_experts_start_len",
+        "output_ids",
         "output_ids_through_stop",
         "@req_pool_idx",
     ),

@@ -186,6 +186,16 @@ meta, rows = spool_rows("e")
 results["e"] = dict(inline=e.routed_experts is not None,
                     equal=bool(e.routed_experts is not None and np.array_equal(rows, e.routed_experts.numpy())))
 
+# mirror, a token sampled past the stop (max_new_tokens=0, SGLang's prefix-caching request for n>1): 0.5.23's
+# payload stops at the stop (0.5.12's has a row for that token: the version suite's real servers); the record too
+h = run_request("h", 6, 9, 1, return_routed_experts=True)
+h.finished_len = 0
+finish([h])
+meta, rows = spool_rows("h")
+results["h"] = dict(inline=int(h.routed_experts.shape[0]), rows=meta.rows,
+                    equal=bool(np.array_equal(rows, h.routed_experts.numpy())),
+                    mismatches=PROCESS.delivery.writer.snapshot()["undelivered"]["mirror_mismatch"])
+
 # spool full: SGLang's inline path is kept and counted
 configure(spool_max_bytes=64)
 f = run_request("f", 6, 30, 10, return_routed_experts=True)
@@ -296,6 +306,7 @@ def test_finish_path_against_sglang(tmp_path):
     assert res["launches"] == 1  # two finished requests, one batched slot read
     assert res["d"] == {"equal": True, "inline": False}
     assert res["e"] == {"inline": True, "equal": True}
+    assert res["h"] == {"inline": 8, "rows": 8, "equal": True, "mismatches": 0}
     eng = res["engine_file"]
     assert eng["engine"].endswith("/dp0") and eng["sglang"] == "0.5.23", eng
     assert eng["budget"], "the budget table of the published ServerArgs"
