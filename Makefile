@@ -314,10 +314,12 @@ $(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirem
 # Every other release from 0.5.12 to 0.5.22, for `make test-matrix`'s check that each release's code gets the layout
 # `versions.RELEASES` says (tests/e2e/test_sglang_releases.py): the same overlay, with the transformers pin of the
 # nearest proven release whose pins import it (0.5.12's up to 0.5.14; 0.5.16's for 0.5.15-0.5.19: .venv's
-# transformers registers `qwen3_asr` again; none from 0.5.21, which import on .venv's own).
+# transformers registers `qwen3_asr` again; none from 0.5.21, which import on .venv's own). 0.5.15's adds the CuTe DSL
+# its GLM model imports (requirements/sglang-0.5.15-overlay.txt).
 SGLANG_RELEASES := 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14 0.5.15 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.21 0.5.22
 release_pins = $(if $(filter 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14,$(1)),requirements/sglang-0.5.12-overlay.txt,$(if \
-  $(filter 0.5.15 0.5.15.post1 0.5.17 0.5.18 0.5.19,$(1)),requirements/sglang-0.5.16-overlay.txt,))
+  $(filter 0.5.15,$(1)),requirements/sglang-0.5.15-overlay.txt,$(if \
+  $(filter 0.5.15.post1 0.5.17 0.5.18 0.5.19,$(1)),requirements/sglang-0.5.16-overlay.txt,)))
 env-sglang-releases: $(SGLANG_RELEASES:%=.venv-sglang-%/.sglang-stamp)
 $(SGLANG_RELEASES:%=.venv-sglang-%/.sglang-stamp): .venv-sglang-%/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS)
 	$(call sglang_overlay,.venv-sglang-$*,$*,$(call release_pins,$*))

@@ -16,7 +16,8 @@ layout it has. So a layout is applied where the build has what it needs, whateve
 
 Candidates are tried nearest release first (at or below the build's, then above), so the hint decides only
 between layouts that both fit. A build fitting none is refused, naming what the nearest candidate lacks. Whether
-a build is *proven* (a test ran its real server) is `versions.proven`, a separate fact.
+a build is *proven* (a test ran its real server) is a separate fact: its release is in `versions.PROVEN` and its
+files are that release's own (`release_files`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from engine_ext.sglang import compat
-from engine_ext.sglang.versions import Support, lacks_plugins, support
+from engine_ext.sglang import compat, release_files
+from engine_ext.sglang.versions import PROVEN, Support, lacks_plugins, support
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -80,7 +81,8 @@ def installed() -> Support:
     if lacks_plugins(found):
         return support(found, None)
     fitted = fit(found, HOOKS)
-    return support(found, fitted.layout, fitted.lacking)
+    changed = release_files.installed_changes() if found in PROVEN else []  # a patched image under a proven name
+    return support(found, fitted.layout, fitted.lacking, changed)
 
 
 def fit(found: str | None, hooks: Iterable, lacking: Callable[[str, list], list[str]] | None = None) -> Fit:

@@ -49,7 +49,8 @@ def source_key(*parts: str) -> str | None:
 
 
 def cached(name: str, functions: Collection[str], compute: Callable[[], list[str]]) -> list[str]:
-    """`compute()` for layout `name` and hook `functions`, read from the cache when this build's answer is there."""
+    """`compute()` for `name` (a layout, or another question about the build) and hook `functions`, read from the
+    cache when this build's answer is there."""
     key = source_key(name, *sorted(functions))
     path = None if key is None else cache_dir() / f"attributes-{key}.json"
     if path is not None:

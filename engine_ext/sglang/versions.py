@@ -45,7 +45,6 @@ class Version:
 
     version: str
     plugin_mechanism: bool  # `sglang.srt.plugins` entry points + `HookRegistry`
-    proven: bool  # the plugin's hooks ran on this version's real server and matched its inline payload
     missing_targets: tuple[str, ...]  # `hooks.HOOKS` targets absent from this version
     missing_names: tuple[str, ...]  # names the hook bodies import or read, absent here (those that stop a start)
     seeds: dict[Seed, Upstream]  # each seed fix as upstream ships it in this version
@@ -62,7 +61,6 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.23",
             plugin_mechanism=True,
-            proven=True,
             missing_targets=(),
             missing_names=(),
             seeds=dict.fromkeys(Seed, Upstream.PRESENT),
@@ -73,7 +71,6 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.20",
             plugin_mechanism=True,
-            proven=True,
             missing_targets=(),
             missing_names=(
                 "sglang.srt.runtime_context.ParallelContext.num_dp_ranks",
@@ -88,7 +85,6 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.16",
             plugin_mechanism=True,
-            proven=True,
             missing_targets=(
                 "sglang.srt.runtime_context.cutedsl_moe_max_num_tokens",
                 "sglang.srt.beam_search.output.try_build_beam_search_out_dict",
@@ -113,7 +109,6 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.12",
             plugin_mechanism=True,
-            proven=True,
             missing_targets=(
                 f"{_BRP}._maybe_collect_routed_experts",
                 f"{_BRP}.process_batch_result_prefill",
@@ -149,7 +144,6 @@ MATRIX: dict[str, Version] = {
         Version(
             "0.5.10.post1",
             plugin_mechanism=False,
-            proven=False,
             missing_targets=(),
             missing_names=("sglang.srt.plugins",),
             seeds={},
@@ -161,7 +155,7 @@ MATRIX: dict[str, Version] = {
 
 # Every release from 0.5.12 to 0.5.23: the layout its own code fits (`fit`, run in a venv holding that release,
 # `make env-sglang-releases`; checked by `tests/e2e/test_sglang_releases.py`), None where it fits none.
-# Only the `MATRIX` rows marked `proven` are proven by a real server; the rest run as unproven builds.
+# Only the `PROVEN` releases are proven by a real server; the rest run as unproven builds.
 RELEASES: dict[str, str | None] = {
     "0.5.12": "0.5.12",
     "0.5.12.post1": "0.5.12",
@@ -181,6 +175,16 @@ RELEASES: dict[str, str | None] = {
 }
 
 
+# The releases whose real CPU server a test ran with the layout `RELEASES` gives them, the plugin taking delivery
+# over at once: records equal to SGLang's own inline rows in every delivery mode (the version suite, in
+# `test_sglang_0_5_12.py`, `_16`, `_20`, the CI suite for 0.5.23, and `test_sglang_release_servers.py` for the
+# rest). docs/versions.md gives each one's last run. Any other build runs as unproven (`build_check`).
+PROVEN: frozenset[str] = frozenset(
+    {"0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"}
+    | {"0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"}
+)
+
+
 @dataclass(frozen=True)
 class Support:
     """What the plugin does on one found build: the groups it registers, the layout, and why not more."""
@@ -190,6 +194,7 @@ class Support:
     reason: str | None  # None: the whole plugin runs
     layout: str | None = None  # the `compat` layout applied (`fit`), None where nothing is registered
     proven: bool = False  # a test ran this very release's real server with that layout
+    changed: tuple[str, ...] = ()  # a proven release string whose files are not the release's (`release_files`)
 
     @property
     def full(self) -> bool:
@@ -200,23 +205,32 @@ class Support:
         if not self.full:
             return f"r3-sidecar: {self.reason}"
         how = "proven by its real-server tests" if self.proven else UNPROVEN
+        if self.changed:
+            more = len(self.changed) - 3
+            shown = ", ".join(self.changed[:3]) + (f" and {more} more" if more > 0 else "")
+            how = f"{how}; its files are not the release's: {shown}"
         return f"r3-sidecar: sglang=={self.version}: layout {self.layout} applied ({how})"
 
 
 UNPROVEN = "fits, but no test ran this build: inline rows are kept until its records agree with SGLang's own"
 
 
-def support(found: str | None, layout: str | None, lacking: dict[str, list[str]] | None = None) -> Support:
+def support(
+    found: str | None,
+    layout: str | None,
+    lacking: dict[str, list[str]] | None = None,
+    changed: list[str] | tuple[str, ...] = (),
+) -> Support:
     """The plugin's plan for SGLang `found`, whose code fits `layout` (`fit.fit`; None: fits no layout): every
-    group where it fits, none otherwise (never half-installed)."""
-    row = MATRIX.get(found or "")
+    group where it fits, none otherwise (never half-installed). `changed`: the files of a `PROVEN` release
+    string that differ from that release's (`release_files`): a patched image under a proven name is unproven."""
     if lacks_plugins(found):
         reason = f"sglang=={found} has no plugin mechanism (sglang.srt.plugins); r3-sidecar needs sglang>=0.5.12"
     elif layout is None:
         reason = f"sglang=={found} fits none of the plugin's layouts{_nearest_gap(lacking or {})}"
     else:
-        proven = row is not None and row.proven and layout == found
-        return Support(found, GROUPS, None, layout, proven)
+        proven = found in PROVEN and layout == RELEASES[found] and not changed
+        return Support(found, GROUPS, None, layout, proven, tuple(changed) if found in PROVEN else ())
     return Support(found, (), reason + "; registering no hooks (capture stays upstream's)")
 
 

@@ -11,9 +11,11 @@ ran that build, and no row of the plugin's matrix names it, so only what the cod
   plugin's way, are the rows SGLang returned inline for them before.
 
 Made to disagree (a test-only `sitecustomize` that swaps the first two rows of every read the plugin gathers, as
-a slice off by one would): the first checked record stops the plugin in that process; SGLang keeps answering with
-its own inline rows, one ERROR line, the engine file's `degraded` names the record and row, and the sidecar
-counts it in `r3_engine_degraded_hooks_total` (what `R3EngineDegraded` fires on).
+a slice off by one would), on a build that calls itself 0.5.23, a proven release, but is installed editable (its
+RECORD lists no source, so nothing shows its files are the release's: `release_files`), which therefore runs
+unproven and checks itself as well: the first checked record stops the plugin in that process; SGLang keeps
+answering with its own inline rows, one ERROR line, the engine file's `degraded` names the record and row, and
+the sidecar counts it in `r3_engine_degraded_hooks_total` (what `R3EngineDegraded` fires on).
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ SWAP = textwrap.dedent(
 )
 
 
-def shadow_build(root: Path, *, swap: bool) -> str:
-    """A PYTHONPATH whose first entry says SGLang is `DEV_BUILD` (and, with `swap`, shifts the plugin's rows)."""
+def shadow_build(root: Path, *, swap: bool, version: str = DEV_BUILD) -> str:
+    """A PYTHONPATH whose first entry says SGLang is `version`, installed editable: a RECORD that lists none of
+    its sources (and, with `swap`, shifts the plugin's rows)."""
     root.mkdir(parents=True, exist_ok=True)
-    info = root / f"sglang-{DEV_BUILD}.dist-info"
+    info = root / f"sglang-{version}.dist-info"
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {DEV_BUILD}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"__editable__.sglang-{version}.pth,,\n{info.name}/RECORD,,\n")
     if swap:
         (root / "sitecustomize.py").write_text(SWAP)
     return os.pathsep.join(filter(None, [str(root), str(REPO), os.environ.get("PYTHONPATH")]))
@@ -128,8 +132,13 @@ def test_once_agreed_the_plugin_delivers_what_sglang_returned_inline(checked):
 
 
 def test_a_build_made_to_disagree_leaves_sglang_in_charge_loudly(checked, sglang_stack, tmp_path_factory):
+    """This build calls itself 0.5.23, a proven release, but is installed editable: its files cannot be shown to
+    be the release's (a patched image's may not be), so it runs unproven and checks itself too."""
     _, metas = checked  # SGLang's own rows of the same prompts, from the build that agreed
-    stack = sglang_stack(config("disagreeing-build", shadow_build(tmp_path_factory.mktemp("swap"), swap=True)))
+    shadow = shadow_build(tmp_path_factory.mktemp("swap"), swap=True, version="0.5.23")
+    stack = sglang_stack(config("disagreeing-build", shadow))
+    line = "r3-sidecar: sglang==0.5.23: layout 0.5.23 applied (fits, but no test ran this build"
+    assert line in stack.server.log_text() and "its files are not the release's: no .py file" in stack.server.log_text()
     first = ask(stack, PROMPTS[0])
     np.testing.assert_array_equal(inline(stack, first), inline(stack, metas[0]))  # SGLang's own rows, answered
 
@@ -138,7 +147,7 @@ def test_a_build_made_to_disagree_leaves_sglang_in_charge_loudly(checked, sglang
 
     (fault,) = wait_until(degraded, 60, lambda: f"a degraded entry (engine file: {engine_file(stack)})")
     assert f"record {first['id']!r}" in fault["error"] and "row 0, layer slot 0" in fault["error"], fault
-    assert "differs from SGLang's own" in fault["error"] and DEV_BUILD in fault["error"], fault
+    assert "differs from SGLang's own" in fault["error"] and "0.5.23" in fault["error"], fault
     again = ask(stack, PROMPTS[1])  # SGLang's path from now on: its inline rows
     np.testing.assert_array_equal(inline(stack, again), inline(stack, metas[1]))
     errors = [line for line in stack.server.log_text().splitlines() if "failed: BuildMismatch" in line]

@@ -55,7 +55,17 @@ import sglang.srt.state_capturer.base as capturer
 import sglang.srt.mem_cache.memory_pool_host
 device = {"device": "cpu"} if "device" in inspect.signature(capturer.BaseHostCache).parameters else {}
 cache = capturer.BaseHostCache(4, 2, 2, "probe", **device)  # 0.5.20 on: allocated for a device's host
+# a forward's rows handed to the overlap scheduler, then the next forward writing the capture buffer first
+buffer = capturer.torch.ones(3, 2, 2, dtype=capturer.torch.int32)
+out = capturer.TopkCaptureOutput(out_cache_loc=capturer.torch.tensor([1]), topk=buffer[:1], host_cache=cache)
+if hasattr(out, "map_device_tensors"):  # 0.5.15 on: the caller's copy (`_async_d2h`: `.to("cpu")` off CUDA)
+    out.map_device_tensors(lambda t: t.to("cpu", non_blocking=True))
+elif hasattr(out, "copy_to_cpu"):
+    out.copy_to_cpu()
+buffer[:1] = 2
+out.finalize()
 print(json.dumps({
+    "overlap_rows_kept": int(cache.buffer[1, 0, 0]) == 1,
     "rotary_is_cpu": rotary._is_cpu,
     "dp_memcpy_cpu": getattr(dp, "memcpy_func", None) is getattr(dp, "memcpy_cpu", False),
     "host_cache_pinned": cache.buffer.is_pinned(),
@@ -74,6 +84,9 @@ def test_the_cpu_shim_patches_what_each_version_needs(version):
     effects = json.loads(done.stdout.strip().splitlines()[-1])
     newer = version in ("0.5.23", "0.5.20")
     assert effects == {
+        # the capture's "copy to CPU" copies (0.5.18 on: SGLang clones before it, in `on_forward_end`, which this
+        # probe skips, so 0.5.20 and 0.5.23 show the bare class; their servers never hand it a bare view)
+        "overlap_rows_kept": not newer,
         "rotary_is_cpu": True,
         "dp_memcpy_cpu": newer,  # the older ones have no CPU row copy, and run no DP attention here
         "host_cache_pinned": False,  # 0.5.23 / 0.5.20 allocate unpinned through ALLOC_MEMORY_FUNCS, older via `torch`

@@ -109,10 +109,7 @@ def assert_same_answer(name: str, stack: Stack, up: dict, on: dict) -> None:
     assert_same_rows(name, reference, rows)
 
 
-# The writer's line for a request whose rows did not become a record (`SpoolWriter.note_undelivered`): logged as
-# the scheduler hands the rows over, before the response leaves. 0.5.12's `n>1` prefix-caching request showed it
-# (`mirror_mismatch: 9 rows, 8 expected`: a row for the token it samples and discards) until `Collector.mirror`
-# kept the rows up to the stop.
+# `SpoolWriter.note_undelivered`'s line, logged before the response leaves (0.5.12's `n>1` prefix request, once)
 NOT_DELIVERED = "not delivered to the spool"
 
 

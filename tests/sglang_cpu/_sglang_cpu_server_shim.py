@@ -22,7 +22,14 @@ imported SGLang's own `sglang.version`, not from whichever dist-info is first on
    `forward_batch_info._is_cpu`, and their venvs run no DP attention.
 4. Before 0.5.20 (0.5.16, 0.5.12): the routed-experts host cache (`state_capturer.base.BaseHostCache`)
    allocates with `torch.zeros(..., pin_memory=True)` itself, not through `ALLOC_MEMORY_FUNCS`; that module's
-   `torch` becomes one whose `zeros` leaves host memory unpinned.
+   `torch` becomes one whose `zeros` leaves host memory unpinned. Before 0.5.18: under overlap scheduling (on by
+   default) a forward's routed experts reach the host cache through `TopkCaptureOutput`, whose "copy to CPU"
+   (`copy_to_cpu`, from 0.5.15 `map_device_tensors` with `.to("cpu", non_blocking=True)`) is a real copy from a
+   GPU, ordered before the next forward on the same stream, but returns the capture buffer itself on a CPU. The
+   next forward, run before the scheduler processes this one's result, overwrites it, so each decode row held
+   the next token's routing and the last row whatever forward came next (seen 2026-11-29 on 0.5.13.post1's
+   real server: with `--disable-overlap-schedule` the same rows one position earlier). 0.5.18 clones there
+   itself; here the copy is made a copy, as on a GPU.
 5. 0.5.12 only: `mem_cache.memory_pool_host` imports `sgl_kernel.kvcacheio` on every device but NPU, XPU and
    MPS (0.5.16 only on CUDA and HIP); PyPI's sgl_kernel is a CUDA build, not installed here. While that module
    executes, a `sgl_kernel.kvcacheio` whose functions raise stands in (nothing calls them without a
@@ -88,7 +95,30 @@ class _UnpinnedTorch(types.ModuleType):
 
 
 def _state_capturer_base(module) -> None:
-    module.torch = _UnpinnedTorch(module.torch)
+    version = _sglang_version()
+    if version < (0, 5, 20):
+        module.torch = _UnpinnedTorch(module.torch)
+    if version < (0, 5, 18):
+        _copying_capture_output(module.TopkCaptureOutput)
+
+
+def _copying_capture_output(cls) -> None:
+    """`TopkCaptureOutput`'s copy to the host a copy on a CPU too (point 4 above)."""
+    if hasattr(cls, "map_device_tensors"):  # 0.5.15 to 0.5.17
+        mapped = cls.map_device_tensors
+
+        def map_device_tensors(self, fn):
+            return mapped(self, lambda tensor: fn(tensor).clone())
+
+        cls.map_device_tensors = map_device_tensors
+    else:  # 0.5.12 to 0.5.14
+        copied = cls.copy_to_cpu
+
+        def copy_to_cpu(self):
+            copied(self)
+            self.out_cache_loc, self.topk = self.out_cache_loc.clone(), self.topk.clone()
+
+        cls.copy_to_cpu = copy_to_cpu
 
 
 ZERO_LAYER_FLAG = "R3_TEST_ZERO_LAYER"
@@ -180,7 +210,7 @@ _PATCHES = {
     "sglang.srt.layers.attention.torch_native_backend": _Patch(_torch_native, since=_DP),
     "sglang.srt.layers.rotary_embedding.base": _Patch(_rotary),
     "sglang.srt.mem_cache.pool_host.common": _Patch(_pool_host),
-    "sglang.srt.state_capturer.base": _Patch(_state_capturer_base, before=(0, 5, 20)),
+    "sglang.srt.state_capturer.base": _Patch(_state_capturer_base, before=(0, 5, 20)),  # two patches: see it
     "sglang.srt.mem_cache.memory_pool_host": _Patch(around=_with_kvcacheio_stub, before=(0, 5, 16)),
 }
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.sglang.versions import GROUPS, MATRIX, NEWEST, RELEASES, Seed, Upstream, support, supported
+from engine_ext.sglang.versions import GROUPS, MATRIX, NEWEST, PROVEN, RELEASES, Seed, Upstream, support, supported
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "versions.md"
 
@@ -17,20 +17,20 @@ def test_the_newest_is_proven_and_registers_every_group():
     assert plan.full and plan.groups == GROUPS and plan.proven and plan.layout == NEWEST
 
 
-def test_each_proven_release_on_its_own_layout_is_proven():
-    for version in [v for v, row in MATRIX.items() if row.proven]:
-        plan = support(version, version)
+def test_each_proven_release_on_the_layout_it_was_proven_with_is_proven():
+    for version in PROVEN:
+        plan = support(version, RELEASES[version])
         assert plan.full and plan.groups == GROUPS and plan.version == version and plan.proven
-        assert "proven" in plan.describe() and f"layout {version} applied" in plan.describe()
+        assert "proven" in plan.describe() and f"layout {RELEASES[version]} applied" in plan.describe()
 
 
 @pytest.mark.parametrize(
     ("found", "layout"),
-    [("0.5.12.post1", "0.5.12"), ("0.5.15.post1", "0.5.16"), ("0.5.17.dev3+g1a2b3c4", "0.5.16"), ("0.5.23", "0.5.20")],
+    [("0.5.12.post1", "0.5.16"), ("0.5.24", "0.5.23"), ("0.5.17.dev3+g1a2b3c4", "0.5.16"), ("0.5.23", "0.5.20")],
 )
 def test_a_build_that_fits_a_layout_runs_every_group_but_is_not_proven(found, layout):
-    """A post release, a fork's dev build, or a proven release string whose code fits another layout (a patched
-    image): the plugin runs, and says the build is unproven (its records are checked first: `build_check`)."""
+    """A release no test ran, a fork's dev build, or a proven release string whose code fits another layout (a
+    patched image): the plugin runs, and says the build is unproven (its records are checked first: `build_check`)."""
     plan = support(found, layout)
     assert plan.full and plan.groups == GROUPS and plan.layout == layout and not plan.proven
     assert f"sglang=={found}: layout {layout} applied (fits, but no test ran this build" in plan.describe()
@@ -58,7 +58,7 @@ def _applies(version: str) -> str:
     row = MATRIX[version]
     if not row.plugin_mechanism:
         return "cannot load: needs ≥ 0.5.12"
-    if row.proven:
+    if version in PROVEN:
         gaps = f"; not run: {'; '.join(row.not_run)}" if row.not_run else ""
         return f"all hooks (proven on a real CPU server){gaps}"
     return "none: logged at start; refused under enforce"
@@ -79,10 +79,9 @@ def test_docs_table_is_the_matrix():
 
 def _release_row(release: str) -> list[str]:
     layout = RELEASES[release]
-    row = MATRIX.get(release)
     if layout is None:
         return [release, "none", "nothing registered: the start-up line names what the nearest layout lacks"]
-    how = "proven on a real CPU server" if row is not None and row.proven and layout == release else "unproven"
+    how = "proven on a real CPU server" if release in PROVEN else "unproven"
     return [release, layout, how]
 
 
@@ -96,10 +95,9 @@ def test_docs_release_table_is_releases():
         assert row[3] != "-" or row[2] != "proven on a real CPU server", row
 
 
-def test_every_proven_release_gets_its_own_layout():
-    for version, row in MATRIX.items():
-        if row.proven:
-            assert RELEASES[version] == version
+def test_every_proven_release_has_a_layout_and_every_matrix_row_with_plugins_is_proven():
+    assert all(RELEASES.get(version) is not None for version in PROVEN)
+    assert {v for v, row in MATRIX.items() if row.plugin_mechanism} <= PROVEN
 
 
 def test_every_version_with_a_plugin_mechanism_states_every_seed():
