@@ -4,7 +4,8 @@
 #   tests/engine/gpu/make_wheels.sh .gpu               # the CUDA checks (run_checks.sh): SGLang 0.5.23's Python
 #                                                      # package and its pure dependencies, cp312 (~35 MB)
 #   tests/engine/gpu/make_wheels.sh .gpu-0.5.12 0.5.12 # a real SGLang server (run_servers.sh): one site-packages
-#   tests/engine/gpu/make_wheels.sh .gpu-0.5.16 0.5.16 # tarball per version, with its own sgl_kernel (sm90 only)
+#   tests/engine/gpu/make_wheels.sh .gpu-0.5.16 0.5.16 # tarball per version, with its own sgl_kernel (sm90 only);
+#                                                      # also 0.5.12.post1 and 0.5.15.post1
 #
 # Each folder is carried to the device by itself (ignored by git through .git/info/exclude); the device tool takes
 # 64 MiB per call, tracked files included, which the server kind checks and prints.
@@ -36,9 +37,10 @@ fi
 
 # A server: SGLang VERSION and what the lent image (Python 3.12, torch 2.11.0+cu130) lacks to serve with it.
 case "$VERSION" in
-  0.5.12) KERNEL=0.4.2.post2 FLASHINFER=0.6.11.post1 TRANSFORMERS=5.6.0 ;;
+  0.5.12 | 0.5.12.post1) KERNEL=0.4.2.post2 FLASHINFER=0.6.11.post1 TRANSFORMERS=5.6.0 ;;  # NeMo-RL's pin: .post1
+  0.5.15.post1) KERNEL=0.4.4 FLASHINFER=0.6.12 TRANSFORMERS=5.12.1 ;;  # slime's image
   0.5.16) KERNEL=0.4.5 FLASHINFER=0.6.14 TRANSFORMERS=5.12.1 ;;
-  *) echo "no server recipe for SGLang $VERSION: only 0.5.12 and 0.5.16 pin the image's torch 2.11.0" >&2; exit 2 ;;
+  *) echo "no server recipe for SGLang $VERSION: 0.5.12(.post1), 0.5.15.post1 and 0.5.16 (each its own METADATA's pins) pin the image's torch 2.11.0" >&2; exit 2 ;;
 esac
 site="$tmp/site"
 mkdir -p "$tmp/whl" "$site"
