@@ -179,15 +179,20 @@ def write_tokenizer(directory: Path, vocab_size: int = 256) -> Path:
 
 
 @functools.cache
-def sglang_version(python: str) -> tuple[int, ...]:
-    """The version of the SGLang code `python` imports (its `sglang/_version.py`, read without importing sglang:
-    the dist-info first on the path can say otherwise, as `test_sglang_versions.py` arranges on purpose)."""
+def sglang_version_string(python: str) -> str:
+    """The version of the SGLang code `python` imports, as it spells it (`0.5.15.post1`): its `sglang/_version.py`,
+    read without importing sglang (the dist-info first on the path can say otherwise, as `test_sglang_versions.py`
+    arranges on purpose)."""
     code = (
         "import importlib.util, runpy; (d,) = importlib.util.find_spec('sglang').submodule_search_locations; "
         "print(runpy.run_path(d + '/_version.py')['__version__'])"
     )
-    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
-    return tuple(int(part) for part in out.strip().split(".")[:3] if part.isdigit())
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+def sglang_version(python: str) -> tuple[int, ...]:
+    """`sglang_version_string` as the release's numbers (`(0, 5, 15)`), for comparing with a release."""
+    return tuple(int(part) for part in sglang_version_string(python).split(".")[:3] if part.isdigit())
 
 
 def version_args(python: str) -> dict[str, Any]:

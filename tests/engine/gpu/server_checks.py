@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from sglang_server import Stack, sglang_version
+from sglang_server import Stack, sglang_version_string
 from version_suite import abort_mid_decode, engine_report, expected_rows, prompt
 
 # A plugin line that says it stepped aside or failed (its lines start `r3-sidecar: `; SGLang's log prints no level)
@@ -188,7 +188,7 @@ def compare(checks: Checks, stacks: dict[str, Stack], plan: Any) -> dict[str, An
     for mode in ("mirror", "sidecar"):
         check_plugin(checks, mode, stacks[mode], answers[mode], answers["upstream"], shapes)
     aborted = check_abort(checks, stacks["mirror"], plan.abort_tokens)
-    version = ".".join(map(str, sglang_version(plan.python)))
+    version = sglang_version_string(plan.python)  # `0.5.15.post1`, as the engine file names it
     for mode in ("mirror", "sidecar"):
         check_plugin_ran(checks, mode, stacks[mode], version)
     return {

@@ -51,7 +51,7 @@ import sglang_server  # noqa: E402
 from graph_evidence import evidence, judge  # noqa: E402
 from server_checks import Checks, compare  # noqa: E402
 from server_report import environment, fragment  # noqa: E402
-from sglang_server import Config, Stack, sglang_version, start  # noqa: E402
+from sglang_server import Config, Stack, sglang_version_string, start  # noqa: E402
 
 from benchmarks import paired  # noqa: E402
 from benchmarks.real_server import Bench  # noqa: E402
@@ -268,7 +268,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="r3-gpu-servers-"))
     run = Run(plan, args.out, workdir)
-    run.results["version"] = ".".join(map(str, sglang_version(plan.python)))
+    run.results["version"] = sglang_version_string(plan.python)  # a post release as the engine file names it
     try:
         execute(run)
     except BaseException as exc:  # the run stops; what it saw is written below
