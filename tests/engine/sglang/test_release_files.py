@@ -46,6 +46,13 @@ def test_a_patched_or_deleted_file_is_named(tmp_path):
     assert changed(dist) == ["sglang/__init__.py (missing)", "sglang/srt/router.py"]
 
 
+def test_a_record_hash_this_python_lacks_counts_as_changed_not_as_an_error(tmp_path):
+    dist = _install(tmp_path)
+    record = tmp_path / "sglang-0.5.15.post1.dist-info" / "RECORD"
+    record.write_text(record.read_text().replace("sglang/srt/router.py,sha256=", "sglang/srt/router.py,nohash9="))
+    assert changed(dist) == ["sglang/srt/router.py (hash 'nohash9' unknown)"]
+
+
 def test_an_editable_install_cannot_be_verified(tmp_path):
     assert changed(_install(tmp_path, with_sources=False)) == [EDITABLE]
 
