@@ -311,7 +311,9 @@ class SpoolWriter:
                     break
             stopping = not self._ops and self._stopping
             ops = [self._ops.popleft() for _ in range(min(len(self._ops), MAX_OPS_PER_PUBLISH))]
-            self._busy = bool(ops)
+            # Busy until `_run` has written and published this batch, a batch without ops too: a publish that
+            # `flush` asked for is on disk before `flush` may return (a live record once read back at 0 rows).
+            self._busy = True
             publish_all, self._publish_all = self._publish_all or stopping, False
         return ops, publish_all, stopping
 

@@ -176,6 +176,29 @@ def test_held_rows_are_published_when_the_interval_runs_out_or_on_flush(tmp_path
     writer.close()
 
 
+def test_flush_returns_only_once_a_held_publish_is_on_disk(tmp_path, monkeypatch):
+    """`flush` asked for a held publish; the writer thread took it as a batch without ops and was still writing the
+    metadata when `flush` saw nothing queued, busy or dirty, and returned: a reader then saw the record before
+    those rows (CI, 2026-11-29: a live record read back with 0 rows after its restart). A slow metadata write
+    makes that window wide."""
+    original = Spool.write_meta
+
+    def slow(spool, meta):
+        time.sleep(0.05)
+        original(spool, meta)
+
+    writer = SpoolWriter(tmp_path, publish_interval_s=3600).start()
+    spec = _spec("held")
+    assert writer.submit(Op(spec.rid, spec=spec, rows=compact(_rows(2), spec.dtype)))
+    _until(lambda: (m := Spool(tmp_path).read_meta(spec.rid)) is not None and m.rows == 2, "the first rows published")
+    assert writer.submit(Op(spec.rid, rows=compact(_rows(3, seed=1), spec.dtype)))  # held by the interval
+    _until(lambda: _bin_rows(tmp_path, spec) == 5, "rows appended to .bin")
+    monkeypatch.setattr(Spool, "write_meta", slow)
+    assert writer.flush()
+    assert Spool(tmp_path).read_meta(spec.rid).rows == 5
+    writer.close()
+
+
 def test_a_held_publish_never_brings_back_a_record_that_started_over(tmp_path):
     writer = SpoolWriter(tmp_path, publish_interval_s=3600).start()
     spec = _spec("restarted")
