@@ -271,13 +271,14 @@ def _check_abort(runs: dict, mode: str) -> None:
         usage,
         state,
     )
-    meta, rows = server.record("cmpl-abort-0")
+    rid = f"cmpl-{results['abort']['rids'][-1]}-0"
+    meta, rows = server.record(rid)
     assert meta.status == "aborted" and meta.rows == usage["prompt_tokens"] + usage["completion_tokens"] - 1
     if mode == "mirror":
         assert rows.tobytes() == inline_rows(choice).tobytes()
     else:
         assert choice["routed_experts"] is None and choice["routed_experts_url"]
-    mirror_rows = runs["mirror"][0].record("cmpl-abort-0")[1]
+    mirror_rows = runs["mirror"][0].record(f"cmpl-{runs['mirror'][1]['abort']['rids'][-1]}-0")[1]
     common = min(len(rows), len(mirror_rows))
     assert common > 16 and np.array_equal(rows[:common], mirror_rows[:common]), mode
 
@@ -287,7 +288,7 @@ def test_nothing_dropped_and_engine_file(runs: dict, release: Release) -> None:
     for mode in ("mirror", "sidecar"):
         server, results = runs[mode]
         expected = {rid for _, rid, _ in choices(results)} | {"cmpl-stream-0", "cmpl-gone-0"}
-        expected |= {"cmpl-abort-0"} if release.abort_route else set()
+        expected |= {f"cmpl-{rid}-0" for rid in results["abort"]["rids"]} if release.abort_route else set()
         metas = [json.loads(p.read_text()) for p in (Path(server.spool) / "v1" / "records").glob("*.json")]
         assert {meta["rid"] for meta in metas} == expected, mode
         suspect = [meta["rid"] for meta in metas if meta["status"] == "suspect"]  # issue 40: true routes pass
