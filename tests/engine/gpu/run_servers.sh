@@ -4,7 +4,7 @@
 #
 #   tests/engine/gpu/run_servers.sh .gpu-0.5.12    # there; carry [".gpu-0.5.12"], made here by make_wheels.sh
 #
-# CARRY holds `site.tar.gz` (SGLang VERSION, its slim sgl_kernel and what the image lacks) and `VERSION`.
+# CARRY holds `site.tar.xz` (SGLang VERSION, its slim sgl_kernel and what the image lacks) and `VERSION`.
 # R3_GPU_BUDGET_S (default 330) is the driver's whole run; the A/B's rounds fill what the comparison leaves.
 # Under $OUT: driver.log, results.json, gpu_servers.md (a BENCHMARKS.md fragment), logs.tar.gz (every server's
 # and sidecar's log). Exit status: the driver's (1: a check failed; the log and results.json list which).
@@ -17,7 +17,8 @@ SITE=/tmp/r3-gpu-site-$VERSION
 mkdir -p "$OUT" "$SITE"
 exec > >(tee "$OUT/driver.log") 2>&1
 t0=$(date +%s)
-tar -xzf "$CARRY/site.tar.gz" -C "$SITE" || { echo "FAIL: unpacking $CARRY/site.tar.gz"; exit 1; }
+python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$CARRY/site.tar.xz" "$SITE" \
+  || { echo "FAIL: unpacking $CARRY/site.tar.xz"; exit 1; }
 # The tree's code first (its plugin, never a copy), then the carried packages, then the image's own
 export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 echo "unpacked SGLang $VERSION in $(( $(date +%s) - t0 )) s; $(nproc) CPUs"
