@@ -46,7 +46,7 @@ if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also for c
 from waiting import WaitTimeout, wait_until  # noqa: E402
 
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"
-START_TIMEOUT_S = 240.0
+START_TIMEOUT_S = 600.0  # a hang guard: two servers start side by side in CI's server tier (-n 2)
 
 # The launch every configuration starts from (sglang-cpu facts: a small KV cache, no CUDA graphs on CPU).
 # float32 on the CPU: in bfloat16 two servers given the same request routed a few rows differently (near ties
@@ -442,7 +442,7 @@ def start(config: Config, workdir: Path) -> Stack:
     )
     try:
         if sidecar is not None:
-            sidecar.wait_http("/readyz", 60, "r3-sidecar")
+            sidecar.wait_http("/readyz", 120, "r3-sidecar")
         server.wait_http("/health", START_TIMEOUT_S, f"SGLang ({config.name})")
     except BaseException:
         stack.stop()

@@ -211,7 +211,7 @@ def start(
     stack = VllmServer(name, server, side, spool)
     try:
         if side is not None:
-            side.wait_http("/readyz", 60, "r3-sidecar")
+            side.wait_http("/readyz", 120, "r3-sidecar")
         server.wait_http("/health", START_TIMEOUT_S, f"vLLM ({name})")
     except BaseException:
         stack.stop()
