@@ -37,6 +37,9 @@ from benchmarks.run import environment
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "paired.json"
 MODES = ("upstream", "sidecar")
+# The GPU recipe's three arms (issue 38): routed experts off, SGLang's inline path, sidecar mode; each round runs
+# them in a rotated order (ABC, BCA, CAB, …), and both capture paths are also given as ratios to `off`.
+THREE_WAY = ("off", "upstream", "sidecar")
 # Two-sided 95% Student t quantiles; a df between two rows takes the smaller df's (wider) value.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 8: 2.306, 10: 2.228, 15: 2.131, 20: 2.086}
 T975 |= {25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
@@ -94,10 +97,30 @@ def run(bench: Bench, workdir: Path, *, rounds: int, minutes: float, pin: bool) 
             stack.stop()
 
 
+def _ratios(row: dict[str, Any], modes: tuple[str, ...]) -> None:
+    """A round's ratios, in place: sidecar ÷ upstream (tok/s, tok per CPU s); with `off`, each path ÷ off."""
+
+    def rate(mode: str, per: str) -> float:
+        return row[mode]["tokens"] / row[mode][per]
+
+    row["ratio"] = rate("sidecar", "wall_s") / rate("upstream", "wall_s")
+    row["cpu_ratio"] = rate("sidecar", "cpu_s") / rate("upstream", "cpu_s")
+    if "off" in modes:
+        row["inline_vs_off"] = rate("upstream", "wall_s") / rate("off", "wall_s")
+        row["sidecar_vs_off"] = rate("sidecar", "wall_s") / rate("off", "wall_s")
+
+
 def measure(
-    stacks: dict[str, Stack], bench: Bench, *, rounds: int, minutes: float, pin: bool, started: float
+    stacks: dict[str, Stack],
+    bench: Bench,
+    *,
+    rounds: int,
+    minutes: float,
+    pin: bool,
+    started: float,
+    modes: tuple[str, ...] = MODES,
 ) -> dict[str, Any]:
-    """The paired rounds on two running servers (`MODES`, same model and launch): per-round ratios, intervals.
+    """The paired rounds on the running servers of `modes` (same model and launch): per-round ratios, intervals.
 
     `started` is when their start began (`time.perf_counter()`), for `start_s` and `wall_s`; the caller stops them.
     """
@@ -114,20 +137,18 @@ def measure(
         }
         os.sched_setaffinity(0, {0})
     results["start_s"] = time.perf_counter() - started
-    _log(f"two servers up after {results['start_s']:.0f} s (pinned: {results.get('pinned_threads')})")
+    _log(f"{len(stacks)} servers up after {results['start_s']:.0f} s (pinned: {results.get('pinned_threads')})")
     for stack in stacks.values():
         _warm(stack, bench)
     deadline = time.perf_counter() + minutes * 60
     k = 0
     while k < rounds and time.perf_counter() < deadline:
-        order = MODES if k % 2 == 0 else MODES[::-1]
+        order = modes[k % len(modes) :] + modes[: k % len(modes)]  # two modes: AB, BA, AB, …
         row: dict[str, Any] = {"order": list(order), "load1": os.getloadavg()[0]}
         for mode in order:
             t = throughput(stacks[mode], bench, f"ab{k}-{mode}")
             row[mode] = {key: t[key] for key in ("tokens", "wall_s", "cpu_s", "sidecar_cpu_s")}
-        up, on = row["upstream"], row["sidecar"]
-        row["ratio"] = (on["tokens"] / on["wall_s"]) / (up["tokens"] / up["wall_s"])
-        row["cpu_ratio"] = (on["tokens"] / on["cpu_s"]) / (up["tokens"] / up["cpu_s"])
+        _ratios(row, modes)
         results["rounds"].append(row)
         _log(f"round {k} {''.join(m[0] for m in order)}: ratio {row['ratio']:.3f}, CPU ratio {row['cpu_ratio']:.3f}")
         k += 1
@@ -141,6 +162,9 @@ def measure(
         "tok_s": interval([r["ratio"] for r in results["rounds"]]),
         "tok_per_cpu_s": interval([r["cpu_ratio"] for r in results["rounds"]]),
     }
+    if "off" in modes:
+        for key in ("inline_vs_off", "sidecar_vs_off"):
+            results["summary"][key] = interval([r[key] for r in results["rounds"]])
     return results
 
 

@@ -60,6 +60,7 @@ OUT = ROOT / "benchmarks" / "out" / "real_server.json"
 FRAGMENT = ROOT / "benchmarks" / "real_server.md"
 COMMAND = ".venv/bin/python -m benchmarks.real_server"
 MODES = ("upstream", "sidecar", "live")
+ROUTED_FLAG = "enable-return-routed-experts"  # the server flag; `False` in a Config's args leaves it off
 
 
 @dataclass(frozen=True)
@@ -101,16 +102,24 @@ class Bench:
             "load-format": "dummy",  # the published figures' weights (real ones route alike at this cost)
         }
         env = {"OMP_NUM_THREADS": "1"}
-        if mode != "upstream":
+        plugin = mode not in ("upstream", "off")
+        if plugin:
             env |= {"R3_MODE": "sidecar", "R3_LIVE_ROWS": "1" if mode == "live" else "0"}
+        if mode == "off":  # routed experts off: SGLang without its capture, the floor both paths are measured from
+            args[ROUTED_FLAG] = False
         return Config(
             f"bench-{mode}",
-            plugin=mode != "upstream",
-            sidecar=mode != "upstream",
+            plugin=plugin,
+            sidecar=plugin,
             args=args,
             env=env,
             model=self.model(),
         )
+
+
+def returns_routes(stack: Stack) -> bool:
+    """Whether the server was launched with SGLang's routed-experts capture (every mode but `off`)."""
+    return stack.config.args.get(ROUTED_FLAG) is not False
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -157,7 +166,7 @@ def throughput(stack: Stack, bench: Bench, tag: str) -> dict[str, Any]:
         body = {
             "input_ids": prompt(bench.prompt, bench.seed + i),
             "sampling_params": params,
-            "return_routed_experts": True,
+            "return_routed_experts": returns_routes(stack),
             "rid": rid,
         }
         response = httpx.post(f"{stack.url}/generate", json=body, timeout=600)

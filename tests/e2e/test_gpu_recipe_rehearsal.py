@@ -3,7 +3,8 @@
 The recipe runs on a lent GPU rarely and within minutes of device time; a driver broken by a change in the tree
 would spend them on its own bug. Here the same driver runs its whole sequence with `--cpu-rehearsal` on SGLang
 0.5.23's CPU servers: three tiny servers (upstream, mirror, sidecar) with the same requests and checks as on the
-GPU, the graph evidence found in their logs (saying no graph ran), then two paired A/B rounds. It must pass
+GPU, the graph evidence found in their logs (saying no graph ran), then two rounds of the three-way A/B (routed
+experts off, SGLang's inline path, sidecar mode). It must pass
 every check and write what the GPU run writes. (0.5.12's and 0.5.16's rehearsals: docs/testing.md.)
 
 It takes about 9 minutes here (passed on 2026-11-27, 02:26-02:35 UTC), a tenth of CI's time, so it is `slow`:
@@ -41,8 +42,14 @@ def test_the_gpu_recipe_passes_its_cpu_rehearsal(tmp_path, sglang_exclusive):
     for expected in ("mirror batch3-2: pointer fetch is the payload byte for byte", "mirror abort: aborted mid-decode"):
         assert expected in names
     assert results["ab"]["summary"]["tok_s"]["n"] == 2
+    # three arms: routed experts off, SGLang's inline path, sidecar mode; `off` launched without the capture
+    assert {"inline_vs_off", "sidecar_vs_off"} <= set(results["ab"]["summary"])
+    assert all({"off", "upstream", "sidecar"} <= set(row) for row in results["ab"]["rounds"])
+    assert "A/B off: enable_return_routed_experts=False" in names
     fragment = (out / "gpu_servers.md").read_text()
     assert "(CPU rehearsal)" in fragment and f"{len(names)} of {len(names)} checks passed" in fragment
+    assert "upstream ÷ off" in fragment and "sidecar ÷ off" in fragment
     with tarfile.open(out / "logs.tar.gz") as tar:
         logs = set(tar.getnames())
     assert {"tiny-mirror/server.log", "tiny-sidecar/sidecar.log", "ab/ab-sidecar/server.log"} <= logs
+    assert "ab/ab-off/server.log" in logs

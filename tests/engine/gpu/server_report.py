@@ -57,17 +57,32 @@ def ab_lines(results: dict[str, Any]) -> list[str]:
         if plan["gpu"]
         else f"a tiny Qwen3-MoE ({bench['layers']} layers, {bench['experts']} experts, top {bench['topk']})"
     )
-    return [
-        f"Paired A/B, plugin off (`upstream`, SGLang's inline payload) vs sidecar mode (`R3_MODE=sidecar`): {shape}; "
+    rounds = ab["rounds"]
+    three = "off" in rounds[0]
+    lines = [
+        f"Paired A/B{'/C' if three else ''}: "
+        + ("routed experts off (`off`), " if three else "")
+        + f"SGLang's inline routed experts (`upstream`, plugin off), sidecar mode (`R3_MODE=sidecar`): {shape}; "
         f"{bench['streams']} concurrent requests of {bench['prompt']} prompt + {bench['output']} output tokens, "
-        f"greedy, `return_routed_experts`; {summary['tok_s']['n']} rounds in the order AB, BA, AB, …",
+        f"greedy, `return_routed_experts` where the capture is on; {summary['tok_s']['n']} rounds, each in a "
+        "rotated order",
         "",
-        "| | upstream tok/s (median round) | sidecar tok/s (median round) | sidecar ÷ upstream, geometric mean |",
-        "|---|---|---|---|",
-        f"| output tokens/s | {_tok_s(ab['rounds'], 'upstream'):.0f} | {_tok_s(ab['rounds'], 'sidecar'):.0f} "
-        f"| {_interval(summary['tok_s'])} |",
-        f"| per server CPU second | | | {_interval(summary['tok_per_cpu_s'])} |",
+        "| | " + ("off tok/s | " if three else "") + "upstream tok/s | sidecar tok/s | ratio, geometric mean |",
+        "|---|---|---|" + ("---|" if three else "") + "---|",
+        "| sidecar ÷ upstream, output tokens/s | "
+        + (f"{_tok_s(rounds, 'off'):.0f} | " if three else "")
+        + f"{_tok_s(rounds, 'upstream'):.0f} | {_tok_s(rounds, 'sidecar'):.0f} | {_interval(summary['tok_s'])} |",
+        "| sidecar ÷ upstream, per server CPU second | "
+        + ("| " if three else "")
+        + f"| | {_interval(summary['tok_per_cpu_s'])} |",
     ]
+    if three:
+        blank = "| | | "
+        lines.append(f"| upstream ÷ off, output tokens/s {blank}| | {_interval(summary['inline_vs_off'])} |")
+        lines.append(f"| sidecar ÷ off, output tokens/s {blank}| | {_interval(summary['sidecar_vs_off'])} |")
+    lines.append("")
+    lines.append("(tok/s columns: the median round's)")
+    return lines
 
 
 def fragment(results: dict[str, Any]) -> str:

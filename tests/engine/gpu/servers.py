@@ -15,13 +15,14 @@ What one run proves for the SGLang that `--python` imports (0.5.12 or 0.5.16 on 
    byte (mirror: the same response's; sidecar: upstream's for the same request), and the plugin changes no
    token. The logs must show the graphs ran: captured decode sizes holding 4 and not 3, decode steps of the
    batch of 3 in a graph, the long prompt's prefill in a piecewise graph.
-2. A paired A/B (`benchmarks/paired.py`): plugin off vs sidecar mode, output tok/s, at Qwen3-30B-A3B's layer
-   shape with dummy weights and fewer layers; a 95% interval; `gpu_servers.md`, a BENCHMARKS.md fragment naming
-   the card and versions.
+2. A paired three-way A/B (`benchmarks/paired.py`, `THREE_WAY`): routed experts off, SGLang's inline routed
+   experts (plugin off), r3-sidecar in sidecar mode; output tok/s at Qwen3-30B-A3B's layer shape with dummy
+   weights and fewer layers; 95% intervals; `gpu_servers.md`, a BENCHMARKS.md fragment naming the card and
+   versions.
 
-The A/B's two servers start together with the three (one GPU: each server's KV pool is capped, GPU_ARGS) and
-are measured once those are stopped; its rounds fill what `--budget-s` leaves. Under `--out` (at most 8 files
-come back from the device): `results.json` (rewritten after each phase), `gpu_servers.md`, `logs.tar.gz`.
+The A/B's three servers start together with the comparison's three (one GPU: each server's KV pool is capped,
+GPU_ARGS) and are measured once those are stopped; its rounds fill what `--budget-s` leaves. Under `--out` (at
+most 8 files come back from the device): `results.json` (rewritten after each phase), `gpu_servers.md`, `logs.tar.gz`.
 Any failed check: the list, exit 1.
 
 `--cpu-rehearsal` runs the same sequence on this machine's CPU servers: only the launch (sglang_server's CPU
@@ -35,6 +36,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import re
 import sys
 import tarfile
 import tempfile
@@ -54,7 +56,7 @@ from server_report import environment, fragment  # noqa: E402
 from sglang_server import Config, Stack, sglang_version_string, start  # noqa: E402
 
 from benchmarks import paired  # noqa: E402
-from benchmarks.real_server import Bench  # noqa: E402
+from benchmarks.real_server import ROUTED_FLAG, Bench  # noqa: E402
 
 # The tiny model on the GPU: head_dim 64 (16 takes SGLang's fallback rope, which refuses bfloat16's fused KV write)
 TINY = {"head_dim": 64, "max_position_embeddings": 4096}
@@ -96,6 +98,7 @@ class RecipeBench(Bench):
             "max-total-tokens": 4 * self.streams * (self.prompt + self.output),
             "sleep-on-idle": True,
         }
+        args |= {k: v for k, v in config.args.items() if k == ROUTED_FLAG}  # `off`: the capture stays off
         return replace(config, gpu=True, args=args, env={k: v for k, v in config.env.items() if k.startswith("R3_")})
 
 
@@ -197,6 +200,9 @@ def compare_phase(run: Run) -> None:
     run.phase("compared")
 
 
+# SGLang's start-up line of its settings, a dict (`'enable_return_routed_experts': True`) or ServerArgs(...=True)
+ROUTED_SETTING = re.compile(r"enable_return_routed_experts'?(?:=|: )(True|False)")
+
 # The least budget left, once the A/B's servers are up, that the A/B starts with on the GPU: two ~6 s rounds
 # after a warm-up, the 45 s margin for stopping the servers and writing the logs, and some slack
 AB_MIN_S = 75.0
@@ -211,11 +217,21 @@ def ab_phase(run: Run, starting: concurrent.futures.Future, started: float) -> N
         run.results["ab"] = {"skipped": f"{run.left_s():.0f} s of the budget left once its servers were up"}
         run.phase("A/B skipped")
         return
+    for mode, stack in stacks.items():  # the `off` arm really ran without SGLang's capture, the others with it
+        flags = ROUTED_SETTING.findall(stack.server.log_text())
+        want = "False" if mode == "off" else "True"
+        run.checks.expect(f"A/B {mode}: enable_return_routed_experts={want}", flags[:1] == [want], f"{flags[:1]}")
     try:
         # On the GPU the budget decides how many rounds; the rehearsal runs its two whatever the CPU's load
         minutes = max(run.left_s() - 45.0, 30.0) / 60 if run.plan.gpu else 60.0
         results = paired.measure(
-            stacks, run.plan.ab, rounds=run.plan.ab_rounds, minutes=minutes, pin=False, started=started
+            stacks,
+            run.plan.ab,
+            rounds=run.plan.ab_rounds,
+            minutes=minutes,
+            pin=False,
+            started=started,
+            modes=paired.THREE_WAY,
         )
     finally:
         stop_all(stacks)
@@ -230,7 +246,7 @@ def execute(run: Run) -> None:
     capture included, is most of their cost); the CPU rehearsal starts them after it (two cores)."""
     run.results["environment"] = environment(run.plan.python)
     run.phase("environment")
-    configs = {mode: run.plan.ab.server_config(mode) for mode in paired.MODES}
+    configs = {mode: run.plan.ab.server_config(mode) for mode in paired.THREE_WAY}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         started = time.perf_counter()
         starting = pool.submit(start_all, configs, run.workdir / "ab", parallel=True) if run.plan.gpu else None
