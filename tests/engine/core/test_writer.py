@@ -184,7 +184,7 @@ def test_flush_returns_only_once_a_held_publish_is_on_disk(tmp_path, monkeypatch
     original = Spool.write_meta
 
     def slow(spool, meta):
-        time.sleep(0.05)
+        time.sleep(0.05)  # not a wait: a slow metadata write, which widens the race this test guards
         original(spool, meta)
 
     writer = SpoolWriter(tmp_path, publish_interval_s=3600).start()
