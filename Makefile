@@ -111,9 +111,10 @@ test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0
 
 # The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0 and
 # the releases no trainer pins, 0.25.0, 0.27.0, 0.28.0-0.31.0): the same tests, marked `matrix`. Run it before a
-# change to a version adapter lands; docs/testing.md has its last run. Three pytest runs, each well inside CI's
-# 90 minutes on 2 cores (together they are not): every other SGLang release's real server; SGLang 0.5.20 and
-# 0.5.16 and the rest of SGLang's matrix tests; the vLLM releases. Each runs alone too.
+# change to a version adapter lands; docs/testing.md has its last run. Three pytest runs, each meant to fit in 90
+# minutes on 2 cores (together they would not; test-matrix-sglang took 1,007 s on 2026-11-29, the other two are not
+# yet timed whole): every other SGLang release's real server; SGLang 0.5.20 and 0.5.16 and the rest of SGLang's
+# matrix tests; the vLLM releases. Each runs alone too.
 MATRIX_RELEASES := tests/e2e/test_sglang_release_servers.py
 MATRIX_VLLM := tests/e2e/test_vllm_plugin.py tests/e2e/test_vllm_suspect.py tests/engine/vllm
 test-matrix: test-matrix-releases test-matrix-sglang test-matrix-vllm

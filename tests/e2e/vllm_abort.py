@@ -6,7 +6,7 @@ not hold yet), and `vllm:generation_tokens_total` says it has decoded a few toke
 not enough: it is global, and a streamed request's last counts can land after the abort's request was sent (in
 CI an abort went at "14 tokens" and was dropped, 2026-11-28).
 
-Aborts then go every 0.2 s, each on its own thread, until the request ends: in CI one abort's POST came back
+Aborts then go every 0.2 s from a pool of threads until the request ends: in CI one abort's POST came back
 after 107 s, past its own 10 s timeout, while the request decoded to its length (2026-11-29, vLLM 0.27.1), and a
 serial sender waited on it. What held that POST is not known (not reproduced here); the timeline therefore also
 records the machine's load and pressure. A request that still ran to its length is tried once more under a new
@@ -135,9 +135,9 @@ def _attempt(server: VllmServer, route: str, prompt: str, rid: str) -> dict[str,
 def _abort_until_done(
     server: VllmServer, route: str, request_id: str, pending: concurrent.futures.Future, line: Timeline
 ) -> int:
-    """Send the abort every 0.2 s, each on its own thread, until the request ends (vLLM drops an abort naming
-    an id it does not hold yet; a later one finds it; a slow answer holds no later abort back). Each answer
-    goes on the timeline with its send time and how long it took; returns how many were sent."""
+    """Send the abort every 0.2 s from a pool of 8 threads until the request ends (vLLM drops an abort naming
+    an id it does not hold yet; a later one finds it; up to 8 slow answers hold no later abort back). Each answer
+    goes on the timeline with its send time and how long it took; returns how many were handed to the pool."""
 
     def abort(at: str) -> None:
         sent = time.monotonic()

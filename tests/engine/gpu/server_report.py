@@ -58,7 +58,13 @@ def ab_lines(results: dict[str, Any]) -> list[str]:
         else f"a tiny Qwen3-MoE ({bench['layers']} layers, {bench['experts']} experts, top {bench['topk']})"
     )
     rounds = ab["rounds"]
-    three = "off" in rounds[0]
+    modes = [mode for mode in ("off", "upstream", "sidecar") if mode in rounds[0]]
+    three = "off" in modes
+    blank = [""] * len(modes)
+
+    def row(label: str, cells: list[str]) -> str:
+        return "| " + " | ".join([label, *cells]) + " |"
+
     lines = [
         f"Paired A/B{'/C' if three else ''}: "
         + ("routed experts off (`off`), " if three else "")
@@ -67,21 +73,17 @@ def ab_lines(results: dict[str, Any]) -> list[str]:
         f"greedy, `return_routed_experts` where the capture is on; {summary['tok_s']['n']} rounds, each in a "
         "rotated order",
         "",
-        "| | " + ("off tok/s | " if three else "") + "upstream tok/s | sidecar tok/s | ratio, geometric mean |",
-        "|---|---|---|" + ("---|" if three else "") + "---|",
-        "| sidecar ÷ upstream, output tokens/s | "
-        + (f"{_tok_s(rounds, 'off'):.0f} | " if three else "")
-        + f"{_tok_s(rounds, 'upstream'):.0f} | {_tok_s(rounds, 'sidecar'):.0f} | {_interval(summary['tok_s'])} |",
-        "| sidecar ÷ upstream, per server CPU second | "
-        + ("| " if three else "")
-        + f"| | {_interval(summary['tok_per_cpu_s'])} |",
+        row("", [f"{mode} tok/s (median round)" for mode in modes] + ["ratio, geometric mean"]),
+        "|" + "---|" * (len(modes) + 2),
+        row(
+            "sidecar ÷ upstream, output tokens/s",
+            [f"{_tok_s(rounds, mode):.0f}" for mode in modes] + [_interval(summary["tok_s"])],
+        ),
+        row("sidecar ÷ upstream, per server CPU second", [*blank, _interval(summary["tok_per_cpu_s"])]),
     ]
     if three:
-        blank = "| | | "
-        lines.append(f"| upstream ÷ off, output tokens/s {blank}| | {_interval(summary['inline_vs_off'])} |")
-        lines.append(f"| sidecar ÷ off, output tokens/s {blank}| | {_interval(summary['sidecar_vs_off'])} |")
-    lines.append("")
-    lines.append("(tok/s columns: the median round's)")
+        lines.append(row("upstream ÷ off, output tokens/s", [*blank, _interval(summary["inline_vs_off"])]))
+        lines.append(row("sidecar ÷ off, output tokens/s", [*blank, _interval(summary["sidecar_vs_off"])]))
     return lines
 
 
