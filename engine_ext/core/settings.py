@@ -70,6 +70,11 @@ class EngineSettings(BaseSettings):
         description="On a build no test proved: records compared with SGLang's own inline rows before the plugin "
         "takes delivery over (until then sidecar mode acts as mirror).",
     )
+    row_check: bool = Field(
+        True,
+        description="Check every row as it is written (a record no router could write is kept `suspect`); off "
+        'only to measure what the check costs (BENCHMARKS.md, "Row check"): wrong routes are then served as `ok`.',
+    )
     hook_timers: bool = Field(
         True, description="Time each scheduler-thread hook's own work (engine file `hooks`, r3_engine_hook_*)."
     )

@@ -68,6 +68,7 @@ class SpoolWriter:
         engine: str = "",
         publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S,
         sentinels: tuple[int, ...] = (),
+        row_check: bool = True,
     ) -> None:
         self.spool_dir = Path(spool_dir)
         self.max_bytes = max_bytes
@@ -75,7 +76,7 @@ class SpoolWriter:
         self.engine = engine
         self.publish_interval_s = publish_interval_s
         self.stats = WriterStats()
-        self.audit = RowAudit(sentinels)  # the engine's own values for unused slots (`service.spool.row_check`)
+        self.audit = RowAudit(sentinels, enabled=row_check)  # sentinels: the engine's values for unused slots
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ops: deque[Op] = deque()

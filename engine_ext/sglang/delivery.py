@@ -85,6 +85,7 @@ class Delivery:
             engine=self.engine,
             publish_interval_s=settings.live_publish_s,
             sentinels=SGLANG_SENTINELS,
+            row_check=settings.row_check,
         ).start()
         self.collector = Collector(
             self.writer,

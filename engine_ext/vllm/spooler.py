@@ -64,6 +64,7 @@ class Spooler:
             engine=engine,
             publish_interval_s=settings.live_publish_s,
             sentinels=VLLM_SENTINELS,
+            row_check=settings.row_check,
         ).start()
         self.telemetry = Telemetry(
             spool_dir=settings.spool_dir,

@@ -63,3 +63,16 @@ def test_the_engines_sentinel_is_no_fault(tmp_path):
         assert writer.flush()
         assert Spool(tmp_path / status).read_meta("s").status == status
         writer.close()
+
+
+def test_the_check_turned_off_writes_rows_unchecked_and_says_so_at_start(tmp_path, caplog):
+    """`R3_ROW_CHECK=0` (to measure what the check costs): the zeroed record is served `ok`, counted nowhere, and
+    the writer said at its start that the check is off."""
+    writer = SpoolWriter(tmp_path, row_check=False).start()
+    assert "the row check is off" in caplog.text
+    rows = _rows(6)
+    rows[2:, 1] = 0
+    assert writer.submit(Op("z", spec=_spec("z"), rows=compact(rows, "uint8"), status="ok"))
+    assert writer.flush()
+    assert Spool(tmp_path).read_meta("z").status == "ok" and writer.snapshot()["suspect_records"] == 0
+    writer.close()
