@@ -40,6 +40,8 @@ MODES = ("upstream", "sidecar")
 # The GPU recipe's three arms (issue 38): routed experts off, SGLang's inline path, sidecar mode; each round runs
 # them in a rotated order (ABC, BCA, CAB, …), and both capture paths are also given as ratios to `off`.
 THREE_WAY = ("off", "upstream", "sidecar")
+# What the row check costs (issue 40): the plugin in sidecar mode with its row check off (`R3_ROW_CHECK=0`), then on.
+ROW_CHECK = ("nocheck", "sidecar")
 # Two-sided 95% Student t quantiles; a df between two rows takes the smaller df's (wider) value.
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 8: 2.306, 10: 2.228, 15: 2.131, 20: 2.086}
 T975 |= {25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
@@ -69,6 +71,15 @@ def interval(ratios: list[float], *, resamples: int = 20000, seed: int = 0) -> d
     }
 
 
+def by_rotation(ratios: list[float], size: int) -> list[float]:
+    """The geometric mean of each full rotation of `size` rounds (AB then BA, or ABC, BCA, CAB): a rotation runs
+    every order once, so a cost of running second (seen here: about ±15% by order alone on 2 shared cores) cancels
+    within it instead of widening the interval. An unfinished last rotation is left out."""
+    whole = len(ratios) // size * size
+    logs = np.log(np.asarray(ratios[:whole], dtype=float)).reshape(-1, size)
+    return [float(x) for x in np.exp(logs.mean(axis=1))]
+
+
 def pin_session(session: int, cpus: set[int]) -> int:
     """Pin every thread of every process in `session` to `cpus`; returns how many threads were pinned."""
     pinned = 0
@@ -84,27 +95,31 @@ def pin_session(session: int, cpus: set[int]) -> int:
     return pinned
 
 
-def run(bench: Bench, workdir: Path, *, rounds: int, minutes: float, pin: bool) -> dict[str, Any]:
-    """Start the two servers of `bench` one after the other, measure them (`measure`), stop them."""
+def run(
+    bench: Bench, workdir: Path, *, rounds: int, minutes: float, pin: bool, modes: tuple[str, ...] = MODES
+) -> dict[str, Any]:
+    """Start the servers of `modes` one after the other, measure them (`measure`), stop them."""
     from benchmarks.real_server import start
 
     t0 = time.perf_counter()
-    stacks = {mode: start(bench.server_config(mode), workdir / mode) for mode in MODES}
+    stacks = {mode: start(bench.server_config(mode), workdir / mode) for mode in modes}
     try:
-        return measure(stacks, bench, rounds=rounds, minutes=minutes, pin=pin, started=t0)
+        return measure(stacks, bench, rounds=rounds, minutes=minutes, pin=pin, started=t0, modes=modes)
     finally:
         for stack in stacks.values():
             stack.stop()
 
 
 def _ratios(row: dict[str, Any], modes: tuple[str, ...]) -> None:
-    """A round's ratios, in place: sidecar ÷ upstream (tok/s, tok per CPU s); with `off`, each path ÷ off."""
+    """A round's ratios, in place: the last mode ÷ the one before it (tok/s, tok per CPU s: sidecar ÷ upstream, or
+    ÷ nocheck); with `off`, each path ÷ off."""
 
     def rate(mode: str, per: str) -> float:
         return row[mode]["tokens"] / row[mode][per]
 
-    row["ratio"] = rate("sidecar", "wall_s") / rate("upstream", "wall_s")
-    row["cpu_ratio"] = rate("sidecar", "cpu_s") / rate("upstream", "cpu_s")
+    base, arm = modes[-2], modes[-1]
+    row["ratio"] = rate(arm, "wall_s") / rate(base, "wall_s")
+    row["cpu_ratio"] = rate(arm, "cpu_s") / rate(base, "cpu_s")
     if "off" in modes:
         row["inline_vs_off"] = rate("upstream", "wall_s") / rate("off", "wall_s")
         row["sidecar_vs_off"] = rate("sidecar", "wall_s") / rate("off", "wall_s")
@@ -128,6 +143,7 @@ def measure(
         "bench": {"streams": bench.streams, "prompt": bench.prompt, "output": bench.output, "layers": bench.layers},
         "environment": environment(),
         "pin": pin,
+        "modes": list(modes),
         "rounds": [],
     }
     if pin:
@@ -162,6 +178,9 @@ def measure(
         "tok_s": interval([r["ratio"] for r in results["rounds"]]),
         "tok_per_cpu_s": interval([r["cpu_ratio"] for r in results["rounds"]]),
     }
+    rotations = by_rotation([r["ratio"] for r in results["rounds"]], len(modes))
+    if rotations:
+        results["summary"]["tok_s_by_rotation"] = interval(rotations)
     if "off" in modes:
         for key in ("inline_vs_off", "sidecar_vs_off"):
             results["summary"][key] = interval([r[key] for r in results["rounds"]])
@@ -173,15 +192,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1000, help="at most this many rounds")
     ap.add_argument("--minutes", type=float, default=12.0, help="stop starting rounds after this long")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument(
+        "--against",
+        choices=("upstream", "nocheck"),
+        default="upstream",
+        help="the base arm: SGLang's inline path, or the plugin with its row check off (what the check costs)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="r3-bench-ab-", dir="/dev/shm") as tmp:
-        results = run(Bench(), Path(tmp), rounds=args.rounds, minutes=args.minutes, pin=not args.no_pin)
+        modes = MODES if args.against == "upstream" else ROW_CHECK
+        results = run(Bench(), Path(tmp), rounds=args.rounds, minutes=args.minutes, pin=not args.no_pin, modes=modes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     for name, s in results["summary"].items():
         print(
-            f"{name}: sidecar ÷ upstream geometric mean {s['geomean']:.4f}, 95% t-interval "
+            f"{name}: sidecar ÷ {args.against} geometric mean {s['geomean']:.4f}, 95% t-interval "
             f"{s['t95'][0]:.4f}–{s['t95'][1]:.4f}; mean {s['mean']:.4f}, bootstrap 95% "
             f"{s['bootstrap95'][0]:.4f}–{s['bootstrap95'][1]:.4f} over {s['n']} rounds"
         )

@@ -105,6 +105,7 @@ class Bench:
         plugin = mode not in ("upstream", "off")
         if plugin:
             env |= {"R3_MODE": "sidecar", "R3_LIVE_ROWS": "1" if mode == "live" else "0"}
+            env |= {"R3_ROW_CHECK": "0" if mode == "nocheck" else "1"}
         if mode == "off":  # routed experts off: SGLang without its capture, the floor both paths are measured from
             args[ROUTED_FLAG] = False
         return Config(
