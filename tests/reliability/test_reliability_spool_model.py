@@ -3,8 +3,9 @@
 `spool_model_machine.SpoolMachine` drives two writer processes, one sidecar process and trainers through the real
 client, and checks the model's invariants after every step. Two sizes:
 
-- CI (`test_spool_model_ci`): a fixed seed (`derandomize`), `CI_RUNS` runs of `CI_STEPS` steps, well under a
-  minute; it is the run that catches each reverted fix in RELIABILITY.md's table.
+- CI (`test_spool_model_ci`, and `test_spool_model_ci_delete_races_reuse` with trainers acknowledging a rid a
+  writer reuses again and again): a fixed seed (`derandomize`), `CI_RUNS` runs of `CI_STEPS` steps, each well
+  under a minute; they are the runs that catch each reverted fix in RELIABILITY.md's table.
 - `make reliability` (`test_spool_model_long`, `slow`): at least 100,000 steps from a random seed (or
   `R3_MODEL_SEED`); `R3_MODEL_STEPS` changes the total. A failure prints the seed (`--hypothesis-seed=N`
   reproduces it) and the shrunk sequence of steps.
@@ -91,10 +92,10 @@ def test_spool_model_ci(tmp_path: Path) -> None:
     _run(tmp_path, CI_RUNS, CI_STEPS)
 
 
-@pytest.mark.slow  # D11's race, fixed (RELIABILITY.md); CI keeps its deterministic tests (test_spool_roundtrip.py)
 @pytest.mark.timeout(1800)
 def test_spool_model_ci_delete_races_reuse(tmp_path: Path) -> None:
-    """The CI run with trainers acknowledging a rid while a writer reuses it again and again (0f9edea's race)."""
+    """The CI run with trainers acknowledging a rid while a writer reuses it again and again (0f9edea's race, D11):
+    in CI because it is the run that finds either fix reverted (RELIABILITY.md §11), in 15-25 s."""
     _run(tmp_path, CI_RUNS, CI_STEPS, delete_races=True)
 
 
