@@ -1,5 +1,7 @@
 """A real Prometheus server and real sidecar processes on loopback, for the alert and dashboard tests.
 
+Shared by the deploy tests (every alert and dashboard query, `tests/deploy/test_deploy_prometheus_live.py`) and the
+real-server tests that show an alert firing on what a real engine wrote (`watching`).
 The server binary is Debian's (`prometheus` package, the one .ci/run fetches for promtool): named by
 `PROMETHEUS`, or found next to `PROMTOOL`, or on PATH. Targets are listed in a file_sd file that
 Prometheus re-reads within a second, so a test can add and remove pods while the server runs. Every
@@ -25,6 +27,8 @@ import httpx
 import yaml
 from helpers import REPO, bound_socket, stop_process
 from waiting import wait_until
+
+RULES_FILE = REPO / "deploy" / "prometheus" / "r3-sidecar-rules.yaml"
 
 
 def prometheus_binary() -> str | None:
@@ -199,3 +203,19 @@ class Prometheus:
                 for alert in rule.get("alerts", []):
                     found.append((group["file"], rule["name"], alert["state"], alert["labels"]))
         return found
+
+    def firing(self, alert: str) -> list[dict[str, str]]:
+        """The labels of each firing instance of `alert`."""
+        return [labels for _, name, state, labels in self.active_alerts() if name == alert and state == "firing"]
+
+
+@contextlib.contextmanager
+def watching(sidecar_url: str, workdir: Path) -> Iterator[Prometheus]:
+    """A real Prometheus loading the project's alert rules as shipped, scraping one sidecar (`http://host:port`)
+    as pod r3-0, for a test to see an alert fire on what a real engine wrote. Needs `prometheus_binary()`."""
+    binary = prometheus_binary()
+    assert binary is not None, "no Prometheus server binary (.ci/run fetches it; or set PROMETHEUS)"
+    workdir.mkdir(parents=True, exist_ok=True)
+    with Prometheus(binary, workdir, [RULES_FILE]) as prom:
+        prom.set_targets({"r3-0": sidecar_url.removeprefix("http://").rstrip("/")})
+        yield prom

@@ -20,12 +20,12 @@ import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import yaml
+from prometheus_live import RULES_FILE as RULES_FILE  # re-exported: the rules as shipped, beside the chart's copy
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "r3-sidecar"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
-RULES_FILE = REPO / "deploy" / "prometheus" / "r3-sidecar-rules.yaml"
 DASHBOARD_FILE = REPO / "deploy" / "grafana" / "r3-sidecar.json"
 
 # The oldest Kubernetes the chart declares (`kubeVersion: >=1.27.0-0`) and a recent one.

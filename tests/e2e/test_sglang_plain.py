@@ -23,6 +23,7 @@ import pytest
 import sglang_abort
 from baseline import spool_files
 from docs_blocks import RECIPES
+from prometheus_live import watching
 from sglang_server import Config, Stack
 from waiting import wait_until
 
@@ -290,18 +291,25 @@ def test_hook_timers_count_every_hook_per_forward_kind_in_the_engine_file_and_me
         assert line is not None and float(line.split()[-1]) > 0, (sample, text[-2000:])
 
 
-def test_a_capture_that_writes_zeros_for_one_layer_leaves_a_suspect_record(capture_all):
+def test_a_capture_that_writes_zeros_for_one_layer_leaves_a_suspect_record(capture_all, tmp_path):
     """Issue 40 on a real server: the capture of one layer says "expert 0" for every token (as a kernel that
     routes inside itself leaves it). The record is kept and marked at its first row and that layer, the sidecar
-    refuses it unless asked, the trainer client raises, the engine file and /metrics count it; and no other
-    record of this server (true routes) is suspect."""
+    refuses it unless asked, the trainer client raises, the engine file and /metrics count it, and a real
+    Prometheus scraping this sidecar with the shipped rules fires `R3SuspectRecords` for this engine (quiet
+    before); no other record of this server (true routes) is suspect."""
     stack = capture_all["stack"]
     rid = f"{stack.config.name}-zeroed"
-    ZERO_FLAG.touch()
-    try:
-        response = stack.generate(prompt(30, 9), rid=rid, return_routed_experts=True)
-    finally:
-        ZERO_FLAG.unlink()
+    with watching(stack.sidecar_url, tmp_path / "prometheus") as prom:
+        wait_until(lambda: prom.query("r3_engine_suspect_records_total == 0"), 60, "a scrape counting 0 suspect")
+        assert not prom.firing("R3SuspectRecords"), prom.active_alerts()
+        ZERO_FLAG.touch()
+        try:
+            response = stack.generate(prompt(30, 9), rid=rid, return_routed_experts=True)
+        finally:
+            ZERO_FLAG.unlink()
+        engine = _engine_reports(stack)[0]["engine"]
+        wait_until(lambda: prom.firing("R3SuspectRecords"), 60, "R3SuspectRecords firing in Prometheus")
+        assert [a["engine"] for a in prom.firing("R3SuspectRecords")] == [engine], prom.active_alerts()
     meta, stored = stack.final_record(rid)
     assert meta.status == "suspect" and (meta.suspect.row, meta.suspect.layer) == (0, ZERO_LAYER), meta
     assert meta.suspect.reason == "repeated" and not stored[:, meta.layers.index(ZERO_LAYER)].any()
@@ -317,7 +325,6 @@ def test_a_capture_that_writes_zeros_for_one_layer_leaves_a_suspect_record(captu
         "the engine file counting one suspect record",
     )
     text = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
-    engine = _engine_reports(stack)[0]["engine"]
     assert f'r3_engine_suspect_records_total{{engine="{engine}"}} 1.0' in text, text[-3000:]
     assert 'r3_records{state="suspect"} 1.0' in text
     for name in REQUESTS:

@@ -3,8 +3,9 @@
 vLLM 0.27.1 (OpenRLHF's pin) in sidecar mode, with the CPU capture shim told to hand one layer's capture zeros
 while a flag file exists (`tests/vllm_cpu/_vllm_cpu_capture_shim.py`, test-only; the shim's capture path exists
 on 0.24-0.27 only, so not on 0.32): the record is kept and marked at its first row and that layer, the sidecar
-answers 422 `record_suspect`, the trainer client raises unless asked, the engine file and /metrics count it, and
-a request after the flag is gone is `ok`. Its own server start, so `matrix` (CI's vLLM starts are spent on the
+answers 422 `record_suspect`, the trainer client raises unless asked, the engine file and /metrics count it, a real
+Prometheus scraping the sidecar with the shipped rules fires `R3SuspectRecords` (quiet before), and a request
+without the flag is `ok`. Its own server start, so `matrix` (CI's vLLM starts are spent on the
 release suite, whose records are asserted not suspect in `test_vllm_plugin.py`).
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import vllm_server
+from prometheus_live import watching
 from vllm_server import VllmServer
 from waiting import wait_until
 
@@ -53,14 +55,21 @@ def zeroing(
         server.stop()
 
 
-def test_a_zeroed_layer_leaves_a_suspect_record_and_a_true_one_does_not(zeroing) -> None:
+def test_a_zeroed_layer_leaves_a_suspect_record_and_a_true_one_does_not(zeroing, tmp_path: Path) -> None:
     server, flag = zeroing
-    flag.touch()
-    try:
-        zeroed = server.completion("Zero one layer", rid="zeroed")
-    finally:
-        flag.unlink()
+    assert server.sidecar is not None
     fine = server.completion("All layers route", rid="fine")
+    with watching(server.sidecar.url, tmp_path / "prometheus") as prom:
+        wait_until(lambda: prom.query("r3_engine_suspect_records_total == 0"), 60, "a scrape counting 0 suspect")
+        assert not prom.firing("R3SuspectRecords"), prom.active_alerts()
+        flag.touch()
+        try:
+            zeroed = server.completion("Zero one layer", rid="zeroed")
+        finally:
+            flag.unlink()
+        wait_until(lambda: prom.firing("R3SuspectRecords"), 60, "R3SuspectRecords firing in Prometheus")
+        engines = {e["engine"] for e in server.engine_files()}
+        assert {a["engine"] for a in prom.firing("R3SuspectRecords")} <= engines, prom.active_alerts()
     meta, rows = server.record("cmpl-zeroed-0")
     assert meta.status == "suspect" and (meta.suspect.row, meta.suspect.layer) == (0, ZERO_LAYER), meta
     assert not rows[:, meta.layers.index(ZERO_LAYER)].any()
@@ -79,7 +88,6 @@ def test_a_zeroed_layer_leaves_a_suspect_record_and_a_true_one_does_not(zeroing)
         30,
         "the engine file counting one suspect record",
     )
-    assert server.sidecar is not None
     text = httpx.get(f"{server.sidecar.url}/metrics", timeout=10).text
     assert 'r3_records{state="suspect"} 1.0' in text
     assert any(
