@@ -41,9 +41,10 @@ def _register() -> None:
         return
 
     from engine_ext.core.node_sidecar import with_node_sidecar
+    from engine_ext.core.startup_line import announce
     from engine_ext.sglang import compat, hooks
 
-    (logger.info if plan.proven else logger.warning)(plan.describe())
+    announce(logger, plan.describe(), proven=plan.proven)
     compat.use(plan.layout)
     announce_front_door(settings)
     hooks.install(with_node_sidecar(settings))

@@ -30,6 +30,7 @@ def register() -> None:
         return
     _registered = True
     from engine_ext.core.settings import EngineSettings, Mode
+    from engine_ext.core.startup_line import announce
     from engine_ext.vllm.fit import plan
 
     settings = EngineSettings()
@@ -45,7 +46,7 @@ def register() -> None:
             except OSError as exc:
                 logger.error("r3-sidecar: engine file not written to %s: %s", settings.spool_dir, exc)
         return
-    (logger.info if decided.proven else logger.warning)("%s", decided.describe())
+    announce(logger, decided.describe(), proven=decided.proven)
     if settings.mode is Mode.OFF:
         logger.info("r3-sidecar: R3_MODE=off; vLLM's routed experts stay inline only")
         return
