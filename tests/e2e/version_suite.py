@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 from baseline import assert_same_rows
 from sglang_abort import abort_mid_decode
-from sglang_server import GLM, Config, Stack, decode_inline
+from sglang_server import Config, Stack, decode_inline
 from test_sglang_front_doors import CONTINUATIONS, SLOW_WORKERS, assert_decodes_without_the_models_numbers, knock
 from tiers import tier_marks
+from tiny_model import GLM
 from waiting import wait_until
 
 from engine_ext.core.settings import EngineSettings
