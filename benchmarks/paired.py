@@ -31,7 +31,8 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.real_server import Bench, Stack, _log, _warm, throughput
+from benchmarks.real_server import Stack, _log, _warm
+from benchmarks.real_server_workloads import Bench, throughput
 from benchmarks.run import environment
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,6 +22,9 @@ import kubernetes_validate
 import yaml
 from prometheus_live import RULES_FILE as RULES_FILE  # re-exported: the rules as shipped, beside the chart's copy
 
+from service.server.api import create_app
+from service.server.settings import Settings
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "r3-sidecar"
 VALUES_DIR = Path(__file__).resolve().parent / "values"
@@ -94,6 +97,27 @@ def parse(manifests: dict[str, str]) -> list[Obj]:
 def render(values: dict[str, Any] | None = None, *, release: str = RELEASE) -> list[Obj]:
     """Every Kubernetes object the chart renders (NOTES.txt excluded), in template order."""
     return parse(render_manifests(values, release=release))
+
+
+@functools.cache
+def rendered_scenario(name: str) -> tuple[dict[str, Any], list[Obj]]:
+    """A scenario's values and every object they render, rendered once per process: the chart's test modules
+    each check every scenario (tests/deploy/conftest.py's `rendered`), and Helm's render is the costly part.
+    Shared objects: a test that changes one must change a copy."""
+    values = scenario_values(name)
+    return values, render(values)
+
+
+def effective_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The values Helm actually uses: chart defaults coalesced with the scenario (as rendered, see `offline`)."""
+    return helm.Chart.load(CHART).merge_values(offline(values))
+
+
+def sidecar_routes() -> set[tuple[str, str]]:
+    """(method, path) of every route the real sidecar app serves: what the chart's probes, monitors and notes
+    may name."""
+    app = create_app(Settings(spool_dir=Path("/nonexistent-r3-spool")))
+    return {(method, route.path) for route in app.routes for method in getattr(route, "methods", ())}
 
 
 # ---- a cluster `lookup` can see ------------------------------------------------------------------

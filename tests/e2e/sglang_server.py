@@ -13,7 +13,8 @@ baseline on the same install. The CPU workarounds are `tests/sglang_cpu/_sglang_
 armed by `R3_TEST_SGLANG_CPU=1` in the server's environment only; `Config.python` picks another SGLang's
 venv, and the launch flags that version needs on the CPU (`VERSION_ARGS`) follow from its code's version.
 `Config(gpu=True)` launches on CUDA at SGLang's GPU defaults instead (`GPU_ARGS`, CPU shims off): the GPU
-recipe, tests/engine/gpu/servers.py.
+recipe, tests/engine/gpu/servers.py. The model's files are `tiny_model.py`'s; the child processes, their logs
+and their ports `child_process.py`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import contextlib
 import functools
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,7 +34,8 @@ from typing import Any
 import httpx
 import numpy as np
 from baseline import assert_plugin_off
-from tiny_weights import supports, write_weights
+from child_process import Process, free_port, spawn
+from tiny_model import load_format, write_model, write_tokenizer
 
 from service.spool import Spool
 from service.spool.record_meta import RecordMeta
@@ -43,9 +43,8 @@ from service.spool.record_meta import RecordMeta
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also for callers outside pytest (benchmarks)
     sys.path.append(str(REPO / "tests"))
-from waiting import WaitTimeout, wait_until  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
-TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe" / "config.json"
 START_TIMEOUT_S = 600.0  # a hang guard: two servers start side by side in CI's server tier (-n 2)
 
 # The launch every configuration starts from (sglang-cpu facts: a small KV cache, no CUDA graphs on CPU).
@@ -88,96 +87,6 @@ GPU_ARGS: dict[str, Any] = {
 }
 
 
-# GLM-4.5's layout (first_k_dense_replace): layer 0 dense, layers 1-2 MoE, one shared expert
-GLM = {  # model overrides for `Config(model=GLM)`
-    "architectures": ["Glm4MoeForCausalLM"],
-    "model_type": "glm4_moe",
-    "num_hidden_layers": 3,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-    "partial_rotary_factor": 0.5,
-    "use_qk_norm": False,
-    "attention_bias": False,
-}
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port this process has not handed out before.
-
-    The children bind their ports late: two plain bind-and-close picks in a row can return the same port
-    before the first child has bound it (seen: SGLang's warmup then talked to the sidecar).
-    """
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-
-
-def write_model(directory: Path, *, weights: bool = True, **overrides: Any) -> Path:
-    """The tiny Qwen3-MoE's directory, 4 layers, 2048 positions by default: `config.json` and, where
-    `tiny_weights` knows the architecture and `weights` is set, seeded random `model.safetensors`."""
-    config = json.loads(TINY_MODEL.read_text())
-    config.update({"num_hidden_layers": 4, "max_position_embeddings": 2048} | overrides)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    if weights and supports(config):
-        write_weights(directory, config)
-    return directory
-
-
-def load_format(model_dir: Path) -> str:
-    """`auto` where real weights were written, else `dummy` (SGLang's deterministic fill)."""
-    return "auto" if (model_dir / "model.safetensors").exists() else "dummy"
-
-
-# The tiny model's 256 ids as a word-level tokenizer: text and chat endpoints run without --skip-tokenizer-init.
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4; bos 1, eos 2 as config.json
-ROLE_WORDS = ["system", "user", "assistant"]  # ids 5-7, so the chat template's roles are real tokens
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
-)
-
-
-def word(token_id: int) -> str:
-    """The word of a plain (non-special) id: `w8` … `w255`."""
-    return f"w{token_id}"
-
-
-def write_tokenizer(directory: Path, vocab_size: int = 256) -> Path:
-    """`tokenizer.json` + `tokenizer_config.json` (with a chat template) over `vocab_size` ids, built here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    names = SPECIAL_TOKENS + ROLE_WORDS
-    vocab = {name: i for i, name in enumerate(names)} | {word(i): i for i in range(len(names), vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 2048,
-        "unk_token": "<unk>",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "pad_token": "<unk>",
-        "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    return directory
-
-
 @functools.cache
 def sglang_version_string(python: str) -> str:
     """The version of the SGLang code `python` imports, as it spells it (`0.5.15.post1`): its `sglang/_version.py`,
@@ -215,80 +124,6 @@ def cli_args(args: dict[str, Any]) -> list[str]:
         if value is not True:
             out.append(str(value))
     return out
-
-
-def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process group led by `proc` (its own session), then SIGKILL whatever of it is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    else:  # the leader is gone; its children get up to 0.2 s to follow before the group is killed
-        with contextlib.suppress(WaitTimeout):
-            wait_until(lambda: not _group_runs(proc.pid), 0.2, "the group's children exit", interval=0.02)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(10)
-
-
-def _group_runs(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (a zombie, which no signal moves, does not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                return True
-    return False
-
-
-def _log_tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-@dataclass
-class Process:
-    """A child process in its own session, with its output in a log file."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        _stop_group(self.proc)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The log's last `lines` lines, for a failure message that says what the process was doing."""
-        return _log_tail(self.log, lines)
-
-    def wait_http(self, path: str, timeout: float, what: str) -> None:
-        def answers() -> bool:
-            if not self.alive():
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
-            return httpx.get(self.url + path, timeout=2.0).status_code == 200
-
-        wait_until(
-            answers, timeout, lambda: f"{what} ready:\n{_log_tail(self.log)}", interval=0.25, ignore=(httpx.HTTPError,)
-        )
-
-
-def spawn(cmd: list[str], env: dict[str, str], log: Path, url: str) -> Process:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    return Process(proc, log, url)
 
 
 @dataclass

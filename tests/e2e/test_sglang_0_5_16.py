@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from version_servers import marks
 from version_suite import *  # noqa: F403 (the suite's tests and fixtures, collected here)
-from version_suite import marks
 
 VERSION = "0.5.16"
 pytestmark = marks(VERSION)

@@ -31,7 +31,9 @@ import httpx
 import numpy as np
 import pytest
 from baseline import assert_same_rows
-from sglang_server import Config, Stack, free_port, server_env, spawn, write_model, write_tokenizer
+from child_process import free_port, spawn
+from sglang_server import Config, Stack, server_env
+from tiny_model import write_model, write_tokenizer
 
 from service.client import RoutedExpertsRef, fetch_many
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from sglang_server import Config, Process, Stack, free_port, running, spawn
+from child_process import Process, free_port, spawn
+from sglang_server import Config, Stack, running
 from waiting import wait_until
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # two server starts on two busy cores

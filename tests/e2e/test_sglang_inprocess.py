@@ -18,7 +18,9 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from sglang_server import BASE_ARGS, REPO, Config, Process, free_port, server_env, spawn, write_model, write_tokenizer
+from child_process import Process, free_port, spawn
+from sglang_server import BASE_ARGS, REPO, Config, server_env
+from tiny_model import write_model, write_tokenizer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 

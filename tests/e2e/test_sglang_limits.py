@@ -19,7 +19,8 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from sglang_server import GLM, Config, server_env
+from sglang_server import Config, server_env
+from tiny_model import GLM
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]  # a server start counts in its first test
 

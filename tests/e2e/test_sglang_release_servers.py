@@ -13,8 +13,8 @@ the date and commit of each release's last run.
 from __future__ import annotations
 
 import pytest
+from version_servers import venv_python
 from version_suite import *  # noqa: F403 (the suite's tests and fixtures, collected here)
-from version_suite import venv_python
 
 from engine_ext.sglang.versions import NEWEST, RELEASES
 

@@ -15,7 +15,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+from child_process import free_port
+from sglang_server import BASE_ARGS, REPO, Config, cli_args, server_env
+from tiny_model import write_model
 
 from engine_ext.sglang import compat
 from engine_ext.sglang.versions import MATRIX

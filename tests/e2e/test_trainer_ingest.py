@@ -21,7 +21,8 @@ import pytest
 import torch
 import trainer_code
 from sglang_abort import post_and_abort
-from sglang_server import GLM, Config, Stack
+from sglang_server import Config, Stack
+from tiny_model import GLM
 from waiting import wait_until
 
 from service.client import RoutedExperts, RoutedExpertsClient, trainers

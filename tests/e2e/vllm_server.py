@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from sglang_server import Process, free_port, spawn
+from child_process import Process, free_port, spawn
 from waiting import wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release

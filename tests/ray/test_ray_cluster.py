@@ -32,7 +32,9 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 import pytest
-from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, free_port, server_env, write_model
+from e2e.child_process import free_port
+from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, server_env
+from e2e.tiny_model import write_model
 from waiting import wait_until
 
 from service.client.ray_nodes import start_node_sidecars

@@ -14,8 +14,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from sglang_abort import abort_mid_decode
 from sglang_server import Stack, sglang_version_string
-from version_suite import abort_mid_decode, engine_report, expected_rows, prompt
+from version_servers import engine_report, expected_rows, prompt
 
 # A plugin line that says it stepped aside or failed (its lines start `r3-sidecar: `; SGLang's log prints no level)
 PLUGIN_TROUBLE = re.compile(

@@ -3,7 +3,7 @@
 SGLang captures decode (and verify) forwards into CUDA graphs at start, and a replay runs no Python. So the
 plugin's per-layer hook runs only while a graph is captured: it must read no device value there (under
 `set_sync_debug_mode("error")`), and the graph must go on writing each replay's own rows, which the plugin's
-forward-end slicing then hands back for this DP rank. Each decode-graph case of `test_capture_cases` is
+forward-end slicing then hands back for this DP rank. Each decode-graph case of `capture_cases.py` is
 captured with the router's output set to -1, then replayed after the real routing is copied into the same
 tensors: a row is right only if the replay wrote it. Skips without CUDA.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_cases import CASES, LAYERS, TOPK, expected_value
 from sglang_env import run_sglang
-from test_capture_cases import CASES, LAYERS, TOPK, expected_value
 
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -21,16 +21,16 @@ GRAPH_CASES = [c for c in CASES if c.graph == "decode"]
 
 
 def child_main(names: list[str]) -> dict:
-    import test_capture_cases as cases
+    import synthetic_forward as synthetic
     from sglang.srt.layers.moe.topk import TopKConfig, capture_routed_experts_if_allowed
     from sglang.srt.state_capturer.routed_experts import destroy_global_experts_capturer
     from syncguard import cuda_sync_errors
 
-    cases.apply_capture_hooks()
+    synthetic.apply_capture_hooks()
     results = {}
-    for case in (c for c in cases.CASES if c.name in names):
-        cap, runner, fb, _ = cases.setup_case(case, "cuda")
-        static = cases._CURRENT["topk"]
+    for case in (c for c in CASES if c.name in names):
+        cap, runner, fb, _ = synthetic.setup_case(case, "cuda")
+        static = synthetic.CURRENT["topk"]
         routed = [t.clone() for t in static]
         for t in static:
             t.fill_(-1)  # what the router "returns" while the graph is captured
@@ -42,13 +42,13 @@ def child_main(names: list[str]) -> dict:
             with cuda_sync_errors():
                 for t, new in zip(static, routed, strict=True):
                     t.copy_(new)  # this step's routing, in the tensors the graph reads
-                cases._CURRENT["graph"] = graph
-                out = cases.forward(case, cap, runner, fb, patched=True, no_copy_to_cpu=True)
+                synthetic.CURRENT["graph"] = graph
+                out = synthetic.forward(case, cap, runner, fb, patched=True, no_copy_to_cpu=True)
             results[case.name] = {"shape": list(out.topk.shape), "rows": out.topk.tolist()}
         except Exception as exc:
             results[case.name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         finally:
-            cases._CURRENT.pop("graph", None)
+            synthetic.CURRENT.pop("graph", None)
             destroy_global_experts_capturer()
     return results
 

@@ -1,7 +1,7 @@
 """The per-forward capture path reads no device value on the host, with r3-sidecar's hooks in it.
 
 The capturer runs on the `meta` device (values do not exist there, so any host read is a would-be CUDA sync)
-under `syncguard.ForbidHostReads`, through each forward layout of `test_capture_cases`: the model body's
+under `syncguard.ForbidHostReads`, through each forward layout of `capture_cases.py`: the model body's
 captures, `_forward_raw`'s extent record, slicing, overflow checks and occupancy, and `on_forward_end` in
 overlap mode (SGLang's default: it returns device clones for the async copy). The guard itself is shown to
 catch upstream's non-overlap `.cpu()`. With CUDA the same runs on "cuda" under `set_sync_debug_mode("error")`.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from capture_cases import CASES
 from sglang_env import run_sglang
-from test_capture_cases import CASES
 
 pytestmark = pytest.mark.sglang
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.sglang
 def child_main(device: str) -> dict:
     import contextlib
 
-    import test_capture_cases as cases
+    import synthetic_forward as synthetic
     from sglang.srt.state_capturer.routed_experts import destroy_global_experts_capturer
     from syncguard import ForbidHostReads, cuda_sync_errors
 
@@ -32,10 +32,10 @@ def child_main(device: str) -> dict:
         return stack
 
     def attempt(case, *, patched: bool, no_copy_to_cpu: bool) -> dict:
-        cap, runner, fb, _ = cases.setup_case(case, device)
+        cap, runner, fb, _ = synthetic.setup_case(case, device)
         try:
             with guard():
-                out = cases.forward(case, cap, runner, fb, patched=patched, no_copy_to_cpu=no_copy_to_cpu)
+                out = synthetic.forward(case, cap, runner, fb, patched=patched, no_copy_to_cpu=no_copy_to_cpu)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         finally:
@@ -44,7 +44,7 @@ def child_main(device: str) -> dict:
 
     verify = next(c for c in CASES if c.name == "verify_graph_rank1_offset")
     results = {"upstream_non_overlap": attempt(verify, patched=False, no_copy_to_cpu=False)}
-    cases.apply_capture_hooks()
+    synthetic.apply_capture_hooks()
     for case in CASES:
         results[case.name] = attempt(case, patched=True, no_copy_to_cpu=True)
     return results

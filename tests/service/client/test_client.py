@@ -1,25 +1,20 @@
-"""The trainer client against a real sidecar (uvicorn on 127.0.0.1), plus its pure parsers."""
+"""The trainer client against the module's one real sidecar (uvicorn on 127.0.0.1): GET, batches, acks, streams
+that resume or refuse to splice, torch and asyncio. Its pure parsers are `test_client_parsers.py`'s, its retries of a
+refused connection `test_client_retries.py`'s."""
 
 from __future__ import annotations
 
 import asyncio
-import io
-import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-import uvicorn
+from client_records import LAYERS, TOPK, put
 from helpers import FakeClock, live_server
-from waiting import wait_until
+from tcp_proxy import Proxy
 
 from service.client import AsyncRoutedExpertsClient, R3Error, RoutedExperts, RoutedExpertsClient
-from service.client.calls import Retry
-from service.client.decoding import FrameDecoder, parse_npy, read_frames
 from service.client.errors import (
     BadRequest,
     NotReady,
@@ -28,54 +23,9 @@ from service.client.errors import (
     RecordNotFound,
     RecordRestarted,
     Unauthorized,
-    error_for,
 )
-from service.server.api import create_app
 from service.server.settings import Settings
 from service.spool import Spool
-from service.wire.frames import frame_header
-
-LAYERS = (1, 3, 5, 7)
-TOPK = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def sidecar_on_port(spool_dir: Path, port: int) -> Iterator[str]:
-    """A sidecar on a port chosen in advance (`live_server` picks its own), for the connection-refused test."""
-    cfg = Settings(spool_dir=spool_dir, host="127.0.0.1", port=port)
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-
-    def started() -> bool:
-        assert thread.is_alive(), "the sidecar's thread ended"
-        return server.started
-
-    wait_until(started, 15, "the sidecar started", interval=0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-def put(spool: Spool, rid: str, rows: int = 12, *, start: int = 0, final: bool = True, status: str = "ok", seed=0):
-    """Write one record through the real spool writer; returns (rows array, writer)."""
-    array = np.random.default_rng(seed).integers(0, 64, (rows, len(LAYERS), TOPK), dtype=np.uint8)
-    writer = spool.writer(
-        rid, num_experts=64, topk=TOPK, layers=LAYERS, start=start, prompt_len=start + rows // 2, engine="t/dp0"
-    )
-    if rows:
-        writer.append(array)
-    if final:
-        writer.finalize(status)
-    return array, writer
 
 
 @pytest.fixture(scope="module")
@@ -280,65 +230,6 @@ def test_stream_yields_rows_as_they_are_appended(shared_spool: Spool, client: Ro
     np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), np.concatenate([prompt, *blocks]))
 
 
-class Proxy:
-    """TCP proxy to the sidecar: counts connections, records request lines, and cuts every open connection
-    on demand (a trainer's connection dropped mid-response)."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self.requests: list[str] = []
-        self._open: list[socket.socket] = []
-        self._accepted = threading.Condition()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def wait_connections(self, n: int, timeout: float) -> bool:
-        """Block until `n` connections have been accepted; False if `timeout` ran out first."""
-        with self._accepted:
-            return self._accepted.wait_for(lambda: self.connections >= n, timeout)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream_port))
-            self._open += [conn, up]
-            with self._accepted:
-                self.connections += 1
-                self._accepted.notify_all()
-            threading.Thread(target=self._pipe, args=(conn, up, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, conn, False), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, is_request: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if is_request and data[:4] in (b"GET ", b"POST", b"DELE"):
-                    self.requests.append(data.split(b"\r\n", 1)[0].decode())
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            self._cut(src, dst)
-
-    @staticmethod
-    def _cut(*socks: socket.socket) -> None:
-        for sock in socks:
-            with suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def cut_all(self) -> None:
-        self._cut(*self._open)
-        self._open.clear()
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_stream_resumes_after_a_dropped_connection(shared_spool: Spool, url: str) -> None:
     prompt, writer = put(shared_spool, "resumed", rows=40, final=False)
     proxy = Proxy(int(url.rsplit(":", 1)[1]))
@@ -418,48 +309,6 @@ def test_stream_reconnects_after_sitting_idle(shared_spool: Spool, url: str) -> 
 # ---- retries, torch, async ---------------------------------------------------------------------------------
 
 
-def test_retries_connection_refused_until_the_server_comes_up(spool: Spool) -> None:
-    array, _ = put(spool, "late", rows=4)
-    port = free_port()
-    result: dict[str, object] = {}
-
-    def fetch() -> None:
-        with RoutedExpertsClient(f"http://127.0.0.1:{port}", retries=12, backoff_s=0.1, backoff_max_s=0.4) as c:
-            try:
-                result["r"] = c.get("late")
-            except Exception as exc:
-                result["r"] = exc
-
-    retried = threading.Event()
-    delay = Retry.delay
-
-    def spied(self: Retry, attempt: int) -> float | None:
-        if attempt >= 1:
-            retried.set()  # refused twice: the client is retrying while nothing listens
-        return delay(self, attempt)
-
-    thread = threading.Thread(target=fetch)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Retry, "delay", spied)
-        thread.start()
-        assert retried.wait(15), "the client never retried"
-        assert thread.is_alive(), "the client should still be retrying while nothing listens"
-        with sidecar_on_port(spool.root, port):
-            thread.join(15)
-    assert isinstance(result["r"], RoutedExperts), result["r"]
-    np.testing.assert_array_equal(result["r"].array, array)
-
-
-def test_connection_refused_is_raised_after_the_last_retry() -> None:
-    import httpx
-
-    with (
-        RoutedExpertsClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0.01) as c,
-        pytest.raises(httpx.ConnectError),
-    ):
-        c.get("anything")
-
-
 def test_http_errors_are_not_retried(shared_spool: Spool, url: str) -> None:
     proxy = Proxy(int(url.rsplit(":", 1)[1]))
     try:
@@ -502,106 +351,3 @@ def test_async_client(shared_spool: Spool, url: str) -> None:
             assert await client.ack("async-a") is True
 
     asyncio.run(main())
-
-
-# ---- pure parsers ----------------------------------------------------------------------------------------
-
-
-def test_parse_npy_matches_numpy_load() -> None:
-    array = np.arange(2 * 3 * 4, dtype=np.uint16).reshape(2, 3, 4)
-    buf = io.BytesIO()
-    np.save(buf, array)
-    body = bytearray(buf.getvalue())
-    parsed = parse_npy(body)
-    np.testing.assert_array_equal(parsed, array)
-    parsed[0, 0, 0] = 999  # a view of the buffer, not a copy
-    assert np.load(io.BytesIO(bytes(body)))[0, 0, 0] == 999
-    with pytest.raises(ValueError):
-        parse_npy(b"not an npy payload")
-
-
-def two_frames() -> tuple[np.ndarray, bytes]:
-    a = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
-    frames = (
-        frame_header(
-            {
-                "rid": "x",
-                "status": 200,
-                "dtype": "uint8",
-                "shape": [3, 2, 2],
-                "start": 4,
-                "layers": [0, 1],
-                "final": True,
-            }
-        )
-        + a.tobytes()
-        + frame_header(
-            {
-                "rid": "y",
-                "status": 404,
-                "dtype": "uint8",
-                "shape": [0, 2, 2],
-                "start": 0,
-                "layers": [0, 1],
-                "final": False,
-                "detail": "no record 'y'",
-            }
-        )
-    )
-    return a, frames
-
-
-def check_two_frames(out: list, a: np.ndarray) -> None:
-    assert [f.status for f in out] == [200, 404]
-    r = out[0].result()
-    assert (r.rid, r.start, r.layers, r.final) == ("x", 4, (0, 1), True)
-    np.testing.assert_array_equal(r.array, a)
-    assert r.array.flags.writeable
-    err = out[1].error()
-    assert isinstance(err, RecordNotFound) and err.detail == "no record 'y'"
-
-
-def test_frame_decoder_any_chunking() -> None:
-    a, frames = two_frames()
-    for size in (1, 3, 7, len(frames)):
-        decoder = FrameDecoder()
-        out = []
-        for i in range(0, len(frames), size):
-            out += decoder.feed(frames[i : i + size])
-        assert not decoder.pending
-        check_two_frames(out, a)
-
-
-class Trickle(io.RawIOBase):
-    """A readable body that hands out at most `size` bytes per read, as a socket may."""
-
-    def __init__(self, data: bytes, size: int) -> None:
-        self.data, self.size, self.pos = data, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        n = min(len(b), self.size, len(self.data) - self.pos)
-        b[:n] = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return n
-
-
-def test_read_frames_reads_what_the_decoder_reads() -> None:
-    a, frames = two_frames()
-    for size in (1, 3, 7, len(frames)):
-        check_two_frames(read_frames(Trickle(frames, size)), a)
-    assert read_frames(Trickle(b"", 4)) == []
-    for cut in (2, 4 + 5, len(frames) - 1):
-        with pytest.raises(httpx.RemoteProtocolError, match="inside a frame"):
-            read_frames(Trickle(frames[:cut], 5))
-    with pytest.raises(R3Error, match=r"not an application/vnd\.r3\.frames"):
-        read_frames(Trickle(b"\xff\xff\xff\x7f" + b"{}", 64))
-
-
-def test_error_for_maps_statuses() -> None:
-    assert isinstance(error_for(410, {"error": "gone", "detail": "aborted"}), RecordGone)
-    assert isinstance(error_for(422, {"detail": "bad"}), BadRequest)
-    server = error_for(503, "upstream down")
-    assert server.status == 503 and server.detail == "upstream down"

@@ -3,18 +3,17 @@
 Two sidecars (threaded uvicorn on 127.0.0.1), each over its own real spool, stand for two pods. The response shapes
 are built with the engine's own code (`engine_ext.sglang.frontdoors`, `engine_ext.core.records.routed_experts_url`),
 and SGLang's inline string is the sidecar's `format=sglang_b64`, itself tested byte-identical to SGLang 0.5.23's
-encoder (tests/engine/sglang/test_sglang_layout.py).
+encoder (tests/engine/sglang/test_sglang_layout.py). What a response says without a sidecar to ask (a pointer's
+parts, the shape stated beside inline rows) is `test_engine_responses.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import json
 import pickle
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -24,7 +23,6 @@ from helpers import live_server, random_rows
 from engine_ext.core.records import routed_experts_url
 from engine_ext.sglang.frontdoors import PointerStream, inline_shape, sglext_pointer
 from service.client import R3Error, RoutedExperts, RoutedExpertsClient, RoutedExpertsRef, afetch_many, fetch_many
-from service.client.engine_responses import sidecar_base, split_pointer
 from service.client.errors import BadRequest, RangeNotSatisfiable, RecordNotFound
 from service.client.refs import AsyncSidecarPool, SidecarPool
 from service.server.settings import Settings
@@ -87,19 +85,6 @@ def b64_of(base: str, rid: str) -> str:
 
 
 # ---- pointers --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("url", "base", "rid"),
-    [
-        ("http://h:8000/routed_experts/abc", "http://h:8000", "abc"),
-        ("http://h:8000/pod-a/routed_experts/a%2Fb%20c", "http://h:8000/pod-a", "a/b c"),
-        ("https://h/routed_experts/x?wait=3", "https://h", "x"),
-    ],
-)
-def test_split_pointer(url: str, base: str, rid: str) -> None:
-    assert split_pointer(url) == (base, rid)
-    assert sidecar_base(url) == base and sidecar_base(base + "/") == base
 
 
 def test_a_client_built_from_a_pointer_never_doubles_the_path(pods) -> None:
@@ -221,29 +206,6 @@ def test_inline_rows_that_say_their_shape_need_no_model_numbers(pods, pointer: b
     resp["sglext"] = {"routed_experts": text, **said(text, 9)}
     r = RoutedExpertsRef.from_response(resp)[0].fetch(start=9)
     assert (r.start, r.rows) == (9, len(cont))
-
-
-def test_inline_shape_from_the_engines_payloads() -> None:
-    """The engine side: SGLang's base64 string and the tensor of `skip_tokenizer_init` (any `numel()`)."""
-    rows = np.arange(5 * HIDDEN * TOPK, dtype="<i4")
-    text = base64.b64encode(rows.tobytes()).decode()
-    assert inline_shape(text, num_hidden_layers=HIDDEN, topk=TOPK, start_len=2) == {
-        "routed_experts_shape": [5, HIDDEN, TOPK],
-        "routed_experts_start_len": 2,
-    }
-    torch = pytest.importorskip("torch")
-    tensor = torch.from_numpy(rows.reshape(5, HIDDEN, TOPK))
-    assert inline_shape(tensor, num_hidden_layers=HIDDEN, topk=TOPK, start_len=0)["routed_experts_shape"][0] == 5
-    assert inline_shape("", num_hidden_layers=HIDDEN, topk=TOPK, start_len=0) is None
-    assert inline_shape(text, num_hidden_layers=7, topk=TOPK, start_len=0) is None  # not whole rows: say nothing
-
-
-def test_inline_without_the_model_shape_says_what_to_pass() -> None:
-    text = "AAAAAAAAAAA="  # 8 bytes: two int32
-    resp = {"meta_info": {"id": "x", "routed_experts": text}}
-    (ref,) = RoutedExpertsRef.from_response(resp)
-    with pytest.raises(R3Error, match="num_hidden_layers and topk"):
-        ref.fetch()
 
 
 def test_in_process_tensor_payload(pods) -> None:
@@ -390,11 +352,6 @@ def test_without_inline_keeps_the_pointer(pods) -> None:
     small = ref.without_inline()
     assert small.inline is None and small.url == ref.url
     assert len(pickle.dumps(small)) < len(pickle.dumps(ref))
-
-
-def test_pointer_path_prefix(tmp_path: Path) -> None:
-    """A sidecar behind a path prefix (an ingress): the base keeps the prefix."""
-    assert sidecar_base("http://gw/pod-a/routed_experts/r1") == "http://gw/pod-a"
 
 
 # ---- both clients alike ------------------------------------------------------------------------------------

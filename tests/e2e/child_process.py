@@ -1,0 +1,112 @@
+"""Child processes of the real-engine harness (SGLang and vLLM servers, the sidecar): each in its own session
+with its output in a log file, stopped as a whole process group (a server's tokenizer manager, scheduler and
+detokenizer go with it), and the free loopback ports they are told to bind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # the shared waiting helper, also outside pytest
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from waiting import WaitTimeout, wait_until
+
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A free loopback port this process has not handed out before.
+
+    The children bind their ports late: two plain bind-and-close picks in a row can return the same port
+    before the first child has bound it (seen: SGLang's warmup then talked to the sidecar).
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the process group led by `proc` (its own session), then SIGKILL whatever of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    else:  # the leader is gone; its children get up to 0.2 s to follow before the group is killed
+        with contextlib.suppress(WaitTimeout):
+            wait_until(lambda: not _group_runs(proc.pid), 0.2, "the group's children exit", interval=0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (a zombie, which no signal moves, does not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                return True
+    return False
+
+
+def _log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Process:
+    """A child process in its own session, with its output in a log file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        _stop_group(self.proc)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The log's last `lines` lines, for a failure message that says what the process was doing."""
+        return _log_tail(self.log, lines)
+
+    def wait_http(self, path: str, timeout: float, what: str) -> None:
+        def answers() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
+            return httpx.get(self.url + path, timeout=2.0).status_code == 200
+
+        wait_until(
+            answers, timeout, lambda: f"{what} ready:\n{_log_tail(self.log)}", interval=0.25, ignore=(httpx.HTTPError,)
+        )
+
+
+def spawn(cmd: list[str], env: dict[str, str], log: Path, url: str) -> Process:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    return Process(proc, log, url)
