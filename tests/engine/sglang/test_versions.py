@@ -91,8 +91,9 @@ def test_docs_release_table_is_releases():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
     assert rows[0] == ["SGLang", "layout its code fits", "how it runs", "last real-server run"]
     assert [row[:3] for row in rows[1:]] == [_release_row(release) for release in RELEASES]
-    for row in rows[1:]:  # a proven release says when its real server last ran; an unproven one may never have
-        assert row[3] != "-" or row[2] != "proven on a real CPU server", row
+    for row in rows[1:]:  # a proven release says when and at which commit its real server last ran
+        if row[2] == "proven on a real CPU server":
+            assert re.search(r"\b20\d\d-\d\d-\d\d\b", row[3]) and re.search(r"\b[0-9a-f]{7}\b", row[3]), row
 
 
 def test_every_proven_release_has_a_layout_and_every_matrix_row_with_plugins_is_proven():
