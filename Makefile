@@ -122,7 +122,7 @@ test-matrix: test-matrix-releases test-matrix-sglang test-matrix-vllm
 test-matrix-releases: env env-sglang-releases
 	$(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_RELEASES)
 
-test-matrix-sglang: env env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases
+test-matrix-sglang: env env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases release-wheels
 	$(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_RELEASES:%=--ignore=%) $(MATRIX_VLLM:%=--ignore=%)
 
 test-matrix-vllm: env env-vllm env-vllm-old
@@ -344,9 +344,10 @@ env-sglang-0.5.12: $(SGLANG_0512)/.sglang-stamp
 $(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirements/sglang-0.5.12-overlay.txt)
 	$(call sglang_overlay,$(SGLANG_0512),0.5.12)
 
-# Every other release from 0.5.12 to 0.5.22, for `make test-matrix`'s check that each release's code gets the layout
-# `versions.RELEASES` says (tests/e2e/test_sglang_releases.py): the same overlay, with the transformers pin of the
-# nearest proven release whose pins import it (0.5.12's up to 0.5.14; 0.5.16's for 0.5.15-0.5.19: .venv's
+# Every other release from 0.5.12 to 0.5.22, for `make test-matrix`'s check that each release's code, imported, gets
+# the layout `versions.RELEASES` says (tests/e2e/test_sglang_releases.py: the run-time side of what CI reads from
+# each release's wheel, release-wheels above) and for its real server: the same overlay, with the transformers pin
+# of the nearest proven release whose pins import it (0.5.12's up to 0.5.14; 0.5.16's for 0.5.15-0.5.19: .venv's
 # transformers registers `qwen3_asr` again; none from 0.5.21, which import on .venv's own). 0.5.15's adds the CuTe DSL
 # its GLM model imports (requirements/sglang-0.5.15-overlay.txt).
 SGLANG_RELEASES := 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14 0.5.15 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.21 0.5.22

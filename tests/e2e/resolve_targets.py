@@ -3,7 +3,8 @@
 attributes the registered hooks read off SGLang's run-time objects its source lacks (`attributes`, read by
 `engine_ext.sglang.attributes` from this version's installed files), and which calls in its `http_server.py`
 hand SGLang's literal app path to several workers (`literal_app_calls`: what `worker_app` retargets), and which
-layout the plugin applies to this build from its code alone (`fit`: the layout, what each candidate tried lacks).
+layout the plugin applies to this build from its code alone (`fit`: the layout, what each candidate tried lacks),
+and what every layout lacks here (`lacking`: `fit.what_layout_lacks` for each, which CI reads from the wheel).
 
 Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
 Targets of the `hip` group import only on ROCm and are left out.
@@ -37,6 +38,9 @@ def main() -> None:
 
     fitted = fit.fit(found, HOOKS)
     result["fit"] = {"layout": fitted.layout, "lacking": fitted.lacking}
+    rows = [hook for hook in HOOKS if "hip" not in hook.groups]
+    result["lacking"] = {layout: fit.what_layout_lacks(layout, rows) for layout in compat.LAYOUTS}
+    compat.use(compat.NEWEST)
     result["literal_app_calls"] = literal_app_calls()
     result["granian"] = granian_server()
     json.dump(result, sys.stdout)

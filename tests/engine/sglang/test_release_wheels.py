@@ -23,13 +23,11 @@ plugin's own modules import from SGLang is defined or re-exported where they imp
 
 from __future__ import annotations
 
-import hashlib
-import zipfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import plugin_imports
 import pytest
+import release_wheels
 import wheel_fit
 from source_names import Missing, Source
 
@@ -39,10 +37,6 @@ from engine_ext.sglang.versions import RELEASES
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[3]
-WHEELS = REPO / "build" / "release-wheels"
-PINS = REPO / "requirements" / "sglang-release-wheels.txt"
-MAKE = "make release-wheels"
 ROWS = [hook for hook in HOOKS if "hip" not in hook.groups]  # as fit: hip targets import only on ROCm
 
 # A release RELEASES gives no layout → a name its nearest candidate layout lacks (none today).
@@ -59,37 +53,18 @@ CONDITIONAL: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
-def pins() -> dict[str, str]:
-    """Release → the sha256 its wheel must have (requirements/sglang-release-wheels.txt)."""
-    out = {}
-    for line in PINS.read_text().splitlines():
-        if line.startswith("sglang=="):
-            requirement, _, digest = line.partition(" --hash=sha256:")
-            out[requirement.removeprefix("sglang==")] = digest.strip()
-    return out
-
-
-def wheel(release: str) -> Path:
-    """The release's wheel in build/release-wheels/, whose bytes are the pinned ones (else the test fails)."""
-    found = sorted(WHEELS.glob(f"sglang-{release}-*.whl"))
-    assert found, f"no sglang {release} wheel in {WHEELS.relative_to(REPO)}: run `{MAKE}` (make test does)"
-    digest = hashlib.sha256(found[0].read_bytes()).hexdigest()
-    assert digest == pins().get(release), f"{found[0].name} is not PyPI's (sha256 {digest}): delete it, `{MAKE}`"
-    return found[0]
-
-
 @pytest.fixture
 def source(request: pytest.FixtureRequest) -> Iterator[Source]:
     """The release's `sglang` package, read from its wheel; one build's parsed files held at a time."""
     try:
-        yield Source(zipfile.Path(wheel(request.param), "sglang/"))
+        yield release_wheels.source(request.param)
     finally:
         attributes.forget()
         compat.use(compat.NEWEST)
 
 
 def test_every_release_has_a_pinned_wheel():
-    assert list(pins()) == list(RELEASES), f"{PINS.relative_to(REPO)} lists one line per RELEASES key, in order"
+    assert list(release_wheels.pins()) == list(RELEASES), f"{release_wheels.PINS.name}: one line per RELEASES key"
 
 
 @pytest.mark.parametrize("source", list(RELEASES), indirect=True, ids=str)
