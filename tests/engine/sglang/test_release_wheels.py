@@ -15,16 +15,20 @@ order, so the first layout that fits is the one the release gets):
 - wherever the layout spells something otherwise than 0.5.23, 0.5.23's spelling is absent from the release;
 - the source defines every attribute the registered hooks read off SGLang's run-time objects (`attributes`);
 
-then, with that layout: each hook target is a `def` (so its parameters were compared), and every name the
+then, with that layout: each hook target is a `def` (so its parameters were compared); every name the
 plugin's own modules import from SGLang is defined or re-exported where they import it from (`plugin_imports`;
-`fit` never imports those). A release whose row is None must fit no layout, its nearest candidate lacking what
-`NONE_ROWS` says. A missing wheel fails, naming the make target.
+`fit` never imports those); and where its `http_server.py` hands the tokenizer workers' and Granian's app path is
+where the layout's worker-app fields say (`http_server_source`; `fit` cannot see those either). A release whose
+row is None must fit no layout, its nearest candidate lacking what `NONE_ROWS` says. A missing wheel fails,
+naming the make target.
 """
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
+import http_server_source
 import plugin_imports
 import pytest
 import release_wheels
@@ -79,6 +83,8 @@ def test_each_release_wheel_gets_the_layout_its_row_says(source: Source, request
     compat.use(fitted.layout)
     assert wheel_fit.unsigned(source, ROWS) == []
     assert missing_imports(source, compat.layout()) == []
+    http_server = ast.parse(source.text(http_server_source.MODULE))
+    assert http_server_source.disagreements(http_server, compat.layout()) == []
 
 
 def missing_imports(source: Source, layout: compat.Layout) -> list[str]:
