@@ -33,7 +33,7 @@ export UV_PYTHON_DOWNLOADS := never
 # again for everything make runs (docs/testing.md, "Bytecode").
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-sglang serve wheel test test-matrix test-matrix-releases test-matrix-sglang test-matrix-vllm lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
+.PHONY: demo demo-sglang serve wheel release-wheels test test-matrix test-matrix-releases test-matrix-sglang test-matrix-vllm lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -102,7 +102,7 @@ $(DEMO)/.demo-stamp: pyproject.toml uv.lock | $(UV_DEP)
 # workers (two servers at a time: 1,423 s against 2,079 s one at a time, 2026-11-29). Both always run; either
 # failing fails.
 SERVER_TESTS := tests/e2e tests/ray
-test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 ## the suite, as CI runs it
+test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 release-wheels ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	rc=0; \
 	$(BIN)/python -m pytest -q --durations=30 -n 3 --dist loadscope $(SERVER_TESTS:%=--ignore=%) || rc=1; \
@@ -122,7 +122,7 @@ test-matrix: test-matrix-releases test-matrix-sglang test-matrix-vllm
 test-matrix-releases: env env-sglang-releases
 	$(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_RELEASES)
 
-test-matrix-sglang: env env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases
+test-matrix-sglang: env env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases release-wheels
 	$(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_RELEASES:%=--ignore=%) $(MATRIX_VLLM:%=--ignore=%)
 
 test-matrix-vllm: env env-vllm env-vllm-old
@@ -152,6 +152,24 @@ bench-hooks: env ## each capture hook against the SGLang path it wraps, at deplo
 
 reliability: env
 	$(BIN)/python -m pytest -q -m slow tests
+
+# The wheel of every SGLang release versions.RELEASES lists (0.5.12-0.5.23), for CI's check of each release's own
+# source against the layout it gets (tests/engine/sglang/test_release_wheels.py): downloaded, never installed, into
+# build/release-wheels/, each pinned to PyPI's sha256 (requirements/sglang-release-wheels.txt). pip downloads them
+# (uv has no download command; .venv has pip from its lock); a release whose wheel is there is not fetched again
+# (the test checks each file's hash). 15 wheels, 294 MB: 20 s cold here (2026-11-29).
+RWHEELS := build/release-wheels
+RWHEEL_PINS := requirements/sglang-release-wheels.txt
+RWHEEL_RELEASES = $(shell sed -n 's/^sglang==\([^ ]*\) .*/\1/p' $(RWHEEL_PINS))
+release-wheels: $(VENV)/.service-stamp
+	@mkdir -p $(RWHEELS)
+	@for v in $(RWHEEL_RELEASES); do \
+	  ls $(RWHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 && continue; \
+	  echo "r3-sidecar: downloading the sglang $$v wheel into $(RWHEELS)"; \
+	  grep "^sglang==$$v " $(RWHEEL_PINS) | $(BIN)/python -m pip download -q --no-deps --only-binary=:all: \
+	    --python-version 3.11 --platform manylinux_2_34_x86_64 --require-hashes -r /dev/stdin -d $(RWHEELS) \
+	    || exit 1; \
+	done
 
 env-service: $(VENV)/.service-stamp
 env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp
@@ -326,9 +344,10 @@ env-sglang-0.5.12: $(SGLANG_0512)/.sglang-stamp
 $(SGLANG_0512)/.sglang-stamp: $(VENV)/.sglang-stamp $(SHIMS) $(wildcard requirements/sglang-0.5.12-overlay.txt)
 	$(call sglang_overlay,$(SGLANG_0512),0.5.12)
 
-# Every other release from 0.5.12 to 0.5.22, for `make test-matrix`'s check that each release's code gets the layout
-# `versions.RELEASES` says (tests/e2e/test_sglang_releases.py): the same overlay, with the transformers pin of the
-# nearest proven release whose pins import it (0.5.12's up to 0.5.14; 0.5.16's for 0.5.15-0.5.19: .venv's
+# Every other release from 0.5.12 to 0.5.22, for `make test-matrix`'s check that each release's code, imported, gets
+# the layout `versions.RELEASES` says (tests/e2e/test_sglang_releases.py: the run-time side of what CI reads from
+# each release's wheel, release-wheels above) and for its real server: the same overlay, with the transformers pin
+# of the nearest proven release whose pins import it (0.5.12's up to 0.5.14; 0.5.16's for 0.5.15-0.5.19: .venv's
 # transformers registers `qwen3_asr` again; none from 0.5.21, which import on .venv's own). 0.5.15's adds the CuTe DSL
 # its GLM model imports (requirements/sglang-0.5.15-overlay.txt).
 SGLANG_RELEASES := 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14 0.5.15 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.21 0.5.22
@@ -340,4 +359,5 @@ $(SGLANG_RELEASES:%=.venv-sglang-%/.sglang-stamp): .venv-sglang-%/.sglang-stamp:
 	$(call sglang_overlay,.venv-sglang-$*,$*,$(call release_pins,$*))
 
 clean:
-	rm -rf $(VENV) $(DEMO) $(TRAINERS) $(VVENV) .venv-vllm-* .venv-sglang-* .pytest_cache .ruff_cache .hypothesis dist
+	rm -rf $(VENV) $(DEMO) $(TRAINERS) $(VVENV) .venv-vllm-* .venv-sglang-* .pytest_cache .ruff_cache .hypothesis dist \
+	  $(RWHEELS)

@@ -8,7 +8,8 @@ such read (in 0.5.23's spelling, through the layout); `missing()` reads the inst
 it: a method, a class-level name (dataclass and struct fields), or `self.<name> = …` in the constructor
 (or a `self.` method it calls), or in the method `set_in` names. A dotted read (`kv.req_pool_idx`) follows
 the class the constructor assigns (`self.kv = ReqKvInfo()`). The plugin refuses a version where one is
-missing at start, with the names (`engine_ext/sglang/__init__.py`); CI runs the same check in every venv.
+missing at start, with the names (`engine_ext/sglang/__init__.py`); CI runs the same check in every venv, and on
+every release's wheel without installing it (`root`: that wheel's `sglang` folder, a `zipfile.Path`).
 
     from engine_ext.sglang import attributes, compat
     compat.use("0.5.12"); attributes.missing()   # [] where the installed source has them all
@@ -21,6 +22,7 @@ import functools
 import importlib.util
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from engine_ext.sglang import compat
@@ -59,22 +61,26 @@ class ClassFacts:
         return out
 
 
-def source_path(module: str) -> Path | None:
-    """The installed file of a dotted SGLang module, found without importing it."""
-    spec = importlib.util.find_spec(module.split(".")[0])
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    base = Path(next(iter(spec.submodule_search_locations))).joinpath(*module.split(".")[1:])
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
+def source_path(module: str, root: Traversable | None = None) -> Traversable | None:
+    """The file of a dotted SGLang module, found without importing it: under `root`, the `sglang` package folder
+    of a build that is not installed (a wheel's, as `zipfile.Path`), else the installed package's."""
+    if root is None:
+        spec = importlib.util.find_spec(module.split(".")[0])
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = Path(next(iter(spec.submodule_search_locations)))
+    parts = module.split(".")[1:]
+    files = [root.joinpath(*parts[:-1], f"{parts[-1]}.py")] if parts else []
+    for path in (*files, root.joinpath(*parts, "__init__.py")):
         if path.is_file():
             return path
     return None
 
 
 @functools.cache
-def _module(module: str) -> tuple[dict[str, ast.ClassDef], dict[str, str]] | None:
+def _module(module: str, root: Traversable | None = None) -> tuple[dict[str, ast.ClassDef], dict[str, str]] | None:
     """A module's classes and what its imports bind (local name → dotted origin)."""
-    path = source_path(module)
+    path = source_path(module, root)
     if path is None:
         return None
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -108,10 +114,11 @@ def _absolute(package: str, module: str | None, level: int) -> str:
 
 
 @functools.cache
-def class_facts(dotted: str) -> ClassFacts | None:
-    """What the class `dotted` (module.Class) and its bases inside SGLang define; None: no such class here."""
+def class_facts(dotted: str, root: Traversable | None = None) -> ClassFacts | None:
+    """What the class `dotted` (module.Class) and its bases inside SGLang define; None: no such class here
+    (`root`: another build's source, `source_path`)."""
     module, _, name = dotted.rpartition(".")
-    found = _module(module)
+    found = _module(module, root)
     if found is None or name not in found[0]:
         return None
     classes, imported = found
@@ -119,7 +126,7 @@ def class_facts(dotted: str) -> ClassFacts | None:
     facts = ClassFacts()
     for base in node.bases:
         origin = _resolve(base, module, classes, imported)
-        base_facts = class_facts(origin) if origin and origin != dotted else None
+        base_facts = class_facts(origin, root) if origin and origin != dotted else None
         if base_facts is not None:
             facts.merge(base_facts)
     for item in node.body:
@@ -173,26 +180,34 @@ def _is_self_attr(node: ast.AST) -> bool:
     return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
 
 
-def defines(facts: ClassFacts, attribute: str, set_in: tuple[str, ...] = ()) -> bool:
+def defines(facts: ClassFacts, attribute: str, set_in: tuple[str, ...] = (), root: Traversable | None = None) -> bool:
     """Whether an object of this class has `attribute` when the hook reads it (dotted: followed by class)."""
     head, _, rest = attribute.partition(".")
     present = head in facts.names or head in facts.set_by(_CONSTRUCTION + set_in)
     if not present or not rest:
         return present
-    inner = class_facts(facts.types.get(head, ""))
-    return inner is not None and defines(inner, rest)
+    inner = class_facts(facts.types.get(head, ""), root)
+    return inner is not None and defines(inner, rest, (), root)
 
 
-def missing(functions: Collection[str] | None = None) -> list[str]:
+def missing(functions: Collection[str] | None = None, root: Traversable | None = None) -> list[str]:
     """Each read of `compat.ATTRIBUTES` (by the hook `functions` registered here; None: all) that this SGLang's
-    source lacks, as `module.Class.attribute`, or the class where there is no such class."""
+    source (or `root`'s, `source_path`) lacks, as `module.Class.attribute`, or the class where there is no such
+    class."""
     out = []
     for read in compat.attribute_reads(functions):
         for cls in read.classes:
-            facts = class_facts(cls)
+            facts = class_facts(cls, root)
             if facts is None:
                 out.append(f"{cls} (no such class)")
-            elif not defines(facts, read.attribute, read.set_in):
+            elif not defines(facts, read.attribute, read.set_in, root):
                 where = f" (assigned by {' or '.join(read.set_in)})" if read.set_in else ""
                 out.append(f"{cls}.{read.attribute}{where}")
     return sorted(set(out))
+
+
+def forget() -> None:
+    """Drop every parsed module: a process reading many builds' sources one after another (the release wheels'
+    test) keeps one build's trees at a time, not all of them."""
+    _module.cache_clear()
+    class_facts.cache_clear()

@@ -302,12 +302,18 @@ RESOLUTION_HOOK = "sglang.srt.arg_groups.resolution_hooks.register_resolution_ho
 
 def unresolved(hook_targets: Sequence[str]) -> list[str]:
     """What of this layout does not import here: retargeted hook targets, getters, functions (a version check)."""
+    return missing(needed(hook_targets))
+
+
+def needed(hook_targets: Sequence[str]) -> list[str]:
+    """The dotted names this layout needs to import: retargeted hook targets, getters, functions, the literal app
+    path's call, the resolution registrar (the release wheels' test reads the same list from each wheel)."""
     names = [t for t in (target(h) for h in hook_targets) if t is not None]
     names += sorted({split_read(_layout[0].read_spec(n))[0] for n in READS})
     names += [_layout[0].function_path(n) for n in FUNCTIONS]
     names += [call for call in (_layout[0].worker_app_call,) if call is not None]
     names += [RESOLUTION_HOOK] if _layout[0].budget_at_resolution else []
-    return missing(names)
+    return names
 
 
 def missing(names: Sequence[str]) -> list[str]:

@@ -153,8 +153,10 @@ MATRIX: dict[str, Version] = {
 }
 
 
-# Every release from 0.5.12 to 0.5.23: the layout its own code fits (`fit`, run in a venv holding that release,
-# `make env-sglang-releases`; checked by `tests/e2e/test_sglang_releases.py`), None where it fits none.
+# Every release from 0.5.12 to 0.5.23: the layout its own code fits, None where it fits none. CI reads each
+# release's wheel against its row (`tests/engine/sglang/test_release_wheels.py`, `make release-wheels`: its
+# line in requirements/sglang-release-wheels.txt); `make test-matrix` runs `fit` itself in a venv holding it
+# (`make env-sglang-releases`, `tests/e2e/test_sglang_releases.py`).
 # Only the `PROVEN` releases are proven by a real server; the rest run as unproven builds.
 RELEASES: dict[str, str | None] = {
     "0.5.12": "0.5.12",

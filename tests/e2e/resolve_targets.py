@@ -3,7 +3,8 @@
 attributes the registered hooks read off SGLang's run-time objects its source lacks (`attributes`, read by
 `engine_ext.sglang.attributes` from this version's installed files), and which calls in its `http_server.py`
 hand SGLang's literal app path to several workers (`literal_app_calls`: what `worker_app` retargets), and which
-layout the plugin applies to this build from its code alone (`fit`: the layout, what each candidate tried lacks).
+layout the plugin applies to this build from its code alone (`fit`: the layout, what each candidate tried lacks),
+and what every layout lacks here (`lacking`: `fit.what_layout_lacks` for each, which CI reads from the wheel).
 
 Run by the version tests with each SGLang venv's own python, so the answer is that version's real modules.
 Targets of the `hip` group import only on ROCm and are left out.
@@ -17,6 +18,10 @@ import sys
 from importlib.metadata import version
 from importlib.util import find_spec
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: http_server_source, shared with CI's test
+
+import http_server_source
 
 
 def main() -> None:
@@ -37,39 +42,26 @@ def main() -> None:
 
     fitted = fit.fit(found, HOOKS)
     result["fit"] = {"layout": fitted.layout, "lacking": fitted.lacking}
+    rows = [hook for hook in HOOKS if "hip" not in hook.groups]
+    result["lacking"] = {layout: fit.what_layout_lacks(layout, rows) for layout in compat.LAYOUTS}
+    compat.use(compat.NEWEST)
     result["literal_app_calls"] = literal_app_calls()
     result["granian"] = granian_server()
     json.dump(result, sys.stdout)
 
 
-def literal_app_calls() -> list[str]:
-    """The dotted callees in this SGLang's `http_server.py` given `worker_app.SGLANG_APP` as their first argument
-    and a `workers=` keyword: read from the source, nothing imported."""
-    from engine_ext.sglang.worker_app import SGLANG_APP
+def _http_server() -> ast.Module:
+    return ast.parse(Path(find_spec(http_server_source.MODULE).origin).read_text())
 
-    tree = ast.parse(Path(find_spec("sglang.srt.entrypoints.http_server").origin).read_text())
-    return sorted(
-        ast.unparse(node.func)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and node.args
-        and isinstance(node.args[0], ast.Constant)
-        and node.args[0].value == SGLANG_APP
-        and any(k.arg == "workers" for k in node.keywords)
-    )
+
+def literal_app_calls() -> list[str]:
+    """`http_server_source.literal_app_calls` of this SGLang's `http_server.py`, nothing imported."""
+    return http_server_source.literal_app_calls(_http_server())
 
 
 def granian_server() -> dict[str, bool]:
-    """What this SGLang's `_run_granian_server` (its `--enable-http2` server) holds, read from the source:
-    `literal`, SGLang's app path as a string constant (the target its spawned workers import); `embeds`, Granian's
-    embedded server (`granian.server.embed`), which serves one worker in the main process."""
-    from engine_ext.sglang.worker_app import SGLANG_APP
-
-    tree = ast.parse(Path(find_spec("sglang.srt.entrypoints.http_server").origin).read_text())
-    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_run_granian_server"]
-    constants = [n.value for n in ast.walk(fn) if isinstance(n, ast.Constant)]
-    modules = [n.module for n in ast.walk(fn) if isinstance(n, ast.ImportFrom)]
-    return {"literal": SGLANG_APP in constants, "embeds": "granian.server.embed" in modules}
+    """`http_server_source.granian_server` of this SGLang's `http_server.py`, nothing imported."""
+    return http_server_source.granian_server(_http_server())
 
 
 if __name__ == "__main__":
