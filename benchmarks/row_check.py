@@ -6,14 +6,19 @@ search), on rows with one layer zeroed from the middle on (the search for the fi
 the writer thread makes anyway (`RecordWriter`: create, append, finalize, on tmpfs). Medians over repetitions;
 the check runs on the writer thread, never the scheduler's (`engine_ext/core/row_audit.py`).
 
-    python -m benchmarks.row_check                    # prints a markdown table
+Then a thread doing GIL-holding Python steps (a stand-in for the scheduler's) alone and beside a thread that
+checks 32k-token records back to back: its steps per second and its slowest step, each way.
+
+    python -m benchmarks.row_check                    # prints two markdown tables
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,10 +63,53 @@ def write_ms(spool_dir: Path, rows: np.ndarray, reps: int) -> float:
     return cpu_ms(write, reps)
 
 
+def python_step(n: int = 2000) -> int:
+    """A stand-in for the scheduler's own Python work in a step: bytecode that holds the GIL throughout."""
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+def _steps_per_s(seconds: float) -> float:
+    steps, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        python_step()
+        steps += 1
+    return steps / seconds
+
+
+def scheduler_beside_checks(rows: np.ndarray, seconds: float, cpus: tuple[int, int]) -> tuple[float, float]:
+    """Steps of `python_step` per second on CPU `cpus[0]`, alone and while a thread on CPU `cpus[1]` checks `rows`
+    back to back: what the writer thread's check takes from the scheduler's thread, through the GIL (numpy releases
+    it inside each comparison) when the two have cores of their own, through the core too when they share one."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[0]})  # this thread only (Linux: pid 0 is the calling thread)
+    stop = threading.Event()
+
+    def checker() -> None:
+        os.sched_setaffinity(0, {cpus[1]})
+        while not stop.is_set():
+            first_bad_row(rows, EXPERTS, sentinels=SGLANG_SENTINELS)
+
+    try:
+        alone = _steps_per_s(seconds)
+        thread = threading.Thread(target=checker, daemon=True)
+        thread.start()
+        beside = _steps_per_s(seconds)
+        stop.set()
+        thread.join()
+    finally:
+        os.sched_setaffinity(0, before)
+    return alone, beside
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--spool", default="/dev/shm", help="a tmpfs directory, as the spool is")
+    ap.add_argument("--seconds", type=float, default=5.0, help="each arm of the scheduler-beside run")
+    ap.add_argument("--rounds", type=int, default=3, help="alone / checking pairs")
     args = ap.parse_args()
     print("| tokens | record MB | check, true rows ms (CPU) | ns/row | check, a zeroed layer ms | write ms (CPU) |")
     print("|---|---|---|---|---|---|")
@@ -77,6 +125,13 @@ def main() -> None:
             write = write_ms(Path(tmp), good, args.reps)
         mb = good.nbytes / 1e6
         print(f"| {n} | {mb:.1f} | {check:.2f} | {check * 1e6 / n:.0f} | {failing:.2f} | {write:.2f} |")
+    print("\n| where the check runs | round | scheduler-like steps/s alone | while 32k records are checked nonstop |")
+    print("|---|---|---|---|")
+    rows = true_rows(32768)
+    for label, cpus in (("a core of its own", (0, 1)), ("the scheduler's core", (0, 0))):
+        for round_ in range(args.rounds):
+            alone, beside = scheduler_beside_checks(rows, args.seconds, cpus)
+            print(f"| {label} | {round_} | {alone:.0f} | {beside:.0f} ({beside / alone:.3f}) |")
 
 
 if __name__ == "__main__":
