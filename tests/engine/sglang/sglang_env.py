@@ -81,12 +81,19 @@ def tiny_model_config(context_length: int | None = None):
     return ModelConfig(str(TINY_MODEL), context_length=context_length)
 
 
-def run_sglang(code: str, *, timeout: float = 240, env: dict[str, str] | None = None) -> list[Any]:
+def run_sglang(
+    code: str, *, timeout: float = 240, env: dict[str, str] | None = None, read_late: dict[str, str] | None = None
+) -> list[Any]:
     """Run `code` (dedented) in a new process that has run the prelude; return what it `emit`ted. The process is
     forked from this test process's zygote where the environment allows (`sglang_zygote`), else a fresh
-    interpreter (`R3_TEST_FRESH_CHILDREN=1`: always)."""
+    interpreter (`R3_TEST_FRESH_CHILDREN=1`: always).
+
+    `read_late`: variables that nothing reads on import, only when asked (SGLang's `envs.X.get()` reads
+    `os.environ` at each call; `sglang/srt/environ.py`): set in the child's `os.environ` before `code` runs, as a
+    process started with them has them, so the child can still be forked (`env` would make it a fresh one)."""
     child_env = _child_env({**os.environ, **(env or {})})
-    source = _PRELUDE + textwrap.dedent(code)
+    late = f"import os as _os\n_os.environ.update({dict(read_late)!r})\n" if read_late else ""
+    source = _PRELUDE + late + textwrap.dedent(code)
     zygote = _zygote()
     if zygote is not None and zygote.serves(child_env):
         with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:

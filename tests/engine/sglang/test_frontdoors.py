@@ -168,7 +168,9 @@ def test_the_rust_front_end_is_named_with_what_still_works():
 
 def test_plugin_start_detects_sglangs_rust_server_by_sglangs_own_setting():
     """`register()` in a real SGLang 0.5.23 process: SGLang's own `envs.SGLANG_RUST_SERVER` (an EnvBool) decides,
-    and the warning is logged at start, before any hook could stay silent. One child: SGLang's import is slow."""
+    and the warning is logged at start, before any hook could stay silent. One child: SGLang's import is slow.
+    `SGLANG_RUST_SERVER=1` is in the child's environment before `register()` runs (`read_late`: SGLang reads it
+    when asked, not on import, so the child is forked from the zygote rather than a fresh interpreter)."""
     code = """
         import logging, os
         logged = []
@@ -179,14 +181,14 @@ def test_plugin_start_detects_sglangs_rust_server_by_sglangs_own_setting():
         from sglang.srt.environ import envs
         from engine_ext.core.settings import EngineSettings
         from engine_ext.sglang import announce_front_door, register
-        register()  # SGLANG_RUST_SERVER=1 from the test's environment
+        register()  # SGLANG_RUST_SERVER=1 from the child's environment
         seen = {"1": [envs.SGLANG_RUST_SERVER.get(), [m for m in logged if "SGLANG_RUST_SERVER" in m]]}
         for value in ("true", "0", "no"):
             os.environ["SGLANG_RUST_SERVER"] = value
             seen[value] = [envs.SGLANG_RUST_SERVER.get(), announce_front_door(EngineSettings())]
         emit(seen)
         """
-    (got,) = run_sglang(code, env={"SGLANG_RUST_SERVER": "1", "R3_SPOOL_DIR": "/tmp/r3-rust-note-test"})
+    (got,) = run_sglang(code, env={"R3_SPOOL_DIR": "/tmp/r3-rust-note-test"}, read_late={"SGLANG_RUST_SERVER": "1"})
     on, logged = got["1"]
     assert on is True and len(logged) == 1 and "capture and the spool" in logged[0] and "pointers" in logged[0]
     assert got["true"][0] is True and "routed_experts_url" in got["true"][1]

@@ -140,7 +140,7 @@ def test_sglangs_tokenizer_workers_import_the_app_that_applies_the_inline_hooks(
     main = f"import os\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\nemit(os.environ.get({APP_ENV!r}))"
     assert run_sglang(main, env=env) == ["engine_ext.sglang.http_worker:app"]
     own_app = _load_plugins_child([]) + f"\nimport os\nemit(os.environ[{APP_ENV!r}])"
-    loaded, kept = run_sglang(own_app, env=env | {APP_ENV: "mine:app"})
+    loaded, kept = run_sglang(own_app, env=env, read_late={APP_ENV: "mine:app"})  # read when asked (`envs`)
     assert kept == "mine:app" and any(level == "WARNING" and "mine:app" in text for level, text in loaded["log"])
     worker = """
         import importlib
