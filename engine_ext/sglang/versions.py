@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from engine_ext.core.release_files import shown
 from engine_ext.sglang.compat import NEWEST as NEWEST  # the release the matrix starts at
 
 FIRST_WITH_PLUGINS = "0.5.12"  # `sglang.srt.plugins` and `HookRegistry`
@@ -208,9 +209,7 @@ class Support:
             return f"r3-sidecar: {self.reason}"
         how = "proven by its real-server tests" if self.proven else UNPROVEN
         if self.changed:
-            more = len(self.changed) - 3
-            shown = ", ".join(self.changed[:3]) + (f" and {more} more" if more > 0 else "")
-            how = f"{how}; its files are not the release's: {shown}"
+            how = f"{how}; its files are not the release's: {shown(self.changed)}"
         return f"r3-sidecar: sglang=={self.version}: layout {self.layout} applied ({how})"
 
 

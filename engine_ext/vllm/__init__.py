@@ -1,9 +1,10 @@
 """r3-sidecar's vLLM plugin: every request's routed experts into the spool, keyed by the client's request id.
 
 vLLM calls `register()` through the `vllm.general_plugins` entry point in each of its processes (API server,
-engine core, worker). On a vLLM whose code fits a row of the support matrix (`fit`: its own release's row, else
-the first row the build's code takes) it wraps the hooks of `engine_ext.vllm.hooks`; on another it refuses loudly:
-an error in the log and an engine file whose `delivery.inline_kept` says why.
+engine core, worker). On a vLLM whose code fits a row of the support matrix (`fit`: its own release's row,
+proven, where its files are that release's; else the first row the build's code takes) it wraps the hooks of
+`engine_ext.vllm.hooks`; on another it refuses loudly: an error in the log and an engine file whose
+`delivery.inline_kept` says why.
 """
 
 from __future__ import annotations

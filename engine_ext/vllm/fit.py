@@ -1,23 +1,30 @@
-"""Which matrix row a vLLM build gets when its version is not a proven release: decided from what its code has.
+"""Which matrix row a vLLM build gets, decided from its installed code: the version string is a hint, not the gate.
 
-Why: trainers run vLLM builds the matrix does not name (a post or dev build between its rows, a `+cu` build). Keyed
-by exact release, the plugin refused them although their code takes the same hooks. A row fits a build when every
-hooked attribute exists there (`hooks.HOOKS`), `--enable-return-routed-experts` lands where the row says
+Why: trainers run vLLM builds the matrix does not name (a post or dev build between its rows, a `+cu` build), and
+images that report a release's version over patched files. Keyed by exact release, the plugin refused the first
+although their code takes the same hooks, and proved the second blindly. A row fits a build when every hooked
+attribute exists there (`hooks.HOOKS`), `--enable-return-routed-experts` lands where the row says
 (`Release.capture_flag`: a field of `VllmConfig`, then of that config), and the row's source of experts and top-k
-is there (`Release.shape_from`). Rows are tried nearest release first, at or below the build's, then above.
+is there (`Release.shape_from`). A release string is proven on its own row only while the files those facts live
+in are that release's, byte for byte (`release_files`: the code a test found them in, so nothing is imported to
+know it). Otherwise rows are tried by their facts, nearest release first, at or below the build's, then above.
 
 A build no test ran keeps vLLM's inline rows: sidecar mode acts as mirror there (the record is vLLM's own array,
-so responses carry it and the pointer both), and the start-up line and the engine file say so (`build`).
+so responses carry it and the pointer both), and the start-up line and the engine file say so (`build`), and
+which files differ from the release's where a release string is not proven (`changed`).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from engine_ext.core.release_files import shown
+from engine_ext.vllm.release_files import installed_changes
 from engine_ext.vllm.versions import MATRIX, Release, base_version, release, supported_range
 
 
@@ -29,6 +36,7 @@ class Plan:
     row: Release | None
     proven: bool
     reason: str | None = None
+    changed: tuple[str, ...] = ()  # a release string's files that are not the release's (`release_files`)
 
     def describe(self) -> str:
         """The start-up line."""
@@ -36,30 +44,61 @@ class Plan:
             return str(self.reason)
         if self.proven:
             return f"r3-sidecar: vLLM {self.found}: matrix row {self.row.version} (proven: {self.row.proven})"
-        return f"r3-sidecar: vLLM {self.found}: matrix row {self.row.version} applied ({UNPROVEN})"
+        return f"r3-sidecar: vLLM {self.found}: matrix row {self.row.version} applied ({UNPROVEN}{self.why()})"
+
+    def why(self) -> str:
+        """Why a release string is unproven, for the start-up line and the engine file ('' where nothing differs)."""
+        return files_differ(self.changed)
+
+
+def files_differ(changed: tuple[str, ...]) -> str:
+    """'; its files are not the release's: ...' naming the first few, or '' where none differ."""
+    return f"; its files are not the release's: {shown(changed)}" if changed else ""
 
 
 UNPROVEN = "fits, but no test ran this build: vLLM's inline rows are kept beside the records (mirror)"
+log = logging.getLogger("r3_sidecar.vllm")
 
 
-def plan(found: str | None, lacking: Callable[[Release], list[str]] | None = None) -> Plan:
-    """A proven release's own row; else the first row the build's code fits; else a refusal naming the gap."""
+def plan(
+    found: str | None,
+    lacking: Callable[[Release], list[str]] | None = None,
+    files: Callable[[str, Release], list[str]] | None = None,
+) -> Plan:
+    """A release string over its release's own files: its own row, proven. Else the first row the build's code
+    fits (a release string's own first): unproven, naming the files that differ; else a refusal naming the gap.
+    `lacking` and `files` stand in for `what_row_lacks` and `release_files.installed_changes` in tests."""
     if found is None:
         return Plan(None, None, False, "r3-sidecar: vLLM is not installed; the vLLM plugin does nothing")
     exact = release(found)
-    if exact is not None:
+    changed = () if exact is None else tuple(_release_changes(found, exact, files))
+    if exact is not None and not changed:
         return Plan(found, exact, True)
     row, seen = fitting(found, lacking)
     if row is not None:
-        return Plan(found, row, False)
+        return Plan(found, row, False, changed=changed)
     nearest, gaps = next(iter(seen.items()))
     return Plan(
         found,
         None,
         False,
         f"r3-sidecar: vLLM {found} fits none of the support matrix's rows ({supported_range()}; the nearest, "
-        f"{nearest}, lacks: {', '.join(gaps[:6])}); capture stays vLLM's own (inline routed_experts, no spool records)",
+        f"{nearest}, lacks: {', '.join(gaps[:6])}); capture stays vLLM's own (inline routed_experts, no spool records)"
+        f"{files_differ(changed)}",
+        changed,
     )
+
+
+def _release_changes(found: str, exact: Release, files: Callable[[str, Release], list[str]] | None) -> list[str]:
+    """The files of release string `found` that are not its release's; a check that fails keeps the version
+    string's word (the plugin before this check), said once in the log, and never stops vLLM."""
+    try:
+        return (files or installed_changes)(found, exact)
+    except Exception as exc:  # a broken RECORD or metadata must not stop vLLM's start
+        log.warning(
+            "r3-sidecar: vLLM %s's files were not compared with its RECORD (%r); its version is trusted", found, exc
+        )
+        return []
 
 
 def candidates(found: str | None, rows: Iterable[str] = MATRIX) -> list[str]:

@@ -179,7 +179,7 @@ def _start(vllm_config: Any, client_index: int) -> None:
     proven = _plan is None or _plan.proven
     SPOOLER = Spooler(
         _settings, model_shape(vllm_config.model_config), engine=engine, vllm=_vllm_version, row=_release.version,
-        proven=proven,
+        proven=proven, why="" if _plan is None else _plan.why(),
     )  # fmt: skip
     atexit.register(SPOOLER.close)
     log.info(

