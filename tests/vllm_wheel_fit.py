@@ -19,10 +19,25 @@ from dataclasses import dataclass
 
 from source_names import CLASS, Found, Missing, Source, signature
 
+from engine_ext.sglang import attributes
 from engine_ext.vllm import hooks
 from engine_ext.vllm.versions import Release
 
 VLLM_CONFIG = "vllm.config.VllmConfig"
+_OP = "vllm.v1.engine.output_processor"
+# What hooks.py reads off vLLM's objects, by the class each object is (its hooks' `self`, `request`, `state`,
+# `output`, `parent`, `vllm_config.model_config`, `request.sampling_params`): a class-level name or one its
+# constructor sets. A read added to hooks.py belongs here too.
+READS: dict[str, tuple[str, ...]] = {
+    "vllm.v1.engine.async_llm.AsyncLLM": ("vllm_config",),
+    f"{_OP}.OutputProcessor": ("request_states",),
+    f"{_OP}.RequestState": ("parent_req", "external_req_id", "request_index", "prompt_len", "routed_experts_chunks"),
+    "vllm.v1.engine.parallel_sampling.ParentRequest": ("n",),
+    "vllm.v1.engine.EngineCoreRequest": ("request_id", "sampling_params"),
+    "vllm.sampling_params.SamplingParams": ("routed_experts_prompt_start",),
+    "vllm.outputs.CompletionOutput": ("finish_reason", "routed_experts"),
+    "vllm.config.model.ModelConfig": ("hf_text_config", "get_total_num_hidden_layers"),
+}
 
 
 def dotted(target: str) -> str:
@@ -140,8 +155,34 @@ def parameters(source: Source, target: str) -> list[str] | None:
     return None if sig is None else list(sig.parameters)
 
 
+AGEN, CORO, DEF = "async generator", "coroutine function", "plain function"
+
+
+def kind(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """What `inspect` calls a `def`, which picks the wrapper `hooks._wrap` puts around it."""
+    if isinstance(node, ast.FunctionDef):
+        return DEF
+    return AGEN if any(isinstance(n, ast.Yield | ast.YieldFrom) for n in _own_nodes(node)) else CORO
+
+
+def _own_nodes(node: ast.AST):
+    """The nodes of a function's body, not of the functions and lambdas defined in it."""
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            yield child
+            yield from _own_nodes(child)
+
+
+def hook_kind(function: str) -> str:
+    """The kind of the hook function itself: `_wrap` awaits a coroutine target's hook, iterates an async
+    generator's, and calls a plain one's, so the hook must be of its target's kind."""
+    fn = getattr(hooks, function)
+    return AGEN if inspect.isasyncgenfunction(fn) else CORO if inspect.iscoroutinefunction(fn) else DEF
+
+
 def binding_gaps(source: Source) -> list[str]:
-    """Each hook target that does not take what its hook passes on or reads (empty: every one does)."""
+    """Each hook target that is not of its hook's kind or does not take what its hook passes on or reads (empty:
+    every one does)."""
     out = []
     by_function: dict[str, list[str]] = {}
     for hook in hooks.HOOKS:
@@ -154,6 +195,9 @@ def binding_gaps(source: Source) -> list[str]:
             if names is None:
                 out.append(f"{target}: not a def (its parameters cannot be read)")
                 continue
+            found = source.resolve(dotted(target))
+            if isinstance(found, Found) and kind(found.node) != hook_kind(function):
+                out.append(f"{target}: kind {kind(found.node)!r}, {function} wraps kind {hook_kind(function)!r}")
             if tuple(names[: len(need.leading)]) != need.leading:
                 out.append(f"{target}: starts {tuple(names[: len(need.leading)])}, {function} passes {need.leading}")
             out += [f"{target}: no parameter {n!r} ({function} reads it)" for n in sorted(need.required - set(names))]
@@ -171,4 +215,17 @@ def optional_absent(source: Source) -> dict[str, list[str]]:
         absent = sorted(binding(hook.function).optional - set(names))
         if absent:
             out[hook.target] = absent
+    return out
+
+
+def attribute_gaps(source: Source) -> list[str]:
+    """Each attribute of `READS` the release's classes do not define (`attributes.class_facts`: the class body,
+    its bases in vLLM, what its constructor sets), or the class where there is none."""
+    out = []
+    for cls, names in READS.items():
+        facts = attributes.class_facts(cls, source.root)
+        if facts is None:
+            out.append(f"{cls} (no such class)")
+            continue
+        out += [f"{cls}.{name}" for name in names if not attributes.defines(facts, name, (), source.root)]
     return out

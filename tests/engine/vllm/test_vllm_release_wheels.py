@@ -13,7 +13,9 @@ imported, and asked (`vllm_wheel_fit`):
   final_res_batch, request`; `_apointers`, `_around_add_request`: `self, request`), has the names
   `_stream_pointers` reads from its bound arguments (`request`, `request_id`), and some target has each name a
   hook reads only if present (`num_prompts`, `created_time`, `model_name`, `client_index`); every target is a
-  `def`, so its parameters were read.
+  `def`, so its parameters were read, of its hook's kind (plain, coroutine, async generator: `hooks._wrap`
+  calls, awaits or iterates the hook by its target's kind); and every attribute the hooks read off vLLM's objects
+  (`vllm_wheel_fit.READS`: `RequestState.routed_experts_chunks`, `CompletionOutput.routed_experts`, …) is defined.
 
 The static answers were checked word for word against `fit.what_row_lacks` importing 0.27.1, 0.32.0 and 0.33.0
 (every row, 2026-11-29). Which other rows fit a release's source is pinned too (`ALSO_FITS`): the rows of one
@@ -71,6 +73,7 @@ def test_each_release_wheel_fits_its_own_row(source: Source, request: pytest.Fix
 @pytest.mark.parametrize("source", list(MATRIX), indirect=True, ids=str)
 def test_each_release_wheel_takes_what_the_hooks_bind(source: Source):
     assert vllm_wheel_fit.binding_gaps(source) == []
+    assert vllm_wheel_fit.attribute_gaps(source) == []
 
 
 @pytest.mark.parametrize(

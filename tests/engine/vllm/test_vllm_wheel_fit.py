@@ -2,7 +2,8 @@
 
 Why: the release wheels' test (`test_vllm_release_wheels.py`) passes when every release fits its own row, which a
 reader that finds everything would pass too; here each check is seen to fail: a hook target gone, a re-export
-followed, the capture flag's field and its class, a parameter a hook passes on renamed, a name it reads dropped.
+followed, the capture flag's field and its class, a parameter a hook passes on renamed, a name it reads dropped,
+a target of another kind than its hook, an attribute the hooks read.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ FILES = {
     "    def get_num_experts_per_tok(self): ...\n",
     "v1/engine/async_llm.py": "class AsyncLLM:\n    def __init__(self, vllm_config, client_index=0): ...\n",
     _OP: "class OutputProcessor:\n    def add_request(self, request, prompt=None): ...\n"
-    "class RequestState:\n    def _new_completion_output(self, token_ids): ...\n",
+    "class RequestState:\n    def __init__(self):\n        self.prompt_len = 0\n"
+    "    def _new_completion_output(self, token_ids): ...\n",
     "entrypoints/openai/completion/serving.py": """
         class OpenAIServingCompletion:
             def request_output_to_completion_response(self, final_res_batch, request, request_id): ...
             async def completion_stream_generator(
                 self, request, gens, request_id, created_time, model_name, num_prompts
-            ): ...
+            ):
+                yield ""
     """,
     "entrypoints/openai/chat_completion/serving.py": """
         from vllm.entrypoints.openai.chat_completion.base import OpenAIServingChat
@@ -41,7 +44,8 @@ FILES = {
     "entrypoints/openai/chat_completion/base.py": """
         class OpenAIServingChat:
             async def chat_completion_full_generator(self, request, gen, request_id): ...
-            async def chat_completion_stream_generator(self, request, gen, request_id, model_name): ...
+            async def chat_completion_stream_generator(self, request, gen, request_id, model_name):
+                yield ""
     """,
 }
 
@@ -91,8 +95,17 @@ _COMPLETION = "entrypoints/openai/completion/serving.py"
         ({_COMPLETION: ("num_prompts", "prompts")}, "_stream_pointers: no target has 'num_prompts'"),
         ({"v1/engine/async_llm.py": ("client_index", "index")}, "_around_async_llm_init: no target has 'client_"),
         ({_OP: ("def _new_completion_output(self, token_ids): ...", "_new_completion_output = max")}, "not a def"),
+        ({_COMPLETION: ("def request_output", "async def request_output")}, "'coroutine function', _pointers"),
+        ({_COMPLETION: ("async def completion_stream", "def completion_stream")}, "'plain function', _stream_p"),
     ],
 )
 def test_a_parameter_a_hook_binds_that_the_target_lacks_is_named(tmp_path: Path, changes: dict, gap: str):
     gaps = vllm_wheel_fit.binding_gaps(made_up(tmp_path, changes))
     assert any(gap in found for found in gaps), gaps
+
+
+def test_an_attribute_the_hooks_read_that_a_class_lacks_is_named(tmp_path: Path):
+    gaps = vllm_wheel_fit.attribute_gaps(made_up(tmp_path))
+    assert "vllm.v1.engine.output_processor.RequestState.routed_experts_chunks" in gaps
+    assert "vllm.v1.engine.output_processor.RequestState.prompt_len" not in gaps  # its constructor sets it
+    assert "vllm.outputs.CompletionOutput (no such class)" in gaps
