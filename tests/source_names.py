@@ -52,6 +52,7 @@ class Source:
         self.root = root
         self.top = top
         self._trees: dict[str, ast.Module | None] = {}
+        self.consulted: set[str] = set()  # the modules whose members were looked up: where the answers came from
 
     def tree(self, module: str) -> ast.Module | None:
         """The parsed module (an empty one for a namespace package's folder); None: no such module."""
@@ -103,6 +104,7 @@ class Source:
         tree = self.tree(module)
         if tree is None or module in seen:
             return Missing(name, module)
+        self.consulted.add(module)
         package = self.package(module)
         for node in _top_level(tree.body):
             bound = self._binding(node, name, module, package, seen | {module})

@@ -17,7 +17,9 @@ imported, and asked (`vllm_wheel_fit`):
   calls, awaits or iterates the hook by its target's kind); and every attribute the hooks read off vLLM's objects
   (`vllm_wheel_fit.READS`: `RequestState.routed_experts_chunks`, `CompletionOutput.routed_experts`, …) is defined.
 
-The static answers were checked word for word against `fit.what_row_lacks` importing 0.27.1, 0.32.0 and 0.33.0
+Every module those facts and parameters were read from is one `release_files.touched` hashes, so a release
+string over its own files, proven without reading its code (`fit.plan`), has them. The static answers were checked
+word for word against `fit.what_row_lacks` importing 0.27.1, 0.32.0 and 0.33.0
 (every row, 2026-11-29). Which other rows fit a release's source is pinned too (`ALSO_FITS`): the rows of one
 runner generation share every fact `fit` reads, so a build between them gets the nearest at or below it. A
 missing wheel fails, naming the make target.
@@ -33,7 +35,7 @@ import vllm_wheel_fit
 from source_names import Source
 
 from engine_ext.sglang import attributes
-from engine_ext.vllm import fit
+from engine_ext.vllm import fit, release_files
 from engine_ext.vllm.versions import MATRIX
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,6 +76,21 @@ def test_each_release_wheel_fits_its_own_row(source: Source, request: pytest.Fix
 def test_each_release_wheel_takes_what_the_hooks_bind(source: Source):
     assert vllm_wheel_fit.binding_gaps(source) == []
     assert vllm_wheel_fit.attribute_gaps(source) == []
+
+
+@pytest.mark.parametrize("source", list(MATRIX), indirect=True, ids=str)
+def test_the_row_facts_are_read_only_from_the_modules_release_files_hashes(
+    source: Source, request: pytest.FixtureRequest
+):
+    """`fit.plan` proves a release string over its own files without reading its code (`release_files`): that holds
+    where every fact of the row, and every parameter the hooks bind, lives in the modules it hashes."""
+    row = MATRIX[request.node.callspec.params["source"]]
+    source.consulted.clear()
+    vllm_wheel_fit.lacks(source, row)
+    vllm_wheel_fit.binding_gaps(source)
+    hashed = release_files.touched(row)
+    assert source.consulted
+    assert sorted(m for m in source.consulted if not any(m == h or m.startswith(f"{h}.") for h in hashed)) == []
 
 
 @pytest.mark.parametrize(
