@@ -6,7 +6,8 @@ them all was stopped at 66%). CI starts real servers of both ends of SGLang's ra
 and 0.5.12 (verl's pin, the oldest layout), and of vLLM 0.32.0 and 0.27.1 (OpenRLHF's pin, on the torch CI already
 has); every SGLang release's classes, compiled capture
 path and run-time attributes stay in CI (those tests take no tier mark), and so does every release's own wheel
-read against the layout it gets (`tests/engine/sglang/test_release_wheels.py`). The SGLang servers between (0.5.20,
+read against the layout (SGLang) or row (vLLM, all 12) it gets (`tests/engine/sglang/test_release_wheels.py`,
+`tests/engine/vllm/test_vllm_release_wheels.py`). The SGLang servers between (0.5.20,
 0.5.16) and vLLM 0.24.0-0.26.0 (each release's three server starts take 5-7 minutes here, and they need
 PyPI's 4.6 GB CUDA torch 2.11 as a layer too; 0.33.0's classes stay in CI), and the vLLM releases no trainer
 pins (0.25.0, 0.27.0 and 0.28.0-0.31.0: each as long again, its classes included) run the same tests under
