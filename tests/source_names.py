@@ -129,7 +129,7 @@ class Source:
                 if (alias.asname or alias.name.partition(".")[0]) == name:
                     return Found(MODULE, alias.name if alias.asname else name)
         if isinstance(node, ast.ImportFrom):
-            origin = _absolute(package, node.module, node.level)
+            origin = attributes.absolute_module(package, node.module, node.level)
             for alias in node.names:
                 if alias.name == "*" and self.ours(origin):
                     found = self.module_member(origin, name, seen)
@@ -249,11 +249,3 @@ def _top_level(body: list[ast.stmt]):
             blocks = [node.orelse] if checking else [node.body, node.orelse]
             for block in (*blocks, *(h.body for h in getattr(node, "handlers", ()))):
                 yield from _top_level(block)
-
-
-def _absolute(package: str, module: str | None, level: int) -> str:
-    if level == 0:
-        return module or ""
-    parts = package.split(".")
-    base = ".".join(parts[: len(parts) - level + 1])
-    return f"{base}.{module}" if module else base

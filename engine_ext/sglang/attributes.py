@@ -90,7 +90,7 @@ def _module(module: str, root: Traversable | None = None) -> tuple[dict[str, ast
         if isinstance(node, ast.ClassDef) and node.name not in classes:
             classes[node.name] = node
         elif isinstance(node, ast.ImportFrom):
-            origin = _absolute(package, node.module, node.level)
+            origin = absolute_module(package, node.module, node.level)
             for alias in node.names:
                 imported[alias.asname or alias.name] = f"{origin}.{alias.name}"
     return classes, imported
@@ -105,7 +105,8 @@ def _top_level(body: list[ast.stmt]):
                 yield from _top_level(block)
 
 
-def _absolute(package: str, module: str | None, level: int) -> str:
+def absolute_module(package: str, module: str | None, level: int) -> str:
+    """The absolute name of `from <level dots><module> import …` written in `package`."""
     if level == 0:
         return module or ""
     parts = package.split(".")
