@@ -9,7 +9,8 @@ and the spool gets SGLang's own rows. Once they agree, the configured mode appli
 check raises `BuildMismatch` from the plugin's own code, so the guard hands every hook back to SGLang (one
 ERROR line, the engine file's `degraded` naming the record, row and layer, `R3EngineDegraded`).
 
-The comparison runs where the gathered rows land (the collector's drain), for the first few records only.
+The comparison runs where the gathered rows land (the collector's drain), for the first few records only; its
+states, failure and row comparison are every engine's (`engine_ext/core/build_check.py`).
 """
 
 from __future__ import annotations
@@ -20,24 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine_ext.core.build_check import AGREED, PENDING, BuildMismatch, check_report, first_difference
 from engine_ext.sglang.gather import to_spool_rows
-
-PENDING, AGREED = "pending", "agreed"
-
-
-class BuildMismatch(RuntimeError):
-    """The plugin's rows for a record differ from SGLang's own on a build no test proved (a plugin failure)."""
-
-
-def first_difference(ours: np.ndarray, theirs: np.ndarray) -> str | None:
-    """Where two records' rows `(rows, layers, topk)` first differ, in words (None: equal)."""
-    if ours.shape != theirs.shape:
-        return f"shape {ours.shape} where SGLang's is {theirs.shape}"
-    differs = np.argwhere(ours != theirs)
-    if not len(differs):
-        return None
-    row, layer = (int(i) for i in differs[0][:2])
-    return f"row {row}, layer slot {layer}: {ours[row, layer].tolist()} where SGLang's is {theirs[row, layer].tolist()}"
 
 
 @dataclass
@@ -85,7 +70,7 @@ class BuildCheck:
             if rid not in self._ours or rid not in self._theirs:
                 return
             ours, theirs = self._ours.pop(rid), self._theirs.pop(rid)
-            gap = first_difference(ours, theirs)
+            gap = first_difference(ours, theirs, engine="SGLang")
             if gap is None:
                 self.agreed += 1
                 return
@@ -93,7 +78,7 @@ class BuildCheck:
 
     def report(self) -> dict[str, object]:
         """The engine file's `build.check`."""
-        return {"state": self.state, "agreed": min(self.agreed, self.needed), "needed": self.needed}
+        return check_report(self.agreed, self.needed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine_ext.core.build_check import first_difference
 from engine_ext.core.records import ModelShape
 from engine_ext.core.settings import Mode
 from engine_ext.core.writer import SpoolWriter
-from engine_ext.sglang.build_check import AGREED, PENDING, BuildCheck, BuildMismatch, first_difference
+from engine_ext.sglang.build_check import AGREED, PENDING, BuildCheck, BuildMismatch
 from engine_ext.sglang.collect import Collector, FinishedReq
 
 
@@ -24,11 +25,11 @@ def rows(seed: int, n: int = 5) -> np.ndarray:
 
 def test_first_difference_names_the_row_layer_and_both_values():
     ours, theirs = rows(1), rows(1).copy()
-    assert first_difference(ours, theirs) is None
+    assert first_difference(ours, theirs, engine="SGLang") is None
     theirs[3, 2, 1] += 1
-    gap = first_difference(ours, theirs)
+    gap = first_difference(ours, theirs, engine="SGLang")
     assert gap.startswith("row 3, layer slot 2: ") and "where SGLang's is" in gap
-    assert first_difference(ours[:4], theirs) == "shape (4, 3, 2) where SGLang's is (5, 3, 2)"
+    assert first_difference(ours[:4], theirs, engine="SGLang") == "shape (4, 3, 2) where SGLang's is (5, 3, 2)"
 
 
 def test_records_that_agree_take_the_check_to_agreed_in_either_arrival_order():
