@@ -67,8 +67,8 @@ class EngineSettings(BaseSettings):
     build_check_records: int = Field(
         3,
         ge=1,
-        description="On a build no test proved: records compared with SGLang's own inline rows before the plugin "
-        "takes delivery over (until then sidecar mode acts as mirror).",
+        description="On a build no test proved: records compared with the engine's own inline rows (SGLang's, "
+        "vLLM's) before the plugin takes delivery over (until then sidecar mode acts as mirror).",
     )
     row_check: bool = Field(
         True,

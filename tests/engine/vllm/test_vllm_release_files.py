@@ -46,7 +46,7 @@ def test_a_release_string_over_other_files_runs_unproven_on_the_row_its_code_fit
     files = lambda found, row: [HOOKED]  # noqa: E731
     fits = plan("0.32.0", lambda row: [], files)
     assert fits.row is MATRIX["0.32.0"] and not fits.proven and fits.changed == (HOOKED,)
-    assert fits.describe().endswith(f"(mirror); its files are not the release's: {HOOKED})")
+    assert fits.describe().endswith(f"agree with vLLM's own; its files are not the release's: {HOOKED})")
     # its code lacks its own row's flag but has 0.31.0's facts: that row, not its own given blindly
     other = plan("0.32.0", lambda row: [] if row.version == "0.31.0" else ["aux_output_config.x"], files)
     assert other.row is MATRIX["0.31.0"] and not other.proven
@@ -78,7 +78,8 @@ def test_the_engine_file_says_which_files_differ(tmp_path):
         spooler.close()
     assert report.delivery.mode == "mirror" and report.build.proven is False
     assert report.delivery.inline_kept == (
-        f"vLLM 0.32.0: no test ran this build (matrix row 0.32.0); its files are not the release's: {HOOKED}"
+        f"vLLM 0.32.0: no test ran this build (matrix row 0.32.0); its files are not the release's: {HOOKED}; "
+        "until its first 3 records agree with vLLM's own (build.check)"
     )
 
 

@@ -148,8 +148,9 @@ def test_a_build_is_planned_by_its_code_and_refused_only_where_no_row_fits(tmp_p
 
 
 def test_an_unproven_build_keeps_vllms_rows_and_says_so(tmp_path):
-    """Sidecar mode acts as mirror on a build no test ran: the record is written and the inline array kept; the
-    engine file names the build, the row applied, and why the rows stay inline."""
+    """Sidecar mode acts as mirror on a build no test ran while its check is pending: the record is written and the
+    inline array kept; the engine file names the build, the row applied, and why the rows stay inline. (Its check
+    agreeing or not: `test_vllm_check_rows.py`.)"""
     settings = EngineSettings(spool_dir=tmp_path, mode=Mode.SIDECAR, engine_id="t")
     shape = ModelShape(num_experts=8, topk=2, layers=(0, 1), num_hidden_layers=2)
     spooler = Spooler(settings, shape, engine="t/api0", vllm="0.32.1", row="0.32.0", proven=False)
@@ -160,8 +161,12 @@ def test_an_unproven_build_keeps_vllms_rows_and_says_so(tmp_path):
     finally:
         spooler.close()
     assert report.delivery.mode == "mirror" and report.delivery.configured_mode == "sidecar"
-    assert report.delivery.inline_kept == "vLLM 0.32.1: no test ran this build (matrix row 0.32.0)"
-    assert report.build.to_dict() == {"found": "0.32.1", "layout": "0.32.0", "proven": False, "check": None}
+    assert report.delivery.inline_kept == (
+        "vLLM 0.32.1: no test ran this build (matrix row 0.32.0); until its first 3 records agree with vLLM's own "
+        "(build.check)"
+    )
+    check = {"state": "pending", "agreed": 1, "needed": 3}
+    assert report.build.to_dict() == {"found": "0.32.1", "layout": "0.32.0", "proven": False, "check": check}
 
 
 def test_the_capture_flag_is_read_where_each_release_keeps_it():
