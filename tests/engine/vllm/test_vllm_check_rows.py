@@ -149,3 +149,19 @@ def test_a_disagreement_leaves_vllms_path_in_charge_loudly(shifting, tmp_path, c
     engine = report(shifting)
     assert engine.delivery.mode == "off" and engine.delivery.inline_kept.startswith("r3-sidecar stepped aside: ")
     assert [f.hook for f in engine.degraded] == ["_around_completion_output"]
+
+
+def test_an_unexpected_failure_of_the_check_keeps_vllms_rows(tmp_path, monkeypatch, caplog):
+    """Not a disagreement but a bug in the check itself: the hook's containment keeps vLLM's output as it is."""
+    made = spooler(tmp_path)
+    monkeypatch.setattr(hooks, "SPOOLER", made)
+    monkeypatch.setattr(made.check, "compare", lambda *args: [][0])
+    monkeypatch.setattr(hooks, "_failed", set())  # each place logs once per process: this test's own
+    try:
+        state, output = completion("cmpl-x-0", vllm_rows(3))
+        with caplog.at_level(logging.ERROR, logger="r3_sidecar.vllm"):
+            assert hooks._around_completion_output(lambda s: output, state) is output
+        assert np.array_equal(output.routed_experts, vllm_rows(3)) and "IndexError" in caplog.text
+        assert made.writer.flush() and Spool(tmp_path).read_meta("cmpl-x-0") is None
+    finally:
+        made.close()
