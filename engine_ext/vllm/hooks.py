@@ -236,6 +236,7 @@ def _step_aside(hook: Hook, error: BaseException) -> None:
             hook.target,
             type(error).__name__,
             error,
+            exc_info=(type(error), error, error.__traceback__),  # the traceback R3EngineDegraded sends readers to
         )
 
 

@@ -141,6 +141,7 @@ def test_a_disagreement_leaves_vllms_path_in_charge_loudly(shifting, tmp_path, c
             assert np.array_equal(output.routed_experts, vllm_rows(5, seed))  # vLLM's own rows, untouched
     (line,) = caplog.messages  # once, at the first record
     assert "failed: BuildMismatch: " in line and "steps aside in this process" in line, line
+    assert caplog.records[0].exc_info is not None  # the traceback the R3EngineDegraded alert points readers to
     (fault,) = DEGRADED.snapshot()
     assert fault["hook"] == "_around_completion_output" and fault["target"].endswith("._new_completion_output")
     assert "record 'cmpl-a-0' as the spool stores it differs from vLLM's own: row 0, layer slot 1" in fault["error"]
