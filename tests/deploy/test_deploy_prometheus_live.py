@@ -231,9 +231,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     with contextlib.ExitStack() as stack:
         prom = stack.enter_context(Prometheus(binary, work, [file_copy, chart_copy]))
         demo = {}
+        # The demo engines rewrite their engine files every second; on a starved 2-core machine one once went
+        # 10 s (the default `R3_ENGINE_STALE_S`) without a turn, and the baseline saw a stale engine. Staleness
+        # is proved on pod r3-2 below; the demo pods allow a minute.
         for pod in ("r3-0", "r3-1"):
             addr, proc = stack.enter_context(
-                sidecar("demo", work / f"spool-{pod}", work / f"{pod}.log", R3_TTL_S="120")
+                sidecar("demo", work / f"spool-{pod}", work / f"{pod}.log", R3_TTL_S="120", R3_ENGINE_STALE_S="60")
             )
             demo[pod] = (addr, proc)
         prom.set_targets({pod: addr for pod, (addr, _) in demo.items()})

@@ -12,14 +12,22 @@ the date and commit of each release's last run.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from tiers import part
 from version_servers import venv_python
 from version_suite import *  # noqa: F403 (the suite's tests and fixtures, collected here)
 
 from engine_ext.sglang.versions import NEWEST, RELEASES
 
 OWN_MODULE = {"0.5.12", "0.5.16", "0.5.20", NEWEST}  # `test_sglang_0_5_12.py`, …; the CI suite for the newest
-REST = [v for v, layout in RELEASES.items() if layout is not None and v not in OWN_MODULE]
+
+
+REST = part(
+    [v for v, layout in RELEASES.items() if layout is not None and v not in OWN_MODULE],
+    os.environ.get("R3_TEST_RELEASE_PART"),
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.matrix, pytest.mark.timeout(900)]
 

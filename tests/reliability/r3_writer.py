@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from r3_harness import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK, expected_rows
@@ -49,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_writer = _engine_writer(args.spool) if args.engine_writer else None
 
-    def write_one(rid: str, final: bool) -> None:
+    def write_one(rid: str, final: bool):
         rows = expected_rows(rid, args.rows)
         if engine_writer is not None:
             _via_engine_writer(engine_writer, rid, rows, args.chunk, args.pace)
             note(rid=rid, rows=args.rows, final=True)
-            return
+            return None
         w = spool.writer(
             rid,
             num_experts=NUM_EXPERTS,
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if final:
             w.finalize()
             note(rid=rid, rows=args.rows, final=True)
+        return w
 
     i = args.first
     deadline = time.monotonic() + args.duration
@@ -85,12 +88,22 @@ def main(argv: list[str] | None = None) -> int:
         engine_writer.close(timeout=60)
         assert engine_writer.stats.write_errors == 0, engine_writer.stats
     note(event="done", count=i - args.first)
-    for j in range(args.open):
-        write_one(f"{args.prefix}-open-{j:04d}", final=False)
+    still_open = [write_one(f"{args.prefix}-open-{j:04d}", final=False) for j in range(args.open)]
     if args.open:
         note(event="open_done")
-        time.sleep(3600)  # not a wait: the engine hangs with its records open until the test kills it
+        _keep_alive(still_open)
     return 0
+
+
+def _keep_alive(records: list) -> None:
+    """A live engine that produces no row for a while: its open records stay fresh (an empty append publishes a
+    new `updated`), so the sidecar's staleness sweep aborts them only once this process is killed. Without it, a
+    1 s `R3_STALE_S` aborted them before a loaded test had its waiters connected."""
+    nothing = np.empty((0, len(LAYERS), TOPK), dtype=np.int32)
+    while True:
+        for w in records:
+            w.append(nothing)
+        time.sleep(0.1)  # not a wait: the engine's liveness, until the test kills it
 
 
 def _engine_writer(spool_dir: str):
