@@ -112,6 +112,18 @@ def run_sglang(
     return [json.loads(line[len(_RESULT) :]) for line in stdout.splitlines() if line.startswith(_RESULT)]
 
 
+def fork_refusal(env: dict[str, str] | None = None) -> str | None:
+    """Why `run_sglang(code, env=env)` would start a fresh interpreter rather than fork (None: it forks), for a
+    test's failure message: a zygote test that finds a fresh child should say which of the causes it was."""
+    if os.environ.get("R3_TEST_FRESH_CHILDREN") == "1":
+        return "R3_TEST_FRESH_CHILDREN=1 asks for fresh children"
+    zygote = _zygote()
+    if zygote is None:
+        return "this process's zygote died: every later child is a fresh interpreter"
+    differ = zygote.unserved(_child_env({**os.environ, **(env or {})}))
+    return f"variables differ from the zygote's: {', '.join(differ)}" if differ else None
+
+
 def _child_env(env: dict[str, str]) -> dict[str, str]:
     """`env` with this directory and the repository first on the child's path, and warnings off."""
     paths = [str(REPO), str(Path(__file__).resolve().parent)]

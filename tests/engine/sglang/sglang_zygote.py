@@ -41,12 +41,18 @@ def serves(started: dict[str, str], ready: dict[str, str], wanted: dict[str, str
     """Whether a child with environment `wanted` may be forked from a zygote started with `started` whose prelude
     left `ready`: apart from `SERVED_PREFIXES` variables, `wanted` is `ready`, but for variables the prelude's
     imports added (SGLang sets some on import), which a fresh interpreter's import adds as well."""
-    for key in ready.keys() | wanted.keys():
-        if key.startswith(SERVED_PREFIXES) or ready.get(key) == wanted.get(key):
-            continue
-        if key in wanted or key in started:  # a variable set otherwise, or one the prelude did not add
-            return False
-    return True
+    return not unserved(started, ready, wanted)
+
+
+def unserved(started: dict[str, str], ready: dict[str, str], wanted: dict[str, str]) -> list[str]:
+    """The variables that keep `serves` from forking a child with environment `wanted` (none: it may)."""
+    return sorted(
+        key
+        for key in ready.keys() | wanted.keys()
+        if not key.startswith(SERVED_PREFIXES)
+        and ready.get(key) != wanted.get(key)
+        and (key in wanted or key in started)  # a variable set otherwise, or one the prelude did not add
+    )
 
 
 class Zygote:
@@ -66,11 +72,15 @@ class Zygote:
         )
 
     def serves(self, wanted: dict[str, str]) -> bool:
-        """Whether this zygote may fork a child with environment `wanted` (waits for its prelude the first time)."""
+        """Whether this zygote may fork a child with environment `wanted`."""
+        return not self.unserved(wanted)
+
+    def unserved(self, wanted: dict[str, str]) -> list[str]:
+        """The variables of `wanted` this zygote cannot give a forked child (waits for its prelude the first time)."""
         if self._ready is None:
             assert self.proc.stdout is not None
             self._ready = _read_line(self.proc.stdout, 900)["env"]
-        return serves(self.started, self._ready, wanted)
+        return unserved(self.started, self._ready, wanted)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -9,7 +9,7 @@ import os
 import subprocess
 
 import pytest
-from sglang_env import run_sglang
+from sglang_env import fork_refusal, run_sglang
 from sglang_zygote import serves
 
 WHO = """
@@ -34,17 +34,20 @@ def test_only_served_variables_may_differ_but_for_what_the_prelude_added() -> No
 @pytest.mark.sglang
 def test_each_child_is_a_new_process_with_its_own_environment() -> None:
     first, second = (run_sglang(WHO, env={"R3_Z": str(i)})[0] for i in range(2))
-    assert first["pid"] != second["pid"] and first["parent"] == second["parent"] != os.getpid()  # the zygote's
+    forked = first["parent"] == second["parent"] != os.getpid()  # the zygote's
+    assert first["pid"] != second["pid"] and forked, fork_refusal({"R3_Z": "1"})
     assert (first["mark"], second["mark"]) == (None, None)  # the first child's change stayed in it
     assert (first["r3"], second["r3"]) == ({"R3_Z": "0"}, {"R3_Z": "1"})
     (fresh,) = run_sglang(WHO, env={"OTHER_Z": "yes"})
     assert fresh["parent"] == os.getpid() and fresh["other"] == "yes"  # not the zygote's: a fresh interpreter
+    assert fork_refusal({"OTHER_Z": "yes"}) == "variables differ from the zygote's: OTHER_Z"
 
 
 @pytest.mark.sglang
 def test_a_later_test_forks_from_the_same_zygote() -> None:
     (child,) = run_sglang(WHO)
-    assert child["parent"] != os.getpid() and child["mark"] is None  # forked: pytest changed PYTEST_CURRENT_TEST
+    forked = child["parent"] != os.getpid()  # pytest changed PYTEST_CURRENT_TEST, which a fork may differ in
+    assert forked and child["mark"] is None, fork_refusal()
 
 
 @pytest.mark.sglang
