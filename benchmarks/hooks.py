@@ -104,9 +104,9 @@ def _variants(before: str | None) -> dict[str, dict[tuple[type, str], Any]]:
     from sglang.srt.state_capturer.base import BaseDeviceCache
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
 
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
-    modules = {"timers_on": hooks, "timers_off": hooks}
+    modules = {"timers_on": table, "timers_off": table}
     if before:
         spec = importlib.util.spec_from_file_location("r3_hooks_before", Path(before) / "engine_ext" / "hooks.py")
         modules["before"] = sys.modules["r3_hooks_before"] = importlib.util.module_from_spec(spec)
@@ -147,7 +147,8 @@ def one_shape(
     from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
     from sglang_env import publish_args
 
-    from engine_ext.sglang import capture_hooks, capturer, timers
+    from engine_ext.sglang import capturer, timers
+    from engine_ext.sglang.hooks import capture as capture_hooks
 
     _SHAPE.update(dp=dp, tokens=tokens)
     gathered = tokens * dp  # DP attention: every rank's MoE routes the gathered batch

@@ -22,14 +22,16 @@ _OPTIONAL = {"ImportError", "ModuleNotFoundError", "Exception"}
 
 
 def needed_by(layout: compat.Layout) -> list[tuple[str, str, str]]:
-    """(plugin module, SGLang module, name) for every SGLang name the plugin imports under `layout`."""
+    """(plugin module, SGLang module, name) for every SGLang name the plugin imports under `layout`; a plugin
+    module is named within `engine_ext.sglang` (`compat_shims`, `hooks.table`)."""
     shims = {path.rpartition(".")[2] for path in _shim_paths(layout)}
     out = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):  # the folders too (`hooks/`, `budget/`)
+        plugin = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
         for function, module, name in imports(ast.parse(path.read_text(), filename=str(path))):
-            if path.stem == "compat_shims" and function not in shims:
+            if plugin == "compat_shims" and function not in shims:
                 continue
-            out.append((path.stem, module, name))
+            out.append((plugin, module, name))
     return out
 
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from source_names import Found, Missing, Source, returned, signature
 
-from engine_ext.sglang import attributes, compat, fit, hooks
+from engine_ext.sglang import attributes, compat, fit
+from engine_ext.sglang.hooks import table
 
 
 def lacks(source: Source, version: str, rows: list) -> list[str]:
@@ -34,7 +35,7 @@ def lacks(source: Source, version: str, rows: list) -> list[str]:
             continue
         placed.append(where[1])
         gap = fit.signature_gap(
-            _stub(source.resolve(where[0])), hooks.body(where[1]), row.type is hooks.REPLACE, row.keywords
+            _stub(source.resolve(where[0])), table.body(where[1]), row.type is table.REPLACE, row.keywords
         )
         if gap:
             out.append(f"{where[0]}: {gap}")

@@ -42,22 +42,23 @@ def _register() -> None:
 
     from engine_ext.core.node_sidecar import with_node_sidecar
     from engine_ext.core.startup_line import announce
-    from engine_ext.sglang import compat, hooks
+    from engine_ext.sglang import compat
+    from engine_ext.sglang.hooks import table
 
     announce(logger, plan.describe(), proven=plan.proven)
     compat.use(plan.layout)
     announce_front_door(settings)
-    hooks.install(with_node_sidecar(settings))
+    table.install(with_node_sidecar(settings))
 
 
 def announce_front_door(settings) -> str | None:
     """At start, in every process: under `SGLANG_RUST_SERVER` the front-door hooks never fire, so say (once,
     loudly) what still works and what does not, instead of pointers that silently never appear. Never raises:
     an unreadable setting is SGLang's to report."""
-    from engine_ext.sglang import frontdoor_hooks
+    from engine_ext.sglang.hooks import frontdoor
 
     try:
-        note = frontdoor_hooks.rust_server_note(settings)
+        note = frontdoor.rust_server_note(settings)
     except Exception:  # SGLang rejects a malformed SGLANG_RUST_SERVER itself
         return None
     if note:

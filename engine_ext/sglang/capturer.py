@@ -1,6 +1,6 @@
 """Routed-experts capture: worst-case sizing, host-side overflow checks, and per-forward buffer occupancy.
 
-Plain functions of plain integers; `capture_hooks` feeds them from SGLang 0.5.23 and builds the real capturer.
+Plain functions of plain integers; `hooks.capture` feeds them from SGLang 0.5.23 and builds the real capturer.
 """
 
 from __future__ import annotations
@@ -218,4 +218,4 @@ class RoutedLayers:
             self.known = tuple(sorted(self.seen))
 
 
-ROUTED_LAYERS = RoutedLayers()  # this process's model, filled by `capture_hooks._checked_device_capture`
+ROUTED_LAYERS = RoutedLayers()  # this process's model, filled by `hooks.capture._checked_device_capture`

@@ -3,7 +3,7 @@
 Why one object: the scheduler's hooks need the same writer, collector, live rows and telemetry at every step,
 and SGLang calls hooks as plain functions. So the process holds one `Process` (`PROCESS` below): the settings
 set at `install`, and the `Delivery` created from them, once, at the first batch result that has a capturer.
-Everything here takes plain values; `delivery_hooks` reads them off SGLang's objects.
+Everything here takes plain values; `hooks.delivery` reads them off SGLang's objects.
 
     from engine_ext.sglang.delivery import PROCESS
     delivery = PROCESS.current(build)   # None until the settings ask for delivery and a capturer exists
@@ -40,7 +40,7 @@ log = logging.getLogger("r3_sidecar")
 
 @dataclass(frozen=True)
 class Placement:
-    """Where this scheduler process sits, and what its launch allows (read from SGLang by `delivery_hooks`)."""
+    """Where this scheduler process sits, and what its launch allows (read from SGLang by `hooks.delivery`)."""
 
     publisher: bool  # attn-tp rank 0 of its DP group: the one process of the group that writes records
     dp_rank: int | None  # names the engine (`R3_ENGINE_NAME-dp<N>`); None without DP

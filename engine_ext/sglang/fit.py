@@ -72,7 +72,7 @@ def installed() -> Support:
     """The plan for this process's SGLang, once per process: its version string and the layout its code fits."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from engine_ext.sglang.hooks import HOOKS
+    from engine_ext.sglang.hooks.table import HOOKS
 
     try:
         found = version("sglang")
@@ -86,7 +86,7 @@ def installed() -> Support:
 
 
 def fit(found: str | None, hooks: Iterable, lacking: Callable[[str, list], list[str]] | None = None) -> Fit:
-    """The first candidate layout the installed build fits; `hooks` is the hook table (`hooks.HOOKS`)."""
+    """The first candidate layout the installed build fits; `hooks` is the hook table (`hooks.table.HOOKS`)."""
     rows = [hook for hook in hooks if "hip" not in hook.groups]  # hip targets import only on ROCm
     check = lacking or what_layout_lacks
     seen: dict[str, list[str]] = {}
@@ -102,7 +102,8 @@ def fit(found: str | None, hooks: Iterable, lacking: Callable[[str, list], list[
 
 def what_layout_lacks(version: str, rows: list) -> list[str]:
     """What of layout `version` the installed SGLang does not have (empty: it fits)."""
-    from engine_ext.sglang import attributes, hooks, source_cache
+    from engine_ext.sglang import attributes, source_cache
+    from engine_ext.sglang.hooks import table
 
     layout = compat.use(version)
     out = compat.unresolved([row.target for row in rows])
@@ -115,8 +116,8 @@ def what_layout_lacks(version: str, rows: list) -> list[str]:
         if where is None:
             continue
         placed.append(where[1])
-        replace = row.type is hooks.REPLACE
-        gap = signature_gap(pkgutil.resolve_name(where[0]), hooks.body(where[1]), replace, row.keywords)
+        replace = row.type is table.REPLACE
+        gap = signature_gap(pkgutil.resolve_name(where[0]), table.body(where[1]), replace, row.keywords)
         if gap:
             out.append(f"{where[0]}: {gap}")
     out += [f"{name} is still here (the layout replaces it)" for name in still_present(layout, rows)]

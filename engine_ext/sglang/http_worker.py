@@ -4,8 +4,8 @@ Why: with `--tokenizer-worker-num N > 1`, N worker processes build the responses
 them, so the rows they return inline (sidecar mode keeps them there: `frontdoors.effective_mode`) said neither
 their shape nor their start. SGLang 0.5.23 imports the workers' app from `SGLANG_HTTP_SERVER_APP_PATH`
 (default `sglang.srt.entrypoints.http_server:app`); the plugin, where it loads, points that setting here when it
-is unset (`hooks.point_workers_here`); SGLang 0.5.12-0.5.20 write that default into their code, and the plugin
-retargets the one call that receives it (`worker_app`). This module applies the "inline" rows of `hooks.HOOKS`
+is unset (`hooks.frontdoor.point_workers_here`); SGLang 0.5.12-0.5.20 write that default into their code, and the plugin
+retargets the one call that receives it (`worker_app`). This module applies the "inline" rows of `hooks.table.HOOKS`
 in the worker before SGLang serves: `meta_info` and the OpenAI `sglext` get `routed_experts_shape` and
 `routed_experts_start_len`, as with one tokenizer process. No pointer is attached there
 (`frontdoors.MULTI_TOKENIZER`).
@@ -31,14 +31,15 @@ def _install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from engine_ext.core.settings import EngineSettings, Mode
-    from engine_ext.sglang import compat, fit, hooks
+    from engine_ext.sglang import compat, fit
+    from engine_ext.sglang.hooks import table
 
     plan = fit.installed()
     settings = EngineSettings()
     if not plan.full or settings.mode is Mode.OFF:
         return
     compat.use(plan.layout)
-    hooks.install_worker_hooks(settings)
+    table.install_worker_hooks(settings)
     HookRegistry.apply_hooks()
 
 

@@ -2,7 +2,7 @@
 
 Why: a `stream=true` trainer sees rows during generation, and the O(sequence) gather at finish disappears
 for these requests. Each step's rows come from the host copy SGLang already made for the host cache
-(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `live_hooks` reads the batch's layout and its
+(`TopkCaptureOutput.out_cache_loc`/`topk`, overlap scheduling); `hooks.live` reads the batch's layout and its
 requests (`StepRequest`) off SGLang's objects as host integers, and `LiveRows.feed_step` does the rest.
 
 Opt-in: `R3_LIVE_ROWS=1` for every captured request, or per request `sampling_params.custom_params =
@@ -75,7 +75,7 @@ def verify_layout(seq_lens: Sequence[int], stride: int, accept_lens: Sequence[in
 
 @dataclass(frozen=True, slots=True)
 class StepRequest:
-    """One request of a batch, as a live step needs it (`live_hooks` reads it off SGLang's `Req`)."""
+    """One request of a batch, as a live step needs it (`hooks.live` reads it off SGLang's `Req`)."""
 
     rid: str
     wants: bool  # in a first extend: it asks for live rows in this process (`Delivery.wants_live`)

@@ -3,7 +3,7 @@ retargeted to `http_worker`'s app.
 
 Why: with `--tokenizer-worker-num N > 1`, N uvicorn worker processes build the responses, and SGLang loads no
 plugins in them, so the rows they hand inline would not say their shape and start. SGLang 0.5.23 names the
-workers' app in a setting (`frontdoor_hooks.point_workers_here`); 0.5.12-0.5.20 hand the literal
+workers' app in a setting (`hooks.frontdoor.point_workers_here`); 0.5.12-0.5.20 hand the literal
 `"sglang.srt.entrypoints.http_server:app"` to `uvicorn.run(..., workers=N)` in the main process, which is a process
 that loads the plugin. uvicorn spawns each worker (`multiprocessing` "spawn": a fresh interpreter that imports the
 app string named in the pickled `uvicorn.Config`), so that call is the one place the workers' app can be chosen.

@@ -176,7 +176,7 @@ def test_wheel_stage_builds_a_wheel_with_both_entry_points(tmp_path: Path) -> No
     assert "service/spool/__init__.py" in names and "engine_ext/sglang/__init__.py" in names
     assert not any(n.startswith("tests/") for n in names)
     assert re.search(
-        r"\[console_scripts\]\s*r3-budget = engine_ext\.sglang\.budget_cli:main"
+        r"\[console_scripts\]\s*r3-budget = engine_ext\.sglang\.budget\.cli:main"
         r"\s*r3-sidecar = service\.server\.cli:main",
         entry_points,
     )

@@ -62,7 +62,7 @@ def main() -> None:
         # become final (what the plugin does itself in `sglang.Engine.shutdown`): the writer thread is
         # milliseconds behind the response.
         from engine_ext.core.settings import EngineSettings
-        from engine_ext.sglang.frontdoor_hooks import PROMISED
+        from engine_ext.sglang.hooks.frontdoor import PROMISED
 
         PROMISED.settle(EngineSettings().spool_dir, timeout_s=10)
         kill_process_tree(os.getpid(), include_parent=False)

@@ -26,7 +26,7 @@ import http_server_source
 
 def main() -> None:
     from engine_ext.sglang import attributes, compat
-    from engine_ext.sglang.hooks import HOOKS
+    from engine_ext.sglang.hooks.table import HOOKS
     from engine_ext.sglang.versions import MATRIX
 
     names = sorted({n for row in MATRIX.values() if row.plugin_mechanism for n in row.missing_names})

@@ -21,7 +21,7 @@ import wheel_fit
 from sglang_server import REPO
 
 from engine_ext.sglang import attributes, compat
-from engine_ext.sglang.hooks import HOOKS
+from engine_ext.sglang.hooks.table import HOOKS
 from engine_ext.sglang.versions import RELEASES
 
 pytestmark = [pytest.mark.sglang, pytest.mark.matrix, pytest.mark.timeout(900)]

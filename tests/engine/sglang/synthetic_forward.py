@@ -115,11 +115,11 @@ def apply_capture_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from engine_ext.core.settings import EngineSettings
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
     HookRegistry.reset()
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", _synthetic_forward_raw, HookType.REPLACE
     )
-    hooks.install_capture_hooks(EngineSettings())
+    table.install_capture_hooks(EngineSettings())
     HookRegistry.apply_hooks()

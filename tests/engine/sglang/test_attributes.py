@@ -125,11 +125,11 @@ def test_fields_methods_and_bases_count(newest):
 
 
 def test_every_read_names_a_role_and_a_hook_function():
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
     for read in compat.ATTRIBUTES:
         assert read.role in compat.CLASSES, read
-        assert callable(hooks.body(read.by)), read
+        assert callable(table.body(read.by)), read
     for layout in compat.LAYOUTS.values():
         assert set(layout.classes) <= set(compat.CLASSES), layout.version
 
@@ -147,7 +147,9 @@ def test_a_build_whose_source_lacks_an_attribute_the_hooks_read_is_refused_at_st
     monkeypatch.setenv("R3_CACHE_DIR", str(tmp_path))  # the made-up answer must not reach the real cache
     fit.installed.cache_clear()
     installed = []
-    monkeypatch.setattr("engine_ext.sglang.hooks.install", lambda settings: installed.append(settings), raising=False)
+    monkeypatch.setattr(
+        "engine_ext.sglang.hooks.table.install", lambda settings: installed.append(settings), raising=False
+    )
     monkeypatch.setenv("R3_BUDGET", "warn")
     try:
         with caplog.at_level(logging.ERROR, logger="r3_sidecar"):

@@ -17,9 +17,9 @@ from engine_ext.sglang.budget import (
     blocking_rows,
     budget_rows,
     format_table,
+    inputs_from_server_args,
     refusal_message,
 )
-from engine_ext.sglang.budget_inputs import inputs_from_server_args
 
 
 def rows_by_name(inputs: BudgetInputs) -> dict:

@@ -14,12 +14,12 @@ pytestmark = pytest.mark.sglang
 
 _RESOLVE = f"""
 import io, logging
-from engine_ext.sglang import hooks
+from engine_ext.sglang.hooks import table
 from engine_ext.core.settings import EngineSettings
 from sglang.srt.server_args import ServerArgs
 
-hooks.install_budget_hooks(EngineSettings())
-hooks.install_budget_hooks(EngineSettings())  # register() runs in several processes: one registration each
+table.install_budget_hooks(EngineSettings())
+table.install_budget_hooks(EngineSettings())  # register() runs in several processes: one registration each
 stream = io.StringIO()
 log = logging.getLogger("r3_sidecar")
 log.addHandler(logging.StreamHandler(stream))
@@ -77,7 +77,7 @@ _CLI = (
     _RESOLVE
     + f"""
 import contextlib, io, json
-from engine_ext.sglang.budget_cli import main
+from engine_ext.sglang.budget.cli import main
 
 def run(*argv):
     out, err = io.StringIO(), io.StringIO()

@@ -44,13 +44,14 @@ def child_main() -> dict:
     from sglang_env import publish_args, tiny_model_config
 
     from engine_ext.core.settings import EngineSettings
-    from engine_ext.sglang import capturer, hooks
+    from engine_ext.sglang import capturer
+    from engine_ext.sglang.hooks import table
 
     HookRegistry.reset()
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", _model_body, HookType.REPLACE
     )
-    hooks.install_capture_hooks(EngineSettings())
+    table.install_capture_hooks(EngineSettings())
     HookRegistry.apply_hooks()
     publish_args(tp_size=1, enable_return_routed_experts=True, chunked_prefill_size=16, max_running_requests=4)
     model = torch.nn.Module()

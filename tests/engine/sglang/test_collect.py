@@ -83,7 +83,9 @@ from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import delivery_hooks, frontdoor_hooks, hooks
+from engine_ext.sglang.hooks import delivery as delivery_hooks
+from engine_ext.sglang.hooks import frontdoor as frontdoor_hooks
+from engine_ext.sglang.hooks import table
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.sglang import guard
 from engine_ext.core.degraded import DEGRADED
@@ -94,9 +96,9 @@ import os
 SPOOL = os.environ["R3_TEST_SPOOL"]
 
 publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
-hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL, sidecar_url="http://sc:8000"))
+table.install_delivery_hooks(EngineSettings(spool_dir=SPOOL, sidecar_url="http://sc:8000"))
 HookRegistry.apply_hooks()
-wanted = [h.target for h in hooks.HOOKS if {"delivery", "pointer"} & set(h.groups)]
+wanted = [h.target for h in table.HOOKS if {"delivery", "pointer"} & set(h.groups)]
 unpatched = [t for t in wanted if t not in HookRegistry._patched]
 
 mc = tiny_model_config()

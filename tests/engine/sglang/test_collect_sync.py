@@ -34,8 +34,9 @@ def child_main(device: str, spool: str) -> dict:
     from syncguard import ForbidHostReads, HostReadError, cuda_sync_errors
 
     from engine_ext.core.settings import EngineSettings
-    from engine_ext.sglang import delivery_hooks, hooks
     from engine_ext.sglang.delivery import PROCESS
+    from engine_ext.sglang.hooks import delivery as delivery_hooks
+    from engine_ext.sglang.hooks import table
 
     aten = torch.ops.aten
 
@@ -67,7 +68,7 @@ def child_main(device: str, spool: str) -> dict:
         return stack
 
     publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
-    hooks.install_delivery_hooks(EngineSettings(spool_dir=spool, live_rows=True))
+    table.install_delivery_hooks(EngineSettings(spool_dir=spool, live_rows=True))
     HookRegistry.apply_hooks()
     mc = tiny_model_config()
     mc.hf_text_config.num_experts = 8

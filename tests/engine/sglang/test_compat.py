@@ -28,16 +28,16 @@ def test_a_layout_names_only_what_0_5_23_reads_and_calls():
 
 
 def test_every_retarget_names_a_hook_row_and_a_function_of_hooks():
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
-    rows = {hook.target for hook in hooks.HOOKS}
+    rows = {hook.target for hook in table.HOOKS}
     try:
         for version, layout in compat.LAYOUTS.items():
             assert set(layout.targets) <= rows, version
             compat.use(version)
-            for hook in hooks.HOOKS:
+            for hook in table.HOOKS:
                 where = compat.hook(hook.target, hook.function)
-                assert where is None or callable(hooks.body(where[1])), (version, where)
+                assert where is None or callable(table.body(where[1])), (version, where)
     finally:
         compat.use("0.5.23")
 

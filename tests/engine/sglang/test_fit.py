@@ -88,7 +88,7 @@ def test_every_hook_row_binds_its_0_5_23_target():
     """On the installed SGLang (0.5.23 in .venv) every row's hook binds the target's parameters as it reads them."""
     import pkgutil
 
-    from engine_ext.sglang.hooks import HOOKS, REPLACE, body
+    from engine_ext.sglang.hooks.table import HOOKS, REPLACE, body
 
     for row in HOOKS:
         if "hip" in row.groups:

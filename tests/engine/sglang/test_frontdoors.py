@@ -131,7 +131,7 @@ def test_versions_that_build_meta_info_inline_follow_the_same_rule():
         import asyncio
         from types import SimpleNamespace
         from engine_ext.core.settings import EngineSettings
-        from engine_ext.sglang import frontdoor_hooks
+        from engine_ext.sglang.hooks import frontdoor as frontdoor_hooks
         from engine_ext.sglang.delivery import PROCESS
 
         async def original(self, obj):
@@ -203,7 +203,7 @@ def test_inline_rows_get_their_shape_and_the_requests_start_where_meta_info_is_b
         import asyncio, base64
         from types import SimpleNamespace
         from engine_ext.core.settings import EngineSettings
-        from engine_ext.sglang import frontdoor_hooks
+        from engine_ext.sglang.hooks import frontdoor as frontdoor_hooks
         from engine_ext.sglang.delivery import PROCESS
 
         rows = base64.b64encode(bytes(4 * 3 * 6 * 2)).decode()  # 3 rows of 6 layers x top-2, int32

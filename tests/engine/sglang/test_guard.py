@@ -223,15 +223,15 @@ def test_a_compiled_caller_traces_the_guard_plainly_on_and_degraded(target) -> N
 
 def test_install_registers_every_hook_behind_a_guard_as_around(target, monkeypatch) -> None:
     from engine_ext.core.settings import EngineSettings
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
-    monkeypatch.setattr(hooks, "_registered", set())
+    monkeypatch.setattr(table, "_registered", set())
     monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
-    monkeypatch.setattr(hooks, "_budget_hook_registered", [True])
-    hooks.install(EngineSettings(mode="mirror", sidecar_url="http://sc:1"))
-    hooks.PROCESS.configure(None)  # install set the delivery settings of this (test) process
+    monkeypatch.setattr(table, "_budget_hook_registered", [True])
+    table.install(EngineSettings(mode="mirror", sidecar_url="http://sc:1"))
+    table.PROCESS.configure(None)  # install set the delivery settings of this (test) process
     ours = [(t, ht, getattr(h, "__r3_guard__", None)) for t, hs in HookRegistry._hooks.items() for ht, h, _ in hs]
-    assert len(ours) == len({h.target for h in hooks.HOOKS if "hip" not in h.groups})
+    assert len(ours) == len({h.target for h in table.HOOKS if "hip" not in h.groups})
     assert all(kind is HookType.AROUND and g is not None and g.target == t for t, kind, g in ours), ours
     assert len(guard.Guard.on_step_aside) == 1
 
@@ -242,15 +242,15 @@ def test_a_failure_in_the_entry_point_leaves_every_hook_registered_so_far_on_sgl
     """`register()` failing half way (after the capture hooks): SGLang's loader would carry on with those hooks;
     they call SGLang's originals only, and the failure is said once, as a failed hook's."""
     import engine_ext.sglang
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
     def broken(settings):
         raise RuntimeError("budget hook registration failed")
 
-    monkeypatch.setattr(hooks, "_registered", set())
+    monkeypatch.setattr(table, "_registered", set())
     monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
-    monkeypatch.setattr(hooks, "install_budget_hooks", broken)
-    monkeypatch.setattr(hooks.PROCESS, "step_aside", lambda report: None)  # no engine file from this test process
+    monkeypatch.setattr(table, "install_budget_hooks", broken)
+    monkeypatch.setattr(table.PROCESS, "step_aside", lambda report: None)  # no engine file from this test process
     engine_ext.sglang.register()
     assert len(guard.Guard.all) > 1 and all(g.degraded for g in guard.Guard.all)
     assert [f["hook"] for f in DEGRADED.snapshot()] == ["register"]
@@ -260,11 +260,11 @@ def test_a_failure_in_the_entry_point_leaves_every_hook_registered_so_far_on_sgl
 
 def test_a_plugin_thread_that_dies_degrades_every_hook_as_a_failed_hook_does(target, monkeypatch, caplog) -> None:
     """The daemon threads (spool writer, telemetry, collect ticker) take the hooks' records: when one dies of our
-    code, SGLang's hooks step aside as `hooks.install` arranges (`guard.thread_failed`)."""
+    code, SGLang's hooks step aside as `hooks.table.install` arranges (`guard.thread_failed`)."""
     import threading
 
     from engine_ext.core import degraded
-    from engine_ext.sglang import hooks
+    from engine_ext.sglang.hooks import table
 
     stepped = []
     guard.Guard.on_step_aside[:] = [lambda: stepped.append(1)]
@@ -276,7 +276,7 @@ def test_a_plugin_thread_that_dies_degrades_every_hook_as_a_failed_hook_does(tar
     m = target.apply()
     assert m.plain(1) == 11
     monkeypatch.setattr(degraded, "ON_THREAD_FAILURE", [])
-    registers = inspect.getsource(hooks._step_aside_on_failure)  # what a real engine process registers
+    registers = inspect.getsource(table._step_aside_on_failure)  # what a real engine process registers
     assert "guard.thread_failed" in registers
     degraded.ON_THREAD_FAILURE[:] = [guard.thread_failed]
 

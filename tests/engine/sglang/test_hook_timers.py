@@ -101,7 +101,7 @@ def test_switched_off_nothing_is_booked_and_install_registers_the_bare_hook(cloc
 def test_no_hook_inside_the_model_forward_is_timed() -> None:
     """The per-layer capture check runs where Dynamo traces (piecewise CUDA graphs, torch.compile): no timer
     slot, and the registered hook is the bare function (`test_capture_compiled.py` compiles it)."""
-    from engine_ext.sglang import capture_hooks
+    from engine_ext.sglang.hooks import capture as capture_hooks
 
     assert "device_capture" not in timers.HOOKS
     assert not hasattr(capture_hooks._checked_device_capture, "__r3_untimed__")

@@ -2,7 +2,7 @@
 
 The step driver in the child plays the scheduler's part in the order `process_batch_result_*` runs it:
 `TopkCaptureOutput.finalize` (hooked), the finish hook for finished requests (hooked), then the delivery
-step (`delivery_hooks.after_batch_result`), exactly what `_around_process_result` calls.
+step (`hooks.delivery.after_batch_result`), exactly what `_around_process_result` calls.
 """
 
 from __future__ import annotations
@@ -116,14 +116,15 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import delivery_hooks, hooks
+from engine_ext.sglang.hooks import delivery as delivery_hooks
+from engine_ext.sglang.hooks import table
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
 
 SPOOL = os.environ["R3_TEST_SPOOL"]
 publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True)
-hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))  # live rows by per-request opt-in only
+table.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))  # live rows by per-request opt-in only
 HookRegistry.apply_hooks()
 
 mc = tiny_model_config()

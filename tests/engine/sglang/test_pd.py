@@ -31,7 +31,8 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.runtime_context import get_disagg
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import delivery_hooks, hooks
+from engine_ext.sglang.hooks import delivery as delivery_hooks
+from engine_ext.sglang.hooks import table
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.core.settings import EngineSettings
 from service.spool import Spool
@@ -39,7 +40,7 @@ from service.spool import Spool
 SPOOL, SIDE = os.environ["R3_TEST_SPOOL"], os.environ["R3_TEST_SIDE"]
 publish_args(chunked_prefill_size=64, max_running_requests=8, enable_return_routed_experts=True,
              disaggregation_mode=SIDE)
-hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))
+table.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))
 HookRegistry.apply_hooks()
 mc = tiny_model_config()
 mc.hf_text_config.num_experts = 8

@@ -110,9 +110,9 @@ def test_an_unproven_build_that_fits_registers_every_hook_and_says_so_once(tmp_p
 @pytest.mark.sglang
 def test_the_hook_table_has_one_row_per_target_each_naming_a_hook_of_this_module() -> None:
     (rows,) = run_sglang(
-        "from engine_ext.sglang import hooks\n"
-        "emit([[h.target, h.function, list(h.groups), callable(hooks.body(h.function))]\n"
-        "      for h in hooks.HOOKS])"
+        "from engine_ext.sglang.hooks import table\n"
+        "emit([[h.target, h.function, list(h.groups), callable(table.body(h.function))]\n"
+        "      for h in table.HOOKS])"
     )
     targets = [target for target, *_ in rows]
     assert len(targets) == len(set(targets))
@@ -146,10 +146,10 @@ def test_sglangs_tokenizer_workers_import_the_app_that_applies_the_inline_hooks(
         import importlib
         from sglang.srt.plugins.hook_registry import HookRegistry
         from engine_ext.core.degraded import DEGRADED
-        from engine_ext.sglang import hooks
+        from engine_ext.sglang.hooks import table
         from engine_ext.sglang.delivery import PROCESS
         if FAIL:  # the plugin's own code fails in the worker: SGLang's app, no hook, loudly
-            hooks.install_worker_hooks = lambda settings: 1 / 0
+            table.install_worker_hooks = lambda settings: 1 / 0
         worker = importlib.import_module("engine_ext.sglang.http_worker")
         from sglang.srt.entrypoints import http_server
         emit({

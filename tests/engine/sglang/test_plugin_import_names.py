@@ -16,7 +16,7 @@ def test_a_shims_imports_count_only_where_the_layout_calls_that_shim():
     shim = ("compat_shims", "sglang.srt.server_args", "get_global_server_args")
     assert shim in plugin_imports.needed_by(compat.LAYOUTS["0.5.12"])
     assert shim not in plugin_imports.needed_by(compat.LAYOUTS[compat.NEWEST])
-    assert ("hooks", "sglang.srt.plugins.hook_registry", "HookRegistry") in plugin_imports.needed_by(
+    assert ("hooks.table", "sglang.srt.plugins.hook_registry", "HookRegistry") in plugin_imports.needed_by(
         compat.LAYOUTS[compat.NEWEST]
     )
 

@@ -36,7 +36,7 @@ import wheel_fit
 from source_names import Missing, Source
 
 from engine_ext.sglang import attributes, compat, fit
-from engine_ext.sglang.hooks import HOOKS
+from engine_ext.sglang.hooks.table import HOOKS
 from engine_ext.sglang.versions import RELEASES
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(120)]
@@ -47,7 +47,7 @@ ROWS = [hook for hook in HOOKS if "hip" not in hook.groups]  # as fit: hip targe
 NONE_ROWS: dict[str, str] = {}
 
 # Imports the plugin makes only once what they serve is there: (module, name) → (class, attribute) that the
-# importing hook reads first with `getattr(…, None)`. `delivery_hooks._weight_versions` imports SGLang's span
+# importing hook reads first with `getattr(…, None)`. `hooks.delivery._weight_versions` imports SGLang's span
 # function only for a Req with `weight_version_events`, which 0.5.12-0.5.18 do not have (nor the function).
 CONDITIONAL: dict[tuple[str, str], tuple[str, str]] = {
     ("sglang.srt.utils.weight_versions", "compute_weight_version_spans"): (

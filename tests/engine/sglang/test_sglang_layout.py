@@ -33,14 +33,15 @@ from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
-from engine_ext.sglang import delivery_hooks, hooks
+from engine_ext.sglang.hooks import delivery as delivery_hooks
+from engine_ext.sglang.hooks import table
 from engine_ext.sglang.delivery import PROCESS
 from engine_ext.core.settings import EngineSettings
 
 SPOOL, OUT = os.environ["R3_TEST_SPOOL"], os.environ["R3_TEST_OUT"]
 CHUNK = 4096
 publish_args(chunked_prefill_size=CHUNK, max_running_requests=8, enable_return_routed_experts=True)
-hooks.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))
+table.install_delivery_hooks(EngineSettings(spool_dir=SPOOL))
 HookRegistry.apply_hooks()
 results = {}
 

@@ -122,7 +122,7 @@ def test_r3_budget_help_works_without_sglang() -> None:
     """Where SGLang is not importable (a trainer's env), `--help` explains what the command needs; a run says so."""
     code = (
         "import sys; sys.modules['sglang'] = None\n"
-        "from engine_ext.sglang.budget_cli import main\n"
+        "from engine_ext.sglang.budget.cli import main\n"
         "sys.exit(main(sys.argv[1:]))"
     )
     shown = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, cwd=REPO)

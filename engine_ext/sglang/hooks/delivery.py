@@ -11,12 +11,12 @@ from __future__ import annotations
 from engine_ext.core.records import ModelShape, moe_layer_ids
 from engine_ext.core.settings import EngineSettings, Mode
 from engine_ext.sglang import capturer, compat, timers
-from engine_ext.sglang.budget_hooks import budget_table
-from engine_ext.sglang.capture_hooks import OCCUPANCY_ATTR, SLICE_ATTR, forward_kind
 from engine_ext.sglang.collect import FinishedReq, Route
 from engine_ext.sglang.delivery import PROCESS, Delivery, HostCache, Placement
-from engine_ext.sglang.frontdoor_hooks import rust_server_note, why_no_pointer
-from engine_ext.sglang.live_hooks import live_step
+from engine_ext.sglang.hooks.budget import budget_table
+from engine_ext.sglang.hooks.capture import OCCUPANCY_ATTR, SLICE_ATTR, forward_kind
+from engine_ext.sglang.hooks.frontdoor import rust_server_note, why_no_pointer
+from engine_ext.sglang.hooks.live import live_step
 from engine_ext.sglang.timers import TIMERS, timed
 
 

@@ -26,7 +26,7 @@ SCATTERED_A2A = frozenset({"deepep", "deepep_v2"})  # routed_experts.py:25-28: t
 
 @dataclass(frozen=True)
 class BudgetInputs:
-    """The plain values the budget depends on; build with `budget_inputs.inputs_from_server_args` or by hand."""
+    """The plain values the budget depends on; build with `budget.inputs.inputs_from_server_args` or by hand."""
 
     tp_size: int = 1
     dp_size: int = 1  # replicas (--dp-size without attention DP); each is its own scheduler
@@ -70,7 +70,7 @@ class BudgetInputs:
     enable_return_indexer_topk: bool = False
     hidden_size: int | None = None
     # FlashInfer's own byte count of its a2a workspace at `flashinfer_a2a_capacity` (None: not computed here,
-    # FlashInfer not importable); `budget_inputs` asks FlashInfer, so this module stays arithmetic.
+    # FlashInfer not importable); `budget.inputs` asks FlashInfer, so this module stays arithmetic.
     flashinfer_a2a_workspace_bytes: int | None = None
 
 

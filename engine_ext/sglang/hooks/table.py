@@ -1,24 +1,24 @@
 """The hook table: which SGLang internals (in 0.5.23's spelling) the plugin hooks, and how it installs them.
 
-The hook bodies live in rooms by concern, the only modules besides this one that name SGLang internals:
-`capture_hooks` (device-cache sizing, DP slicing, checks), `budget_hooks` (the pre-launch check),
-`delivery_hooks` (finished rows to the spool), `live_hooks` (live rows), `frontdoor_hooks` (the pointer and
-inline rows' shape in responses). A row names its function; `body(name)` finds it in its room.
+The hook bodies live in rooms by concern beside this module (`engine_ext/sglang/hooks/`), the only modules besides
+this one that name SGLang internals: `capture` (device-cache sizing, DP slicing, checks), `budget` (the pre-launch
+check), `delivery` (finished rows to the spool), `live` (live rows), `frontdoor` (the pointer and inline rows'
+shape in responses). A row names its function; `body(name)` finds it in its room.
 
 How it works. SGLang's `HookRegistry` (`srt/plugins/hook_registry.py`) patches a dotted target in every
 process that loads plugins: an AROUND hook is called as `hook(original, *args, **kwargs)` and decides when to
 call `original`; a REPLACE hook takes the target's place. `install(settings)` registers the rows of `HOOKS`
 below that the settings ask for, one hook per target; SGLang applies them right after (`register()` in
 `engine_ext/sglang/__init__.py` is the entry point). Hooks read SGLang's objects into plain values; everything they
-compute is plain functions of those (`capturer`, `slicing`, `budget`, `collect`, `live`, `writer`,
-`frontdoors`), testable without SGLang, and the process's delivery state is one object (`delivery.PROCESS`).
+compute is plain functions of those outside this folder (`capturer`, `slicing`, `budget`, `collect`, `live`,
+`writer`, `frontdoors`), testable without SGLang, and the process's delivery state is one object (`delivery.PROCESS`).
 Older SGLangs keep some of these elsewhere: targets, settings and helpers go through `compat` (a `Layout`
 per proven version, as data), so no hook body checks a version.
 
 Usage, e.g. to see what a launch registers:
 
-    from engine_ext.sglang import hooks
-    for hook in hooks.HOOKS: print(hook.groups, hook.type.name, hook.target)
+    from engine_ext.sglang.hooks import table
+    for hook in table.HOOKS: print(hook.groups, hook.type.name, hook.target)
 
 The budget check is not a `HookRegistry` target: it runs at the last ServerArgs resolution step
 (`register_resolution_hook`, see `install_budget_hooks`).
@@ -35,18 +35,13 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from engine_ext.core.degraded import ON_THREAD_FAILURE
 from engine_ext.core.settings import EngineSettings, Mode
-from engine_ext.sglang import (
-    budget_hooks,
-    capture_hooks,
-    compat,
-    delivery_hooks,
-    frontdoor_hooks,
-    guard,
-    live_hooks,
-    timers,
-    worker_app,
-)
+from engine_ext.sglang import compat, guard, timers, worker_app
 from engine_ext.sglang.delivery import PROCESS
+from engine_ext.sglang.hooks import budget as budget_hooks
+from engine_ext.sglang.hooks import capture as capture_hooks
+from engine_ext.sglang.hooks import delivery as delivery_hooks
+from engine_ext.sglang.hooks import frontdoor as frontdoor_hooks
+from engine_ext.sglang.hooks import live as live_hooks
 
 _RE = "sglang.srt.state_capturer.routed_experts.RoutedExpertsCapturer"
 _BRP = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"

@@ -1,6 +1,6 @@
 """SGLang's launch settings as budget inputs: `ServerArgs` fields, `SGLANG_*` caps and FlashInfer's byte count.
 
-Why apart from `budget`: the budget is arithmetic over plain values, testable without SGLang; this module is
+Why apart from `table`: the budget is arithmetic over plain values, testable without SGLang; this module is
 where those values come from in a real launch (field names of 0.5.23's `ServerArgs`, its environment caps,
 the model config, FlashInfer's own workspace formula), so a change in SGLang's names changes this file only.
 """
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from engine_ext.sglang.budget import ENV_CAPS, BudgetInputs, flashinfer_a2a_capacity
+from engine_ext.sglang.budget.table import ENV_CAPS, BudgetInputs, flashinfer_a2a_capacity
 
 
 def flashinfer_workspace_bytes(i: BudgetInputs, max_num_tokens: int) -> int | None:

@@ -5,7 +5,7 @@ tokens one forward can dispatch per rank. Only the selected backend's buffer exi
 
 from __future__ import annotations
 
-from engine_ext.sglang.budget_terms import (
+from engine_ext.sglang.budget.terms import (
     DEEPEP_LL_HARD_CAP,
     ENV_CAPS,
     BudgetInputs,

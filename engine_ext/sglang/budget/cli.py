@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from engine_ext.sglang.budget import BudgetRow, blocking_rows
+from engine_ext.sglang.budget.table import BudgetRow, blocking_rows
 
 NEEDS = (
     "r3-budget runs where the engine runs: it parses the launch with SGLang's own ServerArgs, so it needs SGLang "
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"r3-budget: SGLang rejects these arguments: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
-    from engine_ext.sglang.budget_hooks import budget_table
+    from engine_ext.sglang.hooks.budget import budget_table
 
     rows = budget_table(server_args)
     blocking = blocking_rows(rows)

@@ -1,6 +1,6 @@
 """Budget hooks (main process, at the last `ServerArgs` resolution step): every buffer's budget, logged, and
 refused under `R3_BUDGET=enforce` when one blocks; a process layout where no rows and no pointer reach a
-trainer, refused or warned about. The table itself is `budget.budget_rows` of `budget_inputs`.
+trainer, refused or warned about. The table itself is `budget.budget_rows` of `budget.inputs_from_server_args`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 
 from engine_ext.core.settings import EngineSettings
 from engine_ext.sglang import compat
-from engine_ext.sglang.frontdoor_hooks import why_no_pointer
+from engine_ext.sglang.hooks.frontdoor import why_no_pointer
 
 
 def check_budget_at_resolution(settings: EngineSettings, server_args, previous) -> None:
@@ -50,8 +50,7 @@ def _check_layout(settings: EngineSettings, server_args) -> None:
 
 def budget_table(server_args) -> list:
     """Budget rows of a `ServerArgs` under resolution or resolved (model config read when the path has one)."""
-    from engine_ext.sglang.budget import budget_rows
-    from engine_ext.sglang.budget_inputs import inputs_from_server_args
+    from engine_ext.sglang.budget import budget_rows, inputs_from_server_args
 
     return budget_rows(inputs_from_server_args(server_args, _budget_model_config(server_args)))
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from engine_ext.sglang.budget_moe import flashinfer_a2a_capacity, moe_rows
-from engine_ext.sglang.budget_terms import (
+from engine_ext.sglang.budget.moe import flashinfer_a2a_capacity, moe_rows
+from engine_ext.sglang.budget.terms import (
     EAGLE_FAMILY,
     ENV_CAPS,
     INT32_LIMIT,
