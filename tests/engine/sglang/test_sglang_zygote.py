@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
+import sglang_zygote
 from sglang_env import fork_refusal, run_sglang
-from sglang_zygote import serves
+from sglang_zygote import Zygote, serves
 
 WHO = """
 import os, sglang.srt.server_args as server_args
@@ -63,3 +65,25 @@ def test_a_child_past_its_time_is_killed_and_the_next_one_runs() -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         run_sglang("import time\ntime.sleep(120)", timeout=2)  # not a wait: the child must outlive its limit
     assert run_sglang("emit('next')") == ["next"]
+
+
+def test_a_run_cut_short_retires_its_zygote(tmp_path, monkeypatch) -> None:
+    """A run interrupted between its request and its answers (pytest-timeout raises in the test's thread) leaves
+    answers that the next run would read as its own: the zygote is closed, so later children start fresh."""
+    here = str(Path(sglang_zygote.__file__).parent)
+    zygote = Zygote("", {**os.environ, "PYTHONPATH": here}, tmp_path)  # no prelude: the protocol alone
+    assert zygote.serves({**os.environ, "PYTHONPATH": here})
+    out, err = tmp_path / "out", tmp_path / "err"
+    assert zygote.run("print('ok')", {}, out, err, 60) == 0 and out.read_text() == "ok\n"
+    answers = iter([sglang_zygote._read_line])
+
+    def cut_short(stream, timeout):
+        reader = next(answers, None)
+        if reader is None:
+            raise KeyboardInterrupt  # where pytest-timeout's exception lands: waiting for the exit status
+        return reader(stream, timeout)
+
+    monkeypatch.setattr(sglang_zygote, "_read_line", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        zygote.run("import time\ntime.sleep(30)", {}, out, err, 60)  # not a wait: a child still running
+    assert not zygote.alive()
