@@ -36,6 +36,12 @@ CONTRACT3 = [
 ]
 
 
+# Seconds long enough that a loaded machine (load 17 here, 2026-11-29) answers a request inside them: at 0.4-0.6 s
+# a record went stale or expired before the test's first look, which found it aborted or gone.
+STALE_S = 2.0
+TTL_S = 4.0
+
+
 def scrape(base: str) -> dict[tuple[str, tuple], float]:
     """Every sample as `{(name, sorted labels): value}`."""
     samples = {}
@@ -46,12 +52,12 @@ def scrape(base: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_final_record_expires_after_ttl(serve, spool: Spool) -> None:
-    base = serve(ttl_s=0.6, rescan_s=60)
+    base = serve(ttl_s=TTL_S, rescan_s=60)
     write_record(spool, "short-lived", random_rows(10))
     assert httpx.get(f"{base}/routed_experts/short-lived").status_code == 200
     wait_until(
         lambda: not spool.meta_path("short-lived").exists() and not spool.bin_path("short-lived").exists(),
-        5,
+        30,
         "housekeeping deletes both files",
         interval=0.02,
     )
@@ -61,29 +67,29 @@ def test_final_record_expires_after_ttl(serve, spool: Spool) -> None:
 
 
 def test_stale_record_is_aborted_then_expires(serve, spool: Spool) -> None:
-    base = serve(stale_s=0.4, ttl_s=1.5, rescan_s=60)
+    base = serve(stale_s=STALE_S, ttl_s=TTL_S, rescan_s=60)
     write_record(spool, "stalled", random_rows(5), final=False)
     assert httpx.get(f"{base}/routed_experts/stalled").status_code == 202
-    wait_until(lambda: spool.read_meta("stalled").final, 5, "the stale record turns final", interval=0.02)
+    wait_until(lambda: spool.read_meta("stalled").final, 30, "the stale record turns final", interval=0.02)
     meta = spool.read_meta("stalled")
     assert meta.status == "aborted" and meta.rows == 5
     assert spool.read_array(meta).shape == (5, 4, 8), "rows so far are kept"
     r = httpx.get(f"{base}/routed_experts/stalled", params={"format": "raw"})
     assert r.status_code == 200 and r.headers["x-r3-status"] == "aborted" and len(r.content) == 5 * 4 * 8
     wait_until(
-        lambda: not spool.meta_path("stalled").exists(), 5, "an aborted record is kept only for the TTL", interval=0.02
+        lambda: not spool.meta_path("stalled").exists(), 30, "an aborted record is kept only for the TTL", interval=0.02
     )
 
 
 def test_updated_record_is_not_stale(serve, spool: Spool) -> None:
-    base = serve(stale_s=0.6, rescan_s=60)
+    base = serve(stale_s=STALE_S, rescan_s=60)
     writer = spool.writer("busy", num_experts=8, topk=1, layers=[0])
-    for _ in range(8):
+    for _ in range(17):
         writer.append(np.zeros((1, 1, 1)))
-        time.sleep(0.15)  # not a wait: the producer's pace, 1.2 s in all, twice stale_s, one append per 0.15 s
+        time.sleep(0.25)  # not a wait: the producer's pace, 4.25 s in all, twice stale_s, one append per 0.25 s
         assert httpx.get(f"{base}/routed_experts/busy").status_code == 202
     writer.finalize()
-    assert httpx.get(f"{base}/routed_experts/busy", params={"format": "raw"}).content == b"\0" * 8
+    assert httpx.get(f"{base}/routed_experts/busy", params={"format": "raw"}).content == b"\0" * 17
 
 
 def test_metrics_expose_every_contract3_name(serve, spool: Spool) -> None:
