@@ -33,7 +33,7 @@ from engine_ext.core.writer.counts import (
 )
 from engine_ext.core.writer.op import Op
 from service.spool import Spool
-from service.spool.record_writer import RecordWriter
+from service.spool.record.writer import RecordWriter
 
 logger = logging.getLogger("r3_sidecar.writer")
 
