@@ -240,7 +240,7 @@ async def node(request: Request) -> Response:
 
 
 class LocalReads(BaseModel):
-    """What a client read straight from the spool since its last report (`service.client.local_reads`)."""
+    """What a client read straight from the spool since its last report (`service.client.local.reads`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     records: NonNegativeInt
