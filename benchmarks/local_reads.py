@@ -36,7 +36,7 @@ from benchmarks.servers import serve
 from benchmarks.shapes import SHAPES
 from benchmarks.stats import summary
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, RoutedExpertsRef, fetch_many
-from service.client.local_spool import LocalSpool, Selection
+from service.client.local.spool import LocalSpool, Selection
 from service.client.refs import SidecarPool
 from service.spool import Spool
 from service.wire.buffers import uninitialized

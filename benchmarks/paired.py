@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.paired --rounds 4 --no-pin   # a harness check
 
 Why paired: on a machine shared with other jobs the load drifts by more than the 1% to be judged, so one
-number per mode says nothing. Two servers of the real-server benchmark (`benchmarks/real_server.py`'s
+number per mode says nothing. Two servers of the real-server benchmark (`benchmarks/real_server/runner.py`'s
 `upstream` and `sidecar`, same model, same launch) run side by side, idle ones asleep (`--sleep-on-idle`);
 each round runs the same batch (8 concurrent requests, 64 prompt + 128 output tokens, greedy) on both,
 back to back, in the order AB, BA, AB, … (a linear drift cancels within two rounds), and its figure is
@@ -31,8 +31,8 @@ import httpx
 import numpy as np
 import orjson
 
-from benchmarks.real_server import Stack, _log, _warm
-from benchmarks.real_server_workloads import Bench, throughput
+from benchmarks.real_server.runner import Stack, _log, _warm
+from benchmarks.real_server.workloads import Bench, throughput
 from benchmarks.run import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def run(
     bench: Bench, workdir: Path, *, rounds: int, minutes: float, pin: bool, modes: tuple[str, ...] = MODES
 ) -> dict[str, Any]:
     """Start the servers of `modes` one after the other, measure them (`measure`), stop them."""
-    from benchmarks.real_server import start
+    from benchmarks.real_server.runner import start
 
     t0 = time.perf_counter()
     stacks = {mode: start(bench.server_config(mode), workdir / mode) for mode in modes}

@@ -23,7 +23,7 @@ os.environ.setdefault("R3_TEST_SGLANG_CPU", "1")
 
 from sglang_server import running
 
-from benchmarks.real_server_workloads import Bench, throughput
+from benchmarks.real_server.workloads import Bench, throughput
 from benchmarks.stats import proc_stat
 
 

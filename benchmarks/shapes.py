@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from service.spool.record_meta import default_dtype
+from service.spool.record.meta import default_dtype
 
 ROUTER_DIM = 32  # small hidden size: the top-k statistics are those of a router, the cost is not a model's
 

@@ -9,7 +9,7 @@ Inline: the response carries SGLang's payload (built by SGLang 0.5.23's own enco
 - slime / miles: base64 → int32 `(rows, num_layers, topk)` (`decode_int32_meta_array` + reshape).
 Ours: the response carries a pointer; `RoutedExpertsRef.from_response(resp)[0].fetch()` (blocking) or
 `await ....afetch()` (asyncio, one event loop) reads the rows (uint8; uint16 for Kimi-K2) straight from the
-spool, since the sidecar (its own process) is on this node (service.client.local_reads, the default), and
+spool, since the sidecar (its own process) is on this node (service.client.local.reads, the default), and
 `ours HTTP` fetches them from the sidecar on loopback (`R3_LOCAL_READS=0`, what a trainer on another node
 gets); `service.client.trainers` builds the same tensor (AReaL's `parse_generation_response`
 still runs, on a response without the payload). Both paths start from the response as a dict in hand; the

@@ -30,7 +30,7 @@ from waiting import wait_until
 from service.server.api import create_app
 from service.server.settings import Settings
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta
+from service.spool.record.meta import RecordMeta
 
 REPO = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from service.spool.record_meta import default_dtype, dtype_holds
+from service.spool.record.meta import default_dtype, dtype_holds
 
 
 def moe_layer_ids(

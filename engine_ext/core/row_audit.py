@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from service.spool.record_meta import Suspect
-from service.spool.record_writer import RecordWriter
+from service.spool.record.meta import Suspect
+from service.spool.record.writer import RecordWriter
 from service.spool.row_check import first_bad_row
 
 logger = logging.getLogger("r3_sidecar.writer")

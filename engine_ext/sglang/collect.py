@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_ext.core.records import Finished, ModelShape
+from engine_ext.core.records import Finished, ModelShape, RecordSpec
 from engine_ext.core.settings import Mode
-from engine_ext.core.writer import Op, RecordSpec, SpoolWriter
+from engine_ext.core.writer import Op, SpoolWriter
 from engine_ext.sglang.build_check import PENDING, BuildCheck
 from engine_ext.sglang.gather import StepGather, Ticket, WholeRecord, to_spool_rows
 from engine_ext.sglang.weight_versions import Span, record_weights
-from service.spool.record_meta import Weights
+from service.spool.record.meta import Weights
 
 
 def row_range(start_len: int, seqlen: int) -> tuple[int, int]:

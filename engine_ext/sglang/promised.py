@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine_ext.core.bounded_rids import BoundedRids
 from service.spool import Spool
-from service.spool.record_meta import SpoolFormatError
+from service.spool.record.meta import SpoolFormatError
 
 logger = logging.getLogger("r3_sidecar.promised")
 

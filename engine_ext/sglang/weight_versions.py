@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from service.spool.record_meta import Weights
+from service.spool.record.meta import Weights
 
 Span = tuple[str, int, int]
 """One SGLang `WeightVersionSpan` as plain values: (version, first output token, one past the last)."""

@@ -19,8 +19,8 @@ from service.client.coalesce import Coalescer
 from service.client.decoding import FrameDecoder, RoutedExperts, record_of
 from service.client.engine_responses import sidecar_base
 from service.client.errors import R3Error, RecordNotFound
-from service.client.local_reads import LocalReads, as_items, layers_text, merged
-from service.client.local_spool import Allocator
+from service.client.local.reads import LocalReads, as_items, layers_text, merged
+from service.client.local.spool import Allocator
 from service.client.transport import AsyncTransport, SyncTransport
 
 __all__ = ["AsyncRoutedExpertsClient", "RoutedExpertsClient"]

@@ -3,14 +3,14 @@
 Why: a trainer that moves the rows to a GPU copies them host → device; from pageable memory CUDA first copies
 them again into a pinned staging buffer, and the copy cannot overlap compute. Rows read straight into pinned
 memory (`RoutedExpertsClient(url, local_buffers=pinned_buffers())`) go to the device with one DMA,
-`r.to_torch().to(device, non_blocking=True)`. Applies to same-node reads (service.client.local_reads); rows that
+`r.to_torch().to(device, non_blocking=True)`. Applies to same-node reads (service.client.local.reads); rows that
 come over HTTP land in the client's own body buffers.
 """
 
 from __future__ import annotations
 
 from service.client.errors import R3Error
-from service.client.local_spool import Allocator
+from service.client.local.spool import Allocator
 
 __all__ = ["pinned_buffers", "torch_buffers"]
 

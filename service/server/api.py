@@ -37,7 +37,7 @@ from service.server.spool_advert import SpoolAdvert
 from service.server.store import Store
 from service.server.stream import stream_record
 from service.spool import Spool
-from service.spool.record_meta import SpoolFormatError
+from service.spool.record.meta import SpoolFormatError
 from service.wire import formats
 from service.wire.frames import FRAMES_MEDIA_TYPE
 
@@ -240,7 +240,7 @@ async def node(request: Request) -> Response:
 
 
 class LocalReads(BaseModel):
-    """What a client read straight from the spool since its last report (`service.client.local_reads`)."""
+    """What a client read straight from the spool since its last report (`service.client.local.reads`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     records: NonNegativeInt

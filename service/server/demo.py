@@ -25,8 +25,8 @@ import numpy as np
 
 from service.spool import Spool
 from service.spool.engine_report import BudgetEntry, EngineReport, OccupancyEntry, WriterCounters
-from service.spool.record_meta import safe_name
-from service.spool.record_writer import RecordWriter
+from service.spool.record.meta import safe_name
+from service.spool.record.writer import RecordWriter
 
 logger = logging.getLogger("r3_sidecar.demo")
 

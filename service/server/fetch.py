@@ -27,7 +27,7 @@ from service.server.record_answer import (
     token_range,
 )
 from service.server.store import Store
-from service.spool.record_meta import RecordMeta
+from service.spool.record.meta import RecordMeta
 from service.wire import formats
 
 

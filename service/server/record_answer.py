@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from service.server.errors import ApiError
 from service.server.metrics import CODE_ABORT, CODE_CLIENT_GONE, Fetch
 from service.server.store import Store
-from service.spool.record_meta import RecordMeta, SpoolFormatError
+from service.spool.record.meta import RecordMeta, SpoolFormatError
 from service.wire import formats
 from service.wire.frames import frame_header
 

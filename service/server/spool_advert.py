@@ -17,7 +17,7 @@ from typing import Any
 
 from service.spool import Spool
 from service.spool.files import atomic_write
-from service.spool.record_meta import VERSION
+from service.spool.record.meta import VERSION
 from service.wire.node_identity import this_node
 
 __all__ = ["ADVERT_VERSION", "SpoolAdvert"]

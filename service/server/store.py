@@ -27,7 +27,7 @@ import watchfiles
 
 from service.server.settings import Settings
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta, SpoolFormatError, safe_name
+from service.spool.record.meta import RecordMeta, SpoolFormatError, safe_name
 
 log = logging.getLogger("r3.store")
 

@@ -28,7 +28,7 @@ from service.server.record_answer import (
     version_fields,
 )
 from service.server.store import Store
-from service.spool.record_meta import RecordMeta
+from service.spool.record.meta import RecordMeta
 from service.wire import formats
 from service.wire.frames import FRAMES_MEDIA_TYPE, frame_header
 

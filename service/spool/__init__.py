@@ -4,8 +4,8 @@ Both sides import this package and it imports neither: no server, no client, no 
 pydantic-settings, so an engine process that loads the plugin loads nothing of the sidecar.
 
 - `directory`: `Spool`, a spool directory: its names, its records' reads, its engine files, its usage;
-- `record_meta`: a record's `.json` (`RecordMeta`), safe file names, dtypes, `SpoolFormatError`;
-- `record_writer`: `RecordWriter`, the writing side of one record (append rows, publish, finalize);
+- `record`: one record: `record.meta`, its `.json` (`RecordMeta`), safe file names, dtypes, `SpoolFormatError`;
+  `record.writer`, `RecordWriter`, its writing side (append rows, publish, finalize);
 - `engine_report`: the engine file (`EngineReport`) one engine process replaces every second;
 - `files`: atomic replacement and full writes, how every spool file is written;
 - `sidecar_clients`: the engine processes that keep a spool's sidecar;
@@ -20,15 +20,15 @@ from typing import Any
 
 from service.spool.directory import DEFAULT_SPOOL_DIR, Spool
 from service.spool.engine_report import EngineReport
-from service.spool.record_meta import VERSION, RecordMeta, SpoolFormatError
-from service.spool.record_writer import RecordWriter
+from service.spool.record.meta import VERSION, RecordMeta, SpoolFormatError
+from service.spool.record.writer import RecordWriter
 
 __all__ = ["DEFAULT_SPOOL_DIR", "VERSION", "EngineReport", "RecordMeta", "RecordWriter", "Spool", "SpoolFormatError"]
 
 _MOVED = {
-    "MAX_META_BYTES": "service.spool.record_meta",
-    "default_dtype": "service.spool.record_meta",
-    "safe_name": "service.spool.record_meta",
+    "MAX_META_BYTES": "service.spool.record.meta",
+    "default_dtype": "service.spool.record.meta",
+    "safe_name": "service.spool.record.meta",
     "atomic_write": "service.spool.files",
 }
 """Names the former `service/spool.py` module held only as imports: still there, for one release."""

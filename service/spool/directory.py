@@ -26,8 +26,8 @@ import orjson
 from service.spool.bin_unlink import holding, unlink_if_held
 from service.spool.engine_report import EngineReport
 from service.spool.files import atomic_write
-from service.spool.record_meta import MAX_META_BYTES, VERSION, RecordMeta, SpoolFormatError, default_dtype, safe_name
-from service.spool.record_writer import RecordWriter
+from service.spool.record.meta import MAX_META_BYTES, VERSION, RecordMeta, SpoolFormatError, default_dtype, safe_name
+from service.spool.record.writer import RecordWriter
 
 DEFAULT_SPOOL_DIR = Path("/dev/shm/r3-spool")
 """Where engines and the sidecar meet when neither is told otherwise (`R3_SPOOL_DIR`): a tmpfs directory."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.spool.record_meta import VERSION
+from service.spool.record.meta import VERSION
 
 # ---- the engine file (Contract 1) ------------------------------------------------------------------
 UNDELIVERED_REASONS = ("spool_full", "queue_full", "spool_not_writable", "mirror_mismatch", "write_error")

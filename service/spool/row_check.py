@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from service.spool.record_meta import Suspect
+from service.spool.record.meta import Suspect
 
 SGLANG_SENTINELS = (-1,)
 """SGLang fills the top-k ids of padded tokens (and of shared-expert columns) with -1 (`topk.py`'s

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import real_server, real_server_section, real_server_workloads, report
+from benchmarks.real_server import runner, section, workloads
+from benchmarks.report import document as report  # the module that writes BENCHMARKS.md
 
 BEGIN, END = report.REAL_SERVER_BEGIN, report.REAL_SERVER_END
 
@@ -24,22 +25,22 @@ BEGIN, END = report.REAL_SERVER_BEGIN, report.REAL_SERVER_END
     ],
 )
 def test_splice_puts_one_section_between_the_markers(document: str) -> None:
-    out = real_server_section.splice(document, "## Real SGLang server\nnew")
+    out = section.splice(document, "## Real SGLang server\nnew")
     assert out.count(BEGIN) == out.count(END) == 1
     assert f"{BEGIN}\n## Real SGLang server\nnew\n{END}" in out
     assert "old section" not in out
     assert out.startswith("# Benchmarks")
     if "## Findings" in document:
         assert out.index(END) < out.index("## Findings")
-    assert real_server_section.splice(out, "## Real SGLang server\nnew") == out  # idempotent
+    assert section.splice(out, "## Real SGLang server\nnew") == out  # idempotent
 
 
 def _synthetic_results() -> dict:
     env = {"date_utc": "2026-01-01 00:00:00", "commit": "abc1234", "cpus": 2, "loadavg": [1.0, 1.0, 1.0]}
     reps = []
     for rep in range(3):
-        row: dict = {"order": real_server_workloads.MODES, "throughput": {}, "itl": {}, "lags": {}}
-        for k, mode in enumerate(real_server_workloads.MODES):
+        row: dict = {"order": workloads.MODES, "throughput": {}, "itl": {}, "lags": {}}
+        for k, mode in enumerate(workloads.MODES):
             row["throughput"][mode] = {
                 "tok_s": 100.0 + rep + k,
                 "tok_per_cpu_s": 50.0 + k,
@@ -52,23 +53,23 @@ def _synthetic_results() -> dict:
         row["lags"] = {"sidecar": [-0.01, 0.002], "live": [0.001, 0.003]}
         reps.append(row)
     results = {
-        "bench": real_server_workloads.Bench().__dict__,
+        "bench": workloads.Bench().__dict__,
         "environment": env,
         "environment_after": {"loadavg": [2.0, 1.5, 1.0]},
         "reps": reps,
         "start_s": 60.0,
         "wall_s": 500.0,
     }
-    results["summary"] = real_server.summarize(results)
+    results["summary"] = runner.summarize(results)
     return results
 
 
 def test_section_renders_targets_and_every_mode() -> None:
-    text = real_server_section.render_section(_synthetic_results())
+    text = section.render_section(_synthetic_results())
     assert text.startswith("## Real SGLang server")
     assert "make bench-sglang" in text and "abc1234" in text
     assert text.count("≥ 0.99") == 4 and "≤ 1.2" in text
-    for mode in real_server_workloads.MODES:
+    for mode in workloads.MODES:
         assert f"| {mode} |" in text
 
 

@@ -38,7 +38,7 @@ from child_process import Process, free_port, spawn
 from tiny_model import load_format, write_model, write_tokenizer
 
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta
+from service.spool.record.meta import RecordMeta
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also for callers outside pytest (benchmarks)

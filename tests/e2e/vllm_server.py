@@ -34,7 +34,7 @@ from waiting import wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta
+from service.spool.record.meta import RecordMeta
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -129,7 +129,7 @@ def train(refs: list, lengths: list[int], workdir: str) -> dict:
 
 
 def resolve_on_engine_node(refs: list) -> dict:
-    """On the engine's node: the refs resolve straight from the node's spool (service.client.local_reads)."""
+    """On the engine's node: the refs resolve straight from the node's spool (service.client.local.reads)."""
     import ray as ray_
 
     from service.client.refs import fetch_many

@@ -18,7 +18,7 @@ with atheris.instrument_imports():
     from service.spool import Spool
 from spool_cases import check_read, seed_corpus
 
-from service.spool.record_meta import SpoolFormatError, safe_name
+from service.spool.record.meta import SpoolFormatError, safe_name
 
 SPOOL = Spool(tempfile.mkdtemp(prefix="r3-atheris-"))
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from r3_shape import LAYERS, NUM_EXPERTS, NUM_HIDDEN_LAYERS, TOPK
 from spool_model_records import MAX_ROWS, rows_for
 
-import engine_ext.core.writer as engine_writer_module
+import engine_ext.core.writer.spool_writer as engine_writer_module
 from service.spool import Spool
 
 engine_writer_module.USAGE_REFRESH_S = 1e9  # probes only on command: the model predicts every reservation

@@ -14,7 +14,7 @@ import orjson
 from hypothesis import strategies as st
 
 from service.spool import Spool
-from service.spool.record_meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
+from service.spool.record.meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
 
 RIDS = st.one_of(
     st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,30}", fullmatch=True),

@@ -30,7 +30,7 @@ from spool_model_trainers import StreamWatch, answer_of, item_answer
 from waiting import WaitTimeout, wait_until
 
 from service.client import RoutedExpertsClient
-from service.spool.record_meta import safe_name
+from service.spool.record.meta import safe_name
 
 SWEEP_EVERY = 25
 KILL_EVERY = 60  # steps between writer kills (a respawn costs a process start)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from r3_harness import Sidecar
 from spool_cases import damaged_record
 
-from service.spool.record_meta import RecordMeta, SpoolFormatError, safe_name
+from service.spool.record.meta import RecordMeta, SpoolFormatError, safe_name
 
 EXAMPLES = 100
 

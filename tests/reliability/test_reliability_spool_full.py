@@ -22,8 +22,7 @@ from r3_harness import LAYERS, NUM_EXPERTS, TOPK, expected_rows
 from waiting import WaitTimeout, wait_until
 
 from engine_ext.core.records import RecordSpec
-from engine_ext.core.writer import Op, SpoolWriter
-from engine_ext.core.writer_counts import undelivered_reason
+from engine_ext.core.writer import Op, SpoolWriter, undelivered_reason
 from service.spool import Spool
 
 ROWS = 64

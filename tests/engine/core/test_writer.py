@@ -12,8 +12,7 @@ from helpers import random_rows
 from waiting import wait_until
 
 from engine_ext.core.records import RecordSpec, compact, spool_dtype
-from engine_ext.core.writer import Op, SpoolWriter
-from engine_ext.core.writer_counts import NOT_WRITABLE, QUEUE_FULL, SPOOL_FULL
+from engine_ext.core.writer import NOT_WRITABLE, QUEUE_FULL, SPOOL_FULL, Op, SpoolWriter
 from service.spool import Spool
 from service.spool.engine_report import UNDELIVERED_REASONS
 
@@ -332,7 +331,7 @@ def test_a_written_op_is_counted_once_while_the_rest_of_its_batch_is_written(tmp
     """Room for three records, two submitted: while the writer thread is between the two (the first written, the
     second not yet), a third still fits. The first op's bytes were once counted as written and still reserved
     until the whole batch was done, and a spool with room refused requests (CI's spool-full test, two of nine)."""
-    from engine_ext.core.writer import META_ESTIMATE_BYTES
+    from engine_ext.core.writer.spool_writer import META_ESTIMATE_BYTES
 
     spec = _spec("a")
     data = compact(_rows(100), spec.dtype)
@@ -366,9 +365,9 @@ def test_a_written_op_is_counted_once_while_the_rest_of_its_batch_is_written(tmp
 def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypatch):
     import shutil
 
-    import engine_ext.core.writer
+    from engine_ext.core.writer import spool_writer
 
-    monkeypatch.setattr(engine_ext.core.writer, "USAGE_REFRESH_S", 3600.0)  # probes only when this test says so
+    monkeypatch.setattr(spool_writer, "USAGE_REFRESH_S", 3600.0)  # probes only when this test says so
     writer = SpoolWriter(tmp_path / "spool").start()
     spec = _spec("x")
     shutil.rmtree(tmp_path / "spool")  # the spool vanished under the engine
@@ -385,7 +384,7 @@ def test_write_error_refuses_until_the_spool_is_usable_again(tmp_path, monkeypat
 
 
 def test_metadata_and_pages_count_toward_the_reservation(tmp_path):
-    from engine_ext.core.writer import META_ESTIMATE_BYTES
+    from engine_ext.core.writer.spool_writer import META_ESTIMATE_BYTES
 
     writer = SpoolWriter(tmp_path, max_bytes=2 * (1000 + META_ESTIMATE_BYTES) - 1)
     assert writer.reserve(1000) is None  # the rows and the new record's metadata file
@@ -397,7 +396,7 @@ def test_metadata_and_pages_count_toward_the_reservation(tmp_path):
 
 
 def test_the_records_are_scanned_only_under_a_cap_and_no_more_often_than_their_cost_allows(tmp_path, monkeypatch):
-    from engine_ext.core.writer import USAGE_SCAN_CPU_SHARE
+    from engine_ext.core.writer.spool_writer import USAGE_SCAN_CPU_SHARE
 
     scans: list[float] = []
 

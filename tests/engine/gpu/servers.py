@@ -56,7 +56,7 @@ from server_report import environment, fragment  # noqa: E402
 from sglang_server import Config, Stack, sglang_version_string, start  # noqa: E402
 
 from benchmarks import paired  # noqa: E402
-from benchmarks.real_server_workloads import ROUTED_FLAG, Bench  # noqa: E402
+from benchmarks.real_server.workloads import ROUTED_FLAG, Bench  # noqa: E402
 
 # The tiny model on the GPU: head_dim 64 (16 takes SGLang's fallback rope, which refuses bfloat16's fused KV write)
 TINY = {"head_dim": 64, "max_position_embeddings": 4096}

@@ -1,4 +1,4 @@
-"""Same-node reads (service.client.local_reads): a real sidecar, its spool on this machine, and clients that read final
+"""Same-node reads (service.client.local.reads): a real sidecar, its spool on this machine, and clients that read final
 records straight from the spool, falling back to HTTP for everything else with the same answers.
 
 "Another node" and "another mount namespace" are real kernel facts here: a client process runs under
@@ -32,9 +32,9 @@ from service.client import (
     RoutedExpertsRef,
     afetch_many,
     fetch_many,
-    local_spool,
 )
 from service.client.errors import NotReady, RecordGone, RecordNotFound, RecordRestarted
+from service.client.local import spool as local_spool
 from service.client.refs import AsyncSidecarPool, SidecarPool
 from service.spool import Spool
 

@@ -22,7 +22,7 @@ from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient, Routed
 from service.client.errors import R3Error, SuspectRows
 from service.server.settings import Settings
 from service.spool import Spool
-from service.spool.record_meta import Suspect
+from service.spool.record.meta import Suspect
 
 LAYERS = (1, 2, 4)  # MoE layers of a 6-layer model
 FINDING = Suspect(row=3, layer=2, reason="repeated", detail="ids [0, 0, 0, 0] repeat an expert")

@@ -16,7 +16,7 @@ from helpers import random_rows
 
 from service.client import AsyncRoutedExpertsClient, RoutedExpertsClient
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta
+from service.spool.record.meta import RecordMeta
 
 
 def put(spool: Spool, rid: str, version: str | int | None, *, final: bool = True, spans=()) -> RecordMeta:

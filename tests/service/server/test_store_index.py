@@ -14,7 +14,7 @@ from waiting import await_until
 from service.server.settings import Settings
 from service.server.store import Store
 from service.spool import Spool
-from service.spool.record_meta import RecordMeta, Suspect
+from service.spool.record.meta import RecordMeta, Suspect
 
 
 def make_store(spool: Spool, **overrides: object) -> Store:

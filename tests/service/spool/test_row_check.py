@@ -6,7 +6,7 @@ import numpy as np
 import orjson
 import pytest
 
-from service.spool.record_meta import RecordMeta, SpoolFormatError, Suspect
+from service.spool.record.meta import RecordMeta, SpoolFormatError, Suspect
 from service.spool.row_check import SGLANG_SENTINELS, allowed_sentinels, first_bad_row
 
 

@@ -13,7 +13,13 @@ import sys
 import pytest
 from helpers import REPO
 
-MOVED = ["record_meta", "record_writer", "engine_report", "files"]
+MOVED = {
+    "record_meta": "record.meta",
+    "record_writer": "record.writer",
+    "engine_report": "engine_report",
+    "files": "files",
+}
+"""Former module (under `service.`) → where it lives now (under `service.spool.`)."""
 
 
 def _run(code: str) -> dict:
@@ -26,16 +32,17 @@ def _run(code: str) -> dict:
 
 @pytest.mark.parametrize("name", MOVED)
 def test_a_former_module_path_is_the_moved_module_and_warns(name: str) -> None:
+    new_name = MOVED[name]
     seen = _run(
         "with warnings.catch_warnings(record=True) as caught:\n"
         f"    import service.{name} as old\n"
-        f"import service.spool.{name} as new\n"
+        f"import service.spool.{new_name} as new\n"
         "print(json.dumps({'same': old is new, 'warnings': [(w.category.__name__, str(w.message), w.filename)"
         " for w in caught]}))"
     )
     assert seen["same"]
     ((category, message, where),) = seen["warnings"]
-    assert category == "DeprecationWarning" and f"service.spool.{name}" in message
+    assert category == "DeprecationWarning" and f"service.spool.{new_name}" in message
     assert where == "<string>"  # the warning names the importer, not the alias
 
 
@@ -45,9 +52,9 @@ def test_names_the_former_spool_module_only_imported_still_resolve_with_a_warnin
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    from service.spool import atomic_write, safe_name\n"
         "from service.spool.files import atomic_write as new_write\n"
-        "from service.spool.record_meta import safe_name as new_name\n"
+        "from service.spool.record.meta import safe_name as new_name\n"
         "print(json.dumps({'same': atomic_write is new_write and safe_name is new_name,"
         " 'warnings': [str(w.message) for w in caught if w.category is DeprecationWarning]}))"
     )
     assert seen["same"] and len(seen["warnings"]) == 2
-    assert "service.spool.files" in seen["warnings"][0] and "service.spool.record_meta" in seen["warnings"][1]
+    assert "service.spool.files" in seen["warnings"][0] and "service.spool.record.meta" in seen["warnings"][1]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.spool import Spool
-from service.spool.record_meta import DTYPES, RecordMeta, SpoolFormatError, safe_name
+from service.spool.record.meta import DTYPES, RecordMeta, SpoolFormatError, safe_name
 
 ODD_RIDS = ["../x", "../../etc/passwd", "a/b/c", "..", ".", "~abc", "ünïcødé-rid", "sp ace", "%2F", "a" * 300, "x\ny"]
 rids = st.one_of(

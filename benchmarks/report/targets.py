@@ -1,10 +1,10 @@
 """The targets table and the measured decompositions at the top of BENCHMARKS.md, computed from one run's
-results (`benchmarks/report.py` writes them): each target with its measured value, the gap to it, met or missed.
+results (`document.py` writes them): each target with its measured value, the gap to it, met or missed.
 """
 
 from __future__ import annotations
 
-from benchmarks.report_tables import ms, status
+from benchmarks.report.tables import ms, status
 
 
 def targets(results: dict) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """Same-node reads for one client: whether they apply, the reads, and the counts reported to the sidecar.
 
 A client asks its sidecar `GET /v1/node` once (service.server.spool_advert) and checks the answer itself
-(service.client.local_spool): same boot id, the probe file readable at the path named and holding the token. From
+(service.client.local.spool): same boot id, the probe file readable at the path named and holding the token. From
 then on every `.npy` read of a final record (`get`, `get_many`, refs' `fetch`/`afetch`/`fetch_many`) is read
 from the spool's file, and anything else goes over HTTP as before. The sidecar learns of the reads it did not
 serve from a small `POST /v1/local_reads` at most once per `report_s` (`r3_local_reads_total`); acks and
@@ -27,7 +27,7 @@ from service.client.calls import BatchItem, BatchRid, Call, Layers, layers_param
 from service.client.connections import Connections
 from service.client.decoding import RoutedExperts
 from service.client.errors import R3Error
-from service.client.local_spool import Allocator, LocalSpool, Selection
+from service.client.local.spool import Allocator, LocalSpool, Selection
 from service.wire.node_identity import this_node
 
 __all__ = ["ENV", "LocalReads", "as_items", "enabled_by_env", "layers_text", "merged"]

@@ -8,7 +8,7 @@ else: a record missing, not final, ended in `error`, past its TTL, malformed, sh
 a range or layer selection the sidecar would refuse (its errors then come from the sidecar itself).
 
 Replaced records (a rid reused): a writer replaces `.json` before it unlinks and recreates `.bin`
-(service.spool.record_writer). The reader holds the `.json` it parsed open, opens `.bin`, and checks that the path
+(service.spool.record.writer). The reader holds the `.json` it parsed open, opens `.bin`, and checks that the path
 still names the very `.json` it holds (same device and inode; an inode held open cannot be reused). Then the
 `.bin` it opened is that record's: its replacement had not begun. A final record's `.bin` is never written
 again, and an unlinked one keeps its bytes while open, so the rows read match the metadata read.
@@ -28,7 +28,7 @@ import numpy as np
 
 from service.client.decoding import RoutedExperts
 from service.spool.files import same_file
-from service.spool.record_meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
+from service.spool.record.meta import MAX_META_BYTES, RecordMeta, SpoolFormatError, safe_name
 from service.wire.buffers import uninitialized
 from service.wire.formats import layer_slots, parse_layers, resolve_layers
 from service.wire.node_identity import NodeIdentity

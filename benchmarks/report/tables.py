@@ -1,5 +1,5 @@
 """The tables of BENCHMARKS.md's sections 1-6, one function a section, from one run's results
-(`benchmarks/report.py` puts them under their headings), and how every figure in them is written.
+(`benchmarks/report/document.py` puts them under their headings), and how every figure in them is written.
 """
 
 from __future__ import annotations

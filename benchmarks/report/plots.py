@@ -1,5 +1,5 @@
 """The PNGs under `benchmarks/plots/` from one run's results, each beside the section of BENCHMARKS.md it draws
-(`benchmarks/report.py` links them under "Plots"). matplotlib is imported only when plots are drawn."""
+(`benchmarks/report/document.py` links them under "Plots"). matplotlib is imported only when plots are drawn."""
 
 from __future__ import annotations
 

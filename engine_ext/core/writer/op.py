@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine_ext.core.records import RecordSpec
-from service.spool.record_meta import Weights
+from service.spool.record.meta import Weights
 
 
 @dataclass(slots=True)

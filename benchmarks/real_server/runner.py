@@ -24,9 +24,9 @@ Why the servers are set up as they are (the same for all three modes):
   before the ITL window opens, in one chunk each, and the window only holds decode steps and finishes.
 
 Results: `benchmarks/out/real_server.json` (raw), `benchmarks/real_server.md` (the section), spliced into
-BENCHMARKS.md between markers that `benchmarks/report.py` keeps when it regenerates the file. This module runs
-the servers and sums up; the launch and the workloads are `benchmarks/real_server_workloads.py`'s, the section
-`benchmarks/real_server_section.py`'s.
+BENCHMARKS.md between markers that `benchmarks/report/document.py` keeps when it regenerates the file. This module runs
+the servers and sums up; the launch and the workloads are `workloads.py`'s, the section `section.py`'s (this
+folder's); `python -m benchmarks.real_server` runs `main` (`__main__.py`).
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 from sglang_server import Stack, start  # noqa: E402
 
-from benchmarks.real_server_section import render_section, splice  # noqa: E402
-from benchmarks.real_server_workloads import MODES, Bench, combine, finish_lags, itl, throughput  # noqa: E402
+from benchmarks.real_server.section import render_section, splice  # noqa: E402
+from benchmarks.real_server.workloads import MODES, Bench, combine, finish_lags, itl, throughput  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "real_server.json"
 FRAGMENT = ROOT / "benchmarks" / "real_server.md"
@@ -192,7 +192,11 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.real_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--reps", type=int, default=Bench.reps)
     ap.add_argument("--long-context", type=int, default=Bench.long_context)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -216,7 +220,3 @@ def main() -> None:
         md.write_text(splice(md.read_text(), section))
         _log(f"{FRAGMENT.relative_to(ROOT)} and BENCHMARKS.md written")
     _log(f"results in {args.render or args.out} ({results['wall_s']:.0f} s of measuring)")
-
-
-if __name__ == "__main__":
-    main()

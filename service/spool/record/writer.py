@@ -14,7 +14,7 @@ import numpy as np
 
 from service.spool.bin_unlink import holding, locked, unlink_if_held
 from service.spool.files import _write_all
-from service.spool.record_meta import STATUSES, RecordMeta, Suspect, Weights
+from service.spool.record.meta import STATUSES, RecordMeta, Suspect, Weights
 
 
 class RecordFiles(Protocol):

@@ -1,4 +1,4 @@
-"""What the real-server benchmark (`benchmarks/real_server.py`, which says why) asks of each server: its launch
+"""What the real-server benchmark (`benchmarks/real_server/runner.py`, which says why) asks of each server: its launch
 (`Bench`: the tiny Qwen3-MoE and SGLang's flags, per mode) and the three workloads measured on it, (a)
 throughput, (b) inter-token latency while long requests finish, (c) finish → final, with the CPU time of the
 server's and the sidecar's processes read from `/proc`.
@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "e2e"))
 
 from sglang_server import Config, Stack
 

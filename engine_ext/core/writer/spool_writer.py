@@ -22,7 +22,7 @@ from engine_ext.core.bounded_rids import BoundedRids
 from engine_ext.core.degraded import guarded_thread
 from engine_ext.core.records import RecordSpec
 from engine_ext.core.row_audit import RowAudit
-from engine_ext.core.writer_counts import (
+from engine_ext.core.writer.counts import (
     NOT_WRITABLE,
     QUEUE_FULL,
     SPOOL_FULL,
@@ -31,9 +31,9 @@ from engine_ext.core.writer_counts import (
     WriterStats,
     undelivered_reason,
 )
-from engine_ext.core.writer_op import Op
+from engine_ext.core.writer.op import Op
 from service.spool import Spool
-from service.spool.record_writer import RecordWriter
+from service.spool.record.writer import RecordWriter
 
 logger = logging.getLogger("r3_sidecar.writer")
 

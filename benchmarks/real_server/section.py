@@ -1,13 +1,13 @@
-"""The "Real SGLang server" section of BENCHMARKS.md from a real-server run's results (`benchmarks/real_server.py`):
-every figure from the results file, read against the targets, and the section put between its markers in the
-document (`splice`), where `benchmarks/report.py` keeps it when it regenerates the rest.
+"""The "Real SGLang server" section of BENCHMARKS.md from a real-server run's results (`runner.py`): every figure
+from the results file, read against the targets, and the section put between its markers in the document
+(`splice`), where `benchmarks/report/document.py` keeps it when it regenerates the rest.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.real_server_workloads import MODES
+from benchmarks.real_server.workloads import MODES
 from benchmarks.report import REAL_SERVER_BEGIN as BEGIN
 from benchmarks.report import REAL_SERVER_END as END
 
@@ -111,7 +111,7 @@ def _how_it_ran(results: dict[str, Any]) -> list[str]:
     return [
         "## Real SGLang server",
         "",
-        "The plugin inside a real SGLang 0.5.23 server on this CPU machine (`benchmarks/real_server.py`, the "
+        "The plugin inside a real SGLang 0.5.23 server on this CPU machine (`benchmarks/real_server/`, the "
         "real-engine suite's harness). Reproduce with:",
         "",
         "```bash",
@@ -261,7 +261,7 @@ def reading(results: dict[str, Any]) -> list[str]:
 
 def splice(document: str, section: str) -> str:
     """Put `section` between the markers in `document`: replace the old block, else insert it before the
-    findings (or at the end). `benchmarks/report.py` includes the same fragment, so either writer keeps it."""
+    findings (or at the end). `benchmarks/report/document.py` includes the same fragment, so either writer keeps it."""
     block = f"{BEGIN}\n{section.strip()}\n{END}"
     if BEGIN in document and END in document:
         head, rest = document.split(BEGIN, 1)
