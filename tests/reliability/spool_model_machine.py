@@ -54,6 +54,7 @@ class SpoolMachine(RuleBasedStateMachine):
         self.steps = 0
         self.last_kill = 0
         self.restarts = 0
+        self.down: list[tuple[float, float]] = []  # when `restart_sidecar` had the sidecar down (monotonic)
         self.streams: list[StreamWatch] = []
         self.streams_started = 0
         self.planted: dict[str, float] = {}  # crash leftovers made an hour old, and when
@@ -210,7 +211,9 @@ class SpoolMachine(RuleBasedStateMachine):
         self.restarts += 1
         old = set(leftovers(self.procs.records))
         aged = self._age(old)
+        down_from = time.monotonic()
         self.procs.restart_sidecar(signal.SIGKILL if kill else signal.SIGTERM)
+        self.down.append((down_from, time.monotonic()))
         still = sorted(set(leftovers(self.procs.records)) & set(aged))
         if still:
             raise Violation(f"restarted sidecar ready with crash leftovers older than R3_STALE_S: {still}")
@@ -332,7 +335,7 @@ class SpoolMachine(RuleBasedStateMachine):
             if done_only and not s.done:
                 keep.append(s)
                 continue
-            s.judge(self.model.recs[s.rid], TTL_S)
+            s.judge(self.model.recs[s.rid], TTL_S, tuple(self.down))
         self.streams = keep
 
     def teardown(self) -> None:

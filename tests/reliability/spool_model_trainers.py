@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,7 +18,13 @@ from spool_model_checks import ROW_BYTES, Violation
 from spool_model_records import Rec, bytes_for
 
 from service.client import R3Error, RoutedExpertsClient
-from service.client.errors import RangeNotSatisfiable, RecordGone, RecordNotFound, RecordRestarted
+from service.client.errors import (
+    RangeNotSatisfiable,
+    RecordGone,
+    RecordNotFound,
+    RecordRestarted,
+    SidecarUnreachable,
+)
 
 STREAM_WAIT_S = 1.0
 TLS = ssl.create_default_context()
@@ -63,8 +70,10 @@ class StreamWatch:
     last_status: str | None = None
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    life: tuple[float, float] = (0.0, float("inf"))  # monotonic: begun, ended
 
     def begin(self) -> StreamWatch:
+        self.life = (time.monotonic(), float("inf"))
         self.thread = threading.Thread(target=self._run, name=f"stream-{self.rid}", daemon=True)
         self.thread.start()
         return self
@@ -78,6 +87,8 @@ class StreamWatch:
                     self.last_status = block.status
         except BaseException as exc:  # judged by the machine: some errors are allowed, some are findings
             self.error = exc
+        finally:
+            self.life = (self.life[0], time.monotonic())
 
     def _generation(self, body: bytes, latest: int) -> int | None:
         """The generation of the rid whose rows `body` is, from row `start`: the one the stream began on, or a later
@@ -97,8 +108,9 @@ class StreamWatch:
     def done(self) -> bool:
         return self.thread is not None and not self.thread.is_alive()
 
-    def judge(self, now_rec: Rec, ttl_s: float) -> None:
-        """The stream's outcome against the model: rows from `start` exactly as written, and an end it allows."""
+    def judge(self, now_rec: Rec, ttl_s: float, down: tuple[tuple[float, float], ...] = ()) -> None:
+        """The stream's outcome against the model: rows from `start` exactly as written, and an end it allows.
+        `down`: when the model had the sidecar down (its restarts, monotonic from, to)."""
         where = f"stream {self.rid} gen {self.gen} from row {self.start}"
         body = b"".join(self.blocks)
         gen = self._generation(body, now_rec.gen)
@@ -116,6 +128,8 @@ class StreamWatch:
             if self.last_status == "ok" and gen == now_rec.gen and now_rec.state == "final" and not whole:
                 raise Violation(f"{where}: ended ok after row {self.start + rows}, the record has {now_rec.rows}")
             return
+        if isinstance(err, SidecarUnreachable) and any(a <= self.life[1] and self.life[0] <= b for a, b in down):
+            return  # the model restarted the sidecar while this stream lived: its retries outlasted by the restart
         if isinstance(err, RecordRestarted):
             if same and now_rec.state not in ("raced", "acked"):
                 raise Violation(f"{where}: 409 record_restarted, but the rid was never reused ({err})")
