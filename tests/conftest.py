@@ -69,6 +69,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(skips.failure_text(report))
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """Each test leaves `os.environ` as it found it. Code under test may set variables on purpose (loading the
+    SGLang plugin points `SGLANG_HTTP_SERVER_APP_PATH` at our worker app); left set, one changes every later
+    test of the process, and the SGLang zygote then refuses to fork (`sglang_zygote.unserved`): CI failed so
+    once, on a worker where `test_guard` had installed the hooks in the test process."""
+    before = dict(os.environ)
+    yield
+    for key in os.environ.keys() - before.keys():
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 @pytest.fixture
 def gc_off() -> Iterator[None]:
     """The garbage collector off for the test: what must happen promptly may not wait for a collection."""
