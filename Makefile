@@ -33,7 +33,7 @@ export UV_PYTHON_DOWNLOADS := never
 # again for everything make runs (docs/testing.md, "Bytecode").
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo demo-sglang serve wheel release-wheels release-wheels-vllm test test-matrix test-matrix-releases test-matrix-releases-1 test-matrix-releases-2 test-matrix-sglang test-matrix-vllm lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
+.PHONY: demo demo-sglang serve wheel release-wheels release-wheels-vllm test test-matrix test-matrix-releases test-matrix-releases-1 test-matrix-releases-2 test-matrix-sglang test-matrix-vllm test-matrix-vllm-1 test-matrix-vllm-2 lint fmt bench bench-sglang bench-ab bench-hooks bench-vllm reliability lock env env-demo env-service env-ray env-vllm env-vllm-old env-vllm-0.24.0 env-vllm-0.25.0 env-vllm-0.25.1 env-vllm-0.26.0 env-vllm-0.27.0 env-vllm-0.27.1 env-vllm-0.28.0 env-vllm-0.29.0 env-vllm-0.30.0 env-vllm-0.31.0 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases trainers clean
 
 demo: env-demo ## serve the sidecar fed by the built-in demo engine
 	$(DEMO_BIN)/r3-sidecar demo
@@ -111,10 +111,9 @@ test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0
 
 # The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0 and
 # the releases no trainer pins, 0.25.0, 0.27.0, 0.28.0-0.31.0): the same tests, marked `matrix`. Run it before a
-# change to a version adapter lands; docs/testing.md has its last run. Three pytest runs, each meant to fit in 90
-# minutes on 2 cores (together they would not; test-matrix-sglang took 1,007 s on 2026-11-29, the other two are not
-# yet timed whole): every other SGLang release's real server; SGLang 0.5.20 and 0.5.16 and the rest of SGLang's
-# matrix tests; the vLLM releases. Each runs alone too.
+# change to a version adapter lands; docs/testing.md has its last runs. Five pytest runs, each meant to fit in 90
+# minutes on 2 cores (together they would not): every other SGLang release's real server, in two parts; SGLang
+# 0.5.20 and 0.5.16 and the rest of SGLang's matrix tests; the vLLM releases, in two parts. Each runs alone too.
 MATRIX_RELEASES := tests/e2e/test_sglang_release_servers.py
 MATRIX_VLLM := tests/e2e/test_vllm_plugin.py tests/e2e/test_vllm_suspect.py tests/engine/vllm
 test-matrix: test-matrix-releases test-matrix-sglang test-matrix-vllm
@@ -128,8 +127,13 @@ test-matrix-releases-1 test-matrix-releases-2: test-matrix-releases-%: env env-s
 test-matrix-sglang: env env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 env-sglang-releases release-wheels
 	$(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_RELEASES:%=--ignore=%) $(MATRIX_VLLM:%=--ignore=%)
 
-test-matrix-vllm: env env-vllm env-vllm-old
-	$(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_VLLM)
+# The vLLM releases in two runs (`R3_TEST_VLLM_PART`): the first half of the matrix-only releases' servers, then
+# the second half with the suspect-rows server and the classes; all in one took 89 minutes at load 5-17.
+test-matrix-vllm: test-matrix-vllm-1 test-matrix-vllm-2
+test-matrix-vllm-1: env env-vllm env-vllm-old
+	R3_TEST_VLLM_PART=1/2 $(BIN)/python -m pytest -q --durations=20 -m matrix tests/e2e/test_vllm_plugin.py
+test-matrix-vllm-2: env env-vllm env-vllm-old
+	R3_TEST_VLLM_PART=2/2 $(BIN)/python -m pytest -q --durations=20 -m matrix $(MATRIX_VLLM)
 
 lint: env-service
 	$(BIN)/ruff check .

@@ -52,7 +52,8 @@ def param(engine: str, version: str, *values: Any, marks: tuple = (), id: str | 
 def part(releases: list[str], spec: str | None) -> list[str]:
     """The `k`-th of `n` consecutive, near-equal parts of `releases` for `spec` "k/n" (None: all of them). Why:
     11 releases of 5-8 minutes each pass 90 minutes on a loaded 2-core machine; `make test-matrix-releases-1`
-    and `-2` each run a part."""
+    and `-2` each run a part, and `make test-matrix-vllm-1` and `-2` a part of the vLLM releases (all of them in
+    one run took 89 minutes at load 5-17)."""
     if not spec:
         return releases
     k, n = (int(x) for x in spec.split("/"))

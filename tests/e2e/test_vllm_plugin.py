@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import io
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 import pytest
 import vllm_server
 from baseline import spool_files
-from tiers import param
+from tiers import MATRIX_ONLY, param, part
 from vllm_abort import LONG_DECODE, abort_mid_decode
 from vllm_server import VllmServer, inline_rows
 from waiting import wait_until
@@ -113,7 +114,13 @@ def choices(results: dict[str, Any], names: tuple[str, ...] = FULL) -> list[tupl
     ]
 
 
-@pytest.fixture(scope="module", params=[param("vllm", v) for v in vllm_server.SERVED])
+# `make test-matrix-vllm-1` and `-2` (`R3_TEST_VLLM_PART`): each a part of the matrix-only releases, CI's in both
+MATRIX_SERVED = [v for v in vllm_server.SERVED if ("vllm", v) in MATRIX_ONLY]
+THIS_PART = set(part(MATRIX_SERVED, os.environ.get("R3_TEST_VLLM_PART")))
+RELEASES = [v for v in vllm_server.SERVED if v in THIS_PART or v not in MATRIX_SERVED]
+
+
+@pytest.fixture(scope="module", params=[param("vllm", v) for v in RELEASES])
 def release(request: pytest.FixtureRequest) -> Release:
     """The release under test (module scope: every test of one release runs before the next release starts)."""
     if not vllm_server.available(request.param):
