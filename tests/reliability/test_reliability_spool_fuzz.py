@@ -46,7 +46,11 @@ def test_spool_reader_survives_damage(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_spool_reader_survives_damage_long(tmp_path_factory):
+    """5,000 cases: 32 s of CPU, most of it hypothesis's generation. Its wall time is that over the process's share
+    of 2 cores: 47 s at load 3, 75 s at load 10-13, past the suite's 300 s at load 10-14 plus two busy loops.
+    1200 s is a hang guard for the load `make reliability` meets, not a speed limit."""
     outcomes = _run(tmp_path_factory, 5000)
     print("spool fuzz outcomes (5000 cases):", dict(outcomes))
 
