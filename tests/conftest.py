@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import skips
 from helpers import live_server
+from timeouts import past_hypothesis
 
 from service.server.settings import Settings
 from service.spool import Spool
@@ -67,6 +69,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("=", f"FAILED: modules skipped in CI: {len(_skipped_modules)}", red=True)
         for report in _skipped_modules:
             terminalreporter.write_line(skips.failure_text(report))
+
+
+@pytest.hookimpl(wrapper=True, optionalhook=True)
+def pytest_timeout_set_timer() -> Iterator[object]:
+    """pytest-timeout's alarm ends a hypothesis run as a time-out, never as a flaky example (`tests/timeouts.py`)."""
+    installed = yield
+    alarm = signal.getsignal(signal.SIGALRM)
+    if callable(alarm):  # the signal method; the thread method ends the whole process, hypothesis or not
+        signal.signal(signal.SIGALRM, past_hypothesis(alarm))
+    return installed
 
 
 @pytest.fixture(autouse=True)
