@@ -92,6 +92,7 @@ class Store:
         self._served_bad: set[tuple[str, str, int, float]] = set()
         self._gone: OrderedDict[str, str] = OrderedDict()  # rid → why it left: `expired` or `acknowledged`
         self._events: weakref.WeakValueDictionary[str, asyncio.Event] = weakref.WeakValueDictionary()
+        self._walks: list[set[str]] = []  # per rescan in flight: the names the index changed since it began
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
 
@@ -155,18 +156,26 @@ class Store:
 
     # ---- index -------------------------------------------------------------------------------
     async def rescan(self) -> None:
-        """Walk the records directory (in a thread) and fold every change into the index."""
+        """Walk the records directory (in a thread) and fold every change into the index.
+
+        What the walk read is older than whatever the loop learned while it ran (an event, a lookup, an ack, an
+        expiry), so a name the index changed meanwhile keeps the loop's view. Comparing stamps cannot tell: a
+        record written and acked during the walk is absent before and after, and folding in the walk's read
+        would index it again and forget that it was acknowledged (a GET after the ack: 404, not 410)."""
         known = {name: entry.stamp for name, entry in self._entries.items()}
         known.update({name: stamp for name, stamp in self._bad.items() if stamp is not None})
-        names, results = await asyncio.to_thread(self._scan, known)
+        changed: set[str] = set()
+        self._walks.append(changed)
+        try:
+            names, results = await asyncio.to_thread(self._scan, known)
+        finally:
+            self._walks.remove(changed)
         for name, (stamp, result) in results.items():
-            current = self._entries.get(name)
-            if (current.stamp if current else self._bad.get(name)) == known.get(name):
+            if name not in changed:
                 self._apply(name, stamp, result)
-        for name in [n for n in self._entries if n not in names]:
-            if self._entries[name].stamp == known.get(name):
-                self._apply(name, None, None)
-        for name in [n for n in self._bad if n not in names]:
+        for name in [n for n in self._entries if n not in names and n not in changed]:
+            self._apply(name, None, None)
+        for name in [n for n in self._bad if n not in names and n not in changed]:
             del self._bad[name]
 
     def _scan(self, known: dict[str, Stamp]) -> tuple[set[str], dict[str, Any]]:
@@ -212,6 +221,7 @@ class Store:
         return entry.meta if entry is not None and entry.meta.rid == rid else None
 
     def _apply(self, name: str, stamp: Stamp | None, result: RecordMeta | SpoolFormatError | None) -> None:
+        self._changed(name)
         old = self._entries.get(name)
         if isinstance(result, RecordMeta):
             self._bad.pop(name, None)
@@ -230,6 +240,11 @@ class Store:
         if old is not None:
             del self._entries[name]
             self._notify(old.meta.rid)
+
+    def _changed(self, name: str) -> None:
+        """Tell every rescan in flight that the index changed `name`: its walk's read of it is out of date."""
+        for changed in self._walks:
+            changed.add(name)
 
     def count_skip(self, reason: str, meta: RecordMeta) -> None:
         """Count a malformed file found while serving (e.g. a truncated `.bin`), once per record version."""
@@ -365,6 +380,7 @@ class Store:
                 # the file changes; a later rescan or write reconciles it.
                 log.warning("could not write %r aborted (%s); aborted in the index only", meta.rid, exc)
                 self._entries[name] = replace(entry, meta=aborted)
+                self._changed(name)
                 self._notify(meta.rid)
                 return aborted
             log.info("record %r: no update for %.0fs, marked aborted", meta.rid, now - meta.updated)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import FakeClock, random_rows, write_record
 from waiting import await_until
 
@@ -147,3 +149,50 @@ def test_a_stale_suspect_record_ends_suspect_not_aborted(spool: Spool) -> None:
     meta = store.lookup("odd")
     assert meta.final and meta.status == "suspect" and meta.suspect.row == 0
     assert spool.read_meta("odd") == meta, "the file parses back as written"
+
+
+class HeldScan:
+    """A store's directory walk held in its thread once done, until `release()`: what the loop does meanwhile
+    (an ack, an expiry) happens after the walk read the spool and before the rescan folds in what it read, as
+    on a loaded machine where that thread waits for a core. No sleep decides the order."""
+
+    def __init__(self, store: Store) -> None:
+        self.walked, self._go, self._walk, self.seen = threading.Event(), threading.Event(), store._scan, None
+        store._scan = self._held
+
+    def _held(self, known: dict) -> tuple:
+        self.seen = self._walk(known)
+        self.walked.set()
+        assert self._go.wait(30), "hang guard: the test never released the walk"
+        return self.seen
+
+    def release(self) -> None:
+        self._go.set()
+
+
+@pytest.mark.parametrize("leave", ["acknowledged", "expired"])
+def test_a_rescan_never_brings_back_a_record_that_left_during_its_walk(spool: Spool, leave: str) -> None:
+    """A trainer's GET right after its ack must be 410 `acknowledged`, and a second ack must say "already
+    acknowledged" (docs/api.md): a rescan whose walk read the record before it left must not index it again
+    and so erase why it left (it did, under load: `test_ack_frees_the_record`'s GET after the ack got 404)."""
+    write_record(spool, "left", random_rows(3))
+    now = [spool.read_meta("left").updated]
+    store = Store(spool, Settings.model_validate({"spool_dir": spool.root, "ttl_s": 60}), clock=lambda: now[0])
+
+    async def scenario() -> None:
+        held = HeldScan(store)
+        rescan = asyncio.create_task(store.rescan())
+        assert await asyncio.to_thread(held.walked.wait, 30), "hang guard: the walk never ran"
+        if leave == "acknowledged":
+            assert store.delete("left")
+        else:
+            now[0] += 61  # past ttl_s: the lookup expires it
+            assert store.lookup("left") is None
+        held.release()
+        await rescan
+        assert "left" in held.seen[1], "the walk read the record before it left: the race this test is about"
+
+    asyncio.run(scenario())
+    assert not spool.meta_path("left").exists()
+    assert store.gone_reason("left") == leave
+    assert store.records() == [] and store.state_counts() == {}
