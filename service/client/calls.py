@@ -255,7 +255,12 @@ class StreamState:
         return Call("GET", record_path(self.rid), self.rid, params, wait=self.wait, stream=True)
 
     def on_frame(self, frame: Frame) -> RoutedExperts | None:
-        """The rows to yield for a frame (None when it holds none); raises the frame's error."""
+        """The block to yield for a frame (None for an empty frame that is not the last); raises the frame's error.
+
+        The record's last frame is yielded even when it holds no rows (a record finalized, or aborted, after its
+        last rows were sent): the writer's last append and its finalize are two metadata writes, so the sidecar
+        may send the rows before it knows they are the last. Only that frame says the record is final and its
+        status (`ok`, `aborted`), so a caller's last block always has `final` set."""
         self.failures = 0
         if frame.status != 200:
             raise frame.error()
@@ -266,7 +271,7 @@ class StreamState:
             self.created = stamp
         block = frame.result()
         self.done = block.final
-        if not block.rows:
+        if not block.rows and not block.final:
             return None
         self.start = block.end
         return block

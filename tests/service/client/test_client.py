@@ -225,9 +225,27 @@ def test_stream_yields_rows_as_they_are_appended(shared_spool: Spool, client: Ro
     for block in client.stream("streamed"):
         seen.append(block)
         step()
-    assert len(seen) == 1 + len(blocks), "each block appended to the open record arrives as its own block"
-    assert seen[-1].final and [b.start for b in seen] == sorted(b.start for b in seen)
+    assert len([b for b in seen if b.rows]) == 1 + len(blocks), "each appended block arrives as its own block"
+    assert all(b.rows for b in seen[:-1]) and [b.start for b in seen] == sorted(b.start for b in seen)
+    assert seen[-1].final and not any(b.final for b in seen[:-1])  # the last block says so, rows or not
     np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), np.concatenate([prompt, *blocks]))
+
+
+@pytest.mark.parametrize("status", ["ok", "aborted"])
+def test_a_stream_whose_record_ends_without_new_rows_yields_a_final_block(
+    shared_spool: Spool, client: RoutedExpertsClient, status: str
+) -> None:
+    """The record is finalized after the stream sent its rows, with no rows of its own: the sidecar's closing
+    frame is empty, and the last block the caller gets says the record is final and how it ended."""
+    prompt, writer = put(shared_spool, f"ends-{status}", rows=6, final=False)
+    seen = []
+    for block in client.stream(f"ends-{status}"):
+        seen.append(block)
+        if len(seen) == 1:
+            writer.finalize(status)
+    assert [(b.rows, b.final) for b in seen] == [(6, False), (0, True)]
+    assert seen[-1].status == status and seen[-1].start == 6
+    np.testing.assert_array_equal(np.concatenate([b.array for b in seen]), prompt)
 
 
 def test_stream_resumes_after_a_dropped_connection(shared_spool: Spool, url: str) -> None:
