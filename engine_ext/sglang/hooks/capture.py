@@ -12,6 +12,7 @@ import logging
 
 from torch.compiler import is_compiling as _compiling
 
+from engine_ext.core import startup_line
 from engine_ext.sglang import capturer, compat, slicing, timers
 from engine_ext.sglang.timers import TIMERS, timed
 
@@ -78,6 +79,7 @@ def _create_sized_capturer(original, *args, **kwargs):
     corrected size (nothing else reads that argument), so DeepEP gather buffers and the host cache stay upstream's.
     """
 
+    startup_line.say_kept()  # the scheduler has configured SGLang's logging by now
     model_config, max_running_requests = kwargs["model_config"], kwargs["max_running_requests"]
     limits = capture_limits(model_config, max_running_requests)
     num_dp_ranks = compat.read("num_dp_ranks")

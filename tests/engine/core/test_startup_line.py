@@ -11,13 +11,14 @@ from engine_ext.core.startup_line import announce
 LINE = "r3-sidecar: sglang==0.5.23: layout 0.5.23 applied (proven by its real-server tests)"
 
 
-def _in_a_fresh_process(setup: str, proven: bool) -> str:
-    """stderr of a Python process that does `setup`, then announces LINE."""
+def _in_a_fresh_process(setup: str, proven: bool, after: str = "") -> str:
+    """stderr of a Python process that does `setup`, then announces LINE, then does `after`."""
     code = (
         "import logging\n"
         f"{setup}\n"
         "from engine_ext.core.startup_line import announce\n"
         f"announce(logging.getLogger('r3_sidecar'), {LINE!r}, proven={proven})\n"
+        f"{after}\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     return done.stderr
@@ -39,6 +40,18 @@ def test_a_level_above_info_the_user_chose_silences_a_proven_line_but_not_an_unp
     quiet = "logging.basicConfig(level=logging.WARNING)"
     assert LINE not in _in_a_fresh_process(quiet, proven=True)
     assert LINE in _in_a_fresh_process(quiet, proven=False)
+
+
+def test_a_proven_line_kept_back_is_said_once_the_engine_configured_its_logging() -> None:
+    """SGLang 0.5.21 and 0.5.22: a handler from an import, at Python's default WARNING, when plugins load; the
+    engine's `--log-level info` comes later, then a hook says the line kept back."""
+    imported = "logging.getLogger().addHandler(logging.StreamHandler())"
+    configured = (
+        "logging.getLogger().setLevel(logging.INFO)\n"
+        "from engine_ext.core.startup_line import say_kept\nsay_kept()\nsay_kept()"
+    )
+    assert LINE not in _in_a_fresh_process(imported, proven=True)
+    assert _in_a_fresh_process(imported, proven=True, after=configured).count(LINE) == 1
 
 
 def test_an_unproven_build_is_a_warning(caplog) -> None:
