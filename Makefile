@@ -102,7 +102,9 @@ $(DEMO)/.demo-stamp: pyproject.toml uv.lock | $(UV_DEP)
 # workers (two servers at a time: 1,423 s against 2,079 s one at a time, 2026-11-29). Both always run; either
 # failing fails.
 SERVER_TESTS := tests/e2e tests/ray
-test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 release-wheels release-wheels-vllm ## the suite, as CI runs it
+# The releases whose venvs the layout smoke needs (tests/tiers.py, LAYOUT_SMOKE; 0.5.20 has its own target below)
+CI_LAYOUT_RELEASES := 0.5.13.post1 0.5.14 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.21 0.5.22
+test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 $(CI_LAYOUT_RELEASES:%=.venv-sglang-%/.sglang-stamp) release-wheels release-wheels-vllm ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	rc=0; \
 	$(BIN)/python -m pytest -q --durations=30 -n 3 --dist loadscope $(SERVER_TESTS:%=--ignore=%) || rc=1; \

@@ -2,9 +2,10 @@
 
 Why two tiers: CI has 90 minutes on 2 cores, and this project keeps it within half of that (2,700 s, so a slower
 machine still lands); every release's real servers together take longer than the whole 90 (the run that tried
-them all was stopped at 66%). CI starts real servers of both ends of SGLang's range, 0.5.23
-and 0.5.12 (verl's pin, the oldest layout), and of vLLM 0.32.0 and 0.27.1 (OpenRLHF's pin, on the torch CI already
-has); every SGLang release's classes, compiled capture
+them all was stopped at 66%). CI starts real servers of both ends of SGLang's range, 0.5.23 (the CI suite)
+and 0.5.12 (verl's pin, the oldest layout: the version suite), one server of every other layout
+(`LAYOUT_SMOKE`, `LAYOUTS_SERVED_ELSEWHERE`), and of vLLM 0.32.0 and 0.27.1 (OpenRLHF's pin, on the torch CI
+already has); every SGLang release's classes, compiled capture
 path and run-time attributes stay in CI (those tests take no tier mark), and so does every release's own wheel
 read against the layout (SGLang) or row (vLLM, all 12) it gets (`tests/engine/sglang/test_release_wheels.py`,
 `tests/engine/vllm/test_vllm_release_wheels.py`). The SGLang servers between (0.5.20,
@@ -37,6 +38,27 @@ MATRIX_ONLY = frozenset(
         ("vllm", "0.31.0"),
     }
 )
+
+
+# Every SGLang layout (`compat.LAYOUTS`) runs in a real server in CI, each from one release: these three in modules
+# of their own, the rest in `tests/e2e/test_sglang_layouts.py` (one mirror server each, beside a plugin-off one).
+# A layout added to `compat.LAYOUTS` fails `tests/test_tiers.py` until it is in one of the two tables.
+LAYOUTS_SERVED_ELSEWHERE: dict[str, str] = {
+    "0.5.23": "the CI suite (tests/e2e/test_sglang_*.py)",
+    "0.5.12": "tests/e2e/test_sglang_0_5_12.py (verl's pin)",
+    "0.5.16": "tests/e2e/test_sglang_build_check.py (0.5.16's code as miles' dev build)",
+}
+LAYOUT_SMOKE: dict[str, str] = {  # layout → the release that serves it; a trainer's pin where one has the layout
+    "0.5.13": "0.5.13.post1",
+    "0.5.14": "0.5.14",
+    "0.5.15": "0.5.15.post1",  # slime's image
+    "0.5.17": "0.5.17",
+    "0.5.18": "0.5.18",
+    "0.5.19": "0.5.19",
+    "0.5.20": "0.5.20",
+    "0.5.21": "0.5.21",
+    "0.5.22": "0.5.22",
+}
 
 
 def tier_marks(engine: str, version: str) -> list[pytest.MarkDecorator]:

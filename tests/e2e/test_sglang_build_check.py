@@ -1,17 +1,20 @@
 """A build no test proved, in a real SGLang server: the plugin turns on through `fit`, checks itself, then takes over.
 
-The build is the installed SGLang 0.5.23 whose metadata reads as a fork's dev build (`0.5.24.dev1+g5ee1f00`, a
-dist-info of that version put first on the path, as miles' editable `sglang-miles` install reports one): no test
-ran that build, and no row of the plugin's matrix names it, so only what the code has decides. In sidecar mode:
+The build is miles' case: its image installs its own `sglang-miles` branch editable over an SGLang release image,
+and that install reports a setuptools-scm dev version (`0.5.17.devN+g<sha>`: N commits after the 0.5.16 tag). Here
+SGLang 0.5.16's code (`.venv-sglang-0.5.16`)
+with metadata that reads `0.5.17.dev12+g5ee1f00` (a dist-info of that version put first on the path, its RECORD
+an editable install's): no test ran that build, and no row of the plugin's matrix names it, so only what the
+code has decides. A dev build sorts before its release, so `fit` tries 0.5.16's layout first. In sidecar mode:
 
-- the start-up line names the build, the layout its code fits (0.5.23's) and that it is unproven;
+- the start-up line names the build, the layout its code fits (0.5.16's) and that it is unproven;
 - the first records are checked: their responses carry SGLang's own inline rows and the pointer, and the spool
   gets exactly those rows; the engine file's `build.check` reaches `agreed`, and `r3_engine_build_info` says so;
 - then the plugin delivers: the same prompts' responses carry the pointer only, and the records, gathered the
   plugin's way, are the rows SGLang returned inline for them before.
 
 Made to disagree (a test-only `sitecustomize` that swaps the first two rows of every read the plugin gathers, as
-a slice off by one would), on a build that calls itself 0.5.23, a proven release, but is installed editable (its
+a slice off by one would), on a build that calls itself 0.5.16, a proven release, but is installed editable (its
 RECORD lists no source, so nothing shows its files are the release's: `release_files`), which therefore runs
 unproven and checks itself as well: the first checked record stops the plugin in that process; SGLang keeps
 answering with its own inline rows, one ERROR line, the engine file's `degraded` names the record and row, and
@@ -33,7 +36,8 @@ from waiting import wait_until
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
-DEV_BUILD = "0.5.24.dev1+g5ee1f00"
+CODE = "0.5.16"  # the release whose code runs: the one a `0.5.17.devN` build follows
+DEV_BUILD = "0.5.17.dev12+g5ee1f00"
 PROMPTS = [[5 + i, 17, 33 + i, 2, 9, 41 + 2 * i, 12, 7, 30 + i] for i in range(3)]
 SWAP = textwrap.dedent(
     """
@@ -66,7 +70,8 @@ def shadow_build(root: Path, *, swap: bool, version: str = DEV_BUILD) -> str:
 
 
 def config(name: str, path: str) -> Config:
-    return Config(name, env={"PYTHONPATH": path, "R3_MODE": "sidecar", "R3_BUILD_CHECK_RECORDS": "2"})
+    env = {"PYTHONPATH": path, "R3_MODE": "sidecar", "R3_BUILD_CHECK_RECORDS": "2"}
+    return Config(name, env=env, python=str(REPO / f".venv-sglang-{CODE}" / "bin" / "python"))
 
 
 def engine_file(stack: Stack) -> dict:
@@ -93,7 +98,7 @@ def checked(sglang_stack, tmp_path_factory) -> tuple[Stack, list[np.ndarray]]:
 def test_the_plugin_turns_on_for_a_dev_build_naming_the_layout_it_fits(checked):
     stack, _ = checked
     log = stack.server.log_text()
-    line = f"r3-sidecar: sglang=={DEV_BUILD}: layout 0.5.23 applied (fits, but no test ran this build"
+    line = f"r3-sidecar: sglang=={DEV_BUILD}: layout {CODE} applied (fits, but no test ran this build"
     assert line in log, stack.server.log_tail()
     assert "registering no hooks" not in log
 
@@ -116,7 +121,7 @@ def test_once_agreed_the_plugin_delivers_what_sglang_returned_inline(checked):
     )
     assert check
     build = engine_file(stack)["build"]
-    assert build == {"found": DEV_BUILD, "layout": "0.5.23", "proven": False, "check": build["check"]}
+    assert build == {"found": DEV_BUILD, "layout": CODE, "proven": False, "check": build["check"]}
     assert build["check"] == {"state": "agreed", "agreed": 2, "needed": 2}
     for prompt, before in zip(PROMPTS[:2], metas, strict=True):
         meta = ask(stack, prompt)
@@ -125,19 +130,19 @@ def test_once_agreed_the_plugin_delivers_what_sglang_returned_inline(checked):
         np.testing.assert_array_equal(stored.astype(np.int32), inline(stack, before))
     metrics = httpx.get(f"{stack.sidecar_url}/metrics", timeout=10).text
     info = [line for line in metrics.splitlines() if line.startswith("r3_engine_build_info{")]
-    assert len(info) == 1 and f'found="{DEV_BUILD}"' in info[0] and 'layout="0.5.23"' in info[0], info
+    assert len(info) == 1 and f'found="{DEV_BUILD}"' in info[0] and f'layout="{CODE}"' in info[0], info
     assert 'proven="false"' in info[0] and 'check="agreed"' in info[0] and info[0].endswith(" 1.0"), info
     engines = httpx.get(f"{stack.sidecar_url}/v1/engines", timeout=10).json()
     assert [e["build"]["found"] for e in engines["engines"]] == [DEV_BUILD], engines
 
 
 def test_a_build_made_to_disagree_leaves_sglang_in_charge_loudly(checked, sglang_stack, tmp_path_factory):
-    """This build calls itself 0.5.23, a proven release, but is installed editable: its files cannot be shown to
+    """This build calls itself 0.5.16, a proven release, but is installed editable: its files cannot be shown to
     be the release's (a patched image's may not be), so it runs unproven and checks itself too."""
-    _, metas = checked  # SGLang's own rows of the same prompts, from the build that agreed
-    shadow = shadow_build(tmp_path_factory.mktemp("swap"), swap=True, version="0.5.23")
+    _, metas = checked  # SGLang's own rows of the same prompts, from the same code's build that agreed
+    shadow = shadow_build(tmp_path_factory.mktemp("swap"), swap=True, version=CODE)
     stack = sglang_stack(config("disagreeing-build", shadow))
-    line = "r3-sidecar: sglang==0.5.23: layout 0.5.23 applied (fits, but no test ran this build"
+    line = f"r3-sidecar: sglang=={CODE}: layout {CODE} applied (fits, but no test ran this build"
     assert line in stack.server.log_text() and "its files are not the release's: no .py file" in stack.server.log_text()
     first = ask(stack, PROMPTS[0])
     np.testing.assert_array_equal(inline(stack, first), inline(stack, metas[0]))  # SGLang's own rows, answered
@@ -147,7 +152,7 @@ def test_a_build_made_to_disagree_leaves_sglang_in_charge_loudly(checked, sglang
 
     (fault,) = wait_until(degraded, 60, lambda: f"a degraded entry (engine file: {engine_file(stack)})")
     assert f"record {first['id']!r}" in fault["error"] and "row 0, layer slot 0" in fault["error"], fault
-    assert "differs from SGLang's own" in fault["error"] and "0.5.23" in fault["error"], fault
+    assert "differs from SGLang's own" in fault["error"] and CODE in fault["error"], fault
     again = ask(stack, PROMPTS[1])  # SGLang's path from now on: its inline rows
     np.testing.assert_array_equal(inline(stack, again), inline(stack, metas[1]))
     errors = [line for line in stack.server.log_text().splitlines() if "failed: BuildMismatch" in line]
