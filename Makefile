@@ -108,7 +108,7 @@ test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0
 	$(BIN)/ruff check .
 	rc=0; \
 	$(BIN)/python -m pytest -q --durations=30 -n 3 --dist loadscope $(SERVER_TESTS:%=--ignore=%) || rc=1; \
-	$(BIN)/python -m pytest -q --durations=30 -n 3 --dist loadscope $(SERVER_TESTS) || rc=1; \
+	$(BIN)/python -m pytest -q --durations=30 -n 2 --dist loadscope $(SERVER_TESTS) || rc=1; \
 	exit $$rc
 
 # The releases CI leaves out for its time (tests/tiers.py: SGLang 0.5.20 and 0.5.16, vLLM 0.24.0-0.26.0 and
