@@ -1,7 +1,8 @@
 """A build no test proved, in a real SGLang server: the plugin turns on through `fit`, checks itself, then takes over.
 
 The build is miles' case: its image installs its own `sglang-miles` branch editable over an SGLang release image,
-and that install reports a setuptools-scm dev version (`0.5.17.devN+g<sha>`: N commits after the 0.5.16 tag). Here
+and that install reports a setuptools-scm dev version (`0.5.17.devN+g<sha>`: in setuptools-scm's default scheme, N
+commits after a 0.5.16 tag; miles' branch itself was not read here). Here
 SGLang 0.5.16's code (`.venv-sglang-0.5.16`)
 with metadata that reads `0.5.17.dev12+g5ee1f00` (a dist-info of that version put first on the path, its RECORD
 an editable install's): no test ran that build, and no row of the plugin's matrix names it, so only what the
