@@ -38,30 +38,50 @@ def free_port() -> int:
             return port
 
 
+# How long one readiness request may take. SGLang's `/health` runs a one-token generation and answers no sooner
+# than 1 s after it starts, and up to its `HEALTH_CHECK_TIMEOUT` (20 s) on a busy machine: a client that gives up
+# after 2 s there never sees it answer, however long it polls.
+HEALTH_S = 30.0
+
+
 def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process group led by `proc` (its own session), then SIGKILL whatever of it is left."""
+    """SIGTERM the process group led by `proc` (its own session), then SIGKILL whatever of it is left.
+
+    The leader gets `grace_s` to exit, but once it is all that is left (its workers gone, multiprocessing's
+    resource tracker aside) it is killed at once: SGLang's leader then only sleeps 5 s "before crash diagnostics"
+    of children that SIGTERM ended, which summed to minutes of idle workers over a run. The tracker is spared
+    until the leader is gone, so that it still unlinks the shared memory the server leaves."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(WaitTimeout):
+        wait_until(lambda: proc.poll() is not None or _leader_alone(proc.pid), grace_s, "the group ends", interval=0.05)
+    if proc.poll() is None and _leader_alone(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    else:  # the leader is gone; its children get up to 0.2 s to follow before the group is killed
-        with contextlib.suppress(WaitTimeout):
-            wait_until(lambda: not _group_runs(proc.pid), 0.2, "the group's children exit", interval=0.02)
+    with contextlib.suppress(WaitTimeout):  # the leader is gone; its children (the tracker) get 2 s to follow
+        wait_until(lambda: not _group(proc.pid), 2.0, "the group's children exit", interval=0.02)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
 
 
-def _group_runs(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (a zombie, which no signal moves, does not count)."""
+def _group(pgid: int) -> dict[int, str]:
+    """The running processes of group `pgid` (a zombie, which no signal moves, does not count): pid → cmdline."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if fields[0] != "Z" and int(fields[2]) == pgid:
-                return True
-    return False
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+    return found
+
+
+def _leader_alone(pgid: int) -> bool:
+    """Whether the leader is all that runs of its group, but for multiprocessing's resource tracker."""
+    rest = {pid for pid, cmd in _group(pgid).items() if pid != pgid and "multiprocessing.resource_tracker" not in cmd}
+    return not rest
 
 
 def _log_tail(path: Path, lines: int = 60) -> str:
@@ -96,7 +116,7 @@ class Process:
         def answers() -> bool:
             if not self.alive():
                 raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
-            return httpx.get(self.url + path, timeout=2.0).status_code == 200
+            return httpx.get(self.url + path, timeout=HEALTH_S).status_code == 200
 
         wait_until(
             answers, timeout, lambda: f"{what} ready:\n{_log_tail(self.log)}", interval=0.25, ignore=(httpx.HTTPError,)

@@ -32,10 +32,10 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 import pytest
-from e2e.child_process import free_port
+from e2e.child_process import HEALTH_S, free_port
 from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, server_env
 from e2e.tiny_model import write_model
-from waiting import wait_until
+from waiting import WaitTimeout, wait_until
 
 from service.client.ray_nodes import start_node_sidecars
 
@@ -56,7 +56,7 @@ class EngineActor:
     """A rollout engine as the trainers have it: an actor that launches `sglang.launch_server` as its child."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], url: str, log: str) -> None:
-        self.url = url
+        self.url, self.log = url, log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
 
@@ -64,9 +64,13 @@ class EngineActor:
         def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang did not start (exit {self.proc.poll()})")
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            return httpx.get(f"{self.url}/health", timeout=HEALTH_S).status_code == 200
 
-        wait_until(healthy, timeout, "SGLang's /health answers", interval=0.5, ignore=(httpx.HTTPError,))
+        try:
+            wait_until(healthy, timeout, "SGLang's /health answers", interval=0.5, ignore=(httpx.HTTPError,))
+        except (WaitTimeout, RuntimeError) as exc:  # the actor's log dies with the cluster's temp dir: say it here
+            tail = Path(self.log).read_bytes()[-6000:].decode(errors="replace")
+            raise RuntimeError(f"{exc}; the server's log ends:\n{tail}") from None
         return self.proc.pid
 
     def rollout(self, prompts: list[list[int]]) -> tuple[list, list[np.ndarray], list[int]]:
