@@ -51,6 +51,10 @@ START_TIMEOUT_S = 600.0  # a hang guard: two servers start side by side in CI's 
 # float32 on the CPU: in bfloat16 two servers given the same request routed a few rows differently (near ties
 # that another batch shape tips: 3 of 47 rows between a plugin-off and a plugin-on DP-attention server), so rows
 # of two servers could not be compared exactly; in float32 none differed (docs/testing.md, "Baselines").
+# `sleep-on-idle`: an idle scheduler waits on its sockets instead of spinning a core in its event loop (SGLang's
+# default, made for a GPU), so a server a module keeps up between its tests leaves the cores to the other
+# worker's server start; SGLang's own flag (0.5.12-0.5.23), and it changes only what the loop does with nothing
+# to run. A CUDA launch keeps SGLang's default (GPU_ARGS).
 BASE_ARGS: dict[str, Any] = {
     "skip-tokenizer-init": True,
     "device": "cpu",
@@ -60,6 +64,7 @@ BASE_ARGS: dict[str, Any] = {
     "max-running-requests": 16,
     "chunked-prefill-size": 64,
     "disable-cuda-graph": True,
+    "sleep-on-idle": True,
     "log-level": "info",
 }
 
@@ -76,6 +81,7 @@ VERSION_ARGS: list[tuple[tuple[int, ...], dict[str, Any]]] = [
 # and a token cap (`max-total-tokens`) that bounds what it takes.
 GPU_ARGS: dict[str, Any] = {
     "device": None,
+    "sleep-on-idle": None,
     "dtype": "bfloat16",
     "disable-cuda-graph": None,
     "chunked-prefill-size": None,
