@@ -47,21 +47,24 @@ HEALTH_S = 30.0
 def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
     """SIGTERM the process group led by `proc` (its own session), then SIGKILL whatever of it is left.
 
-    The leader gets `grace_s` to exit, but once it is all that is left (its workers gone, multiprocessing's
-    resource tracker aside) it is killed at once: SGLang's leader then only sleeps 5 s "before crash diagnostics"
-    of children that SIGTERM ended, which summed to minutes of idle workers over a run. The tracker is spared
-    until the leader is gone, so that it still unlinks the shared memory the server leaves."""
+    The leader gets `grace_s` to exit, but a leader that had workers is killed once it is all that is left of
+    them (multiprocessing's resource tracker aside): SGLang's leader then only sleeps 5 s "before crash
+    diagnostics" of children that SIGTERM ended, which summed to minutes of idle workers over a run. The tracker
+    is spared until the leader is gone, so that it still unlinks the shared memory the server leaves."""
+    had_workers = not _leader_alone(proc.pid)  # a process that never had any (a sidecar) gets its whole grace
+
+    def ended() -> bool:
+        return proc.poll() is not None or (had_workers and _leader_alone(proc.pid))
+
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with contextlib.suppress(WaitTimeout):
-        wait_until(lambda: proc.poll() is not None or _leader_alone(proc.pid), grace_s, "the group ends", interval=0.05)
-    if proc.poll() is None and _leader_alone(proc.pid):
+        wait_until(ended, grace_s, "the leader exits or is left alone", interval=0.05)
+    if proc.poll() is None and had_workers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace_s)
-    with contextlib.suppress(WaitTimeout):  # the leader is gone; its children (the tracker) get 2 s to follow
-        wait_until(lambda: not _group(proc.pid), 2.0, "the group's children exit", interval=0.02)
+    with contextlib.suppress(WaitTimeout):  # the tracker unlinks what the server left once the leader is gone
+        wait_until(lambda: proc.poll() is not None and not _group(proc.pid), 2.0, "the group ends", interval=0.02)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)

@@ -1,0 +1,54 @@
+"""How the real-engine harness stops a server's process group (`tests/e2e/child_process.py`).
+
+A leader with workers is killed as soon as SIGTERM has ended them, instead of being waited for: SGLang's leader
+only sleeps 5 s before its crash diagnostics then, which summed to minutes of idle workers over a run. A process
+that never had workers (the sidecar) still gets its grace and exits by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from e2e.child_process import _group, spawn
+from waiting import wait_until
+
+# A leader like SGLang's: a worker that SIGTERM ends, and a 5 s pause of its own before it exits
+LEADER = """
+import signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(5), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+# A single process that cleans up on SIGTERM and exits with its own status
+ALONE = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(3)))
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def _started(code: str, tmp_path: Path):
+    process = spawn([sys.executable, "-c", code], dict(os.environ), tmp_path / "out.log", "")
+    wait_until(lambda: "ready" in process.log_text(), 60, "the process says ready")
+    return process
+
+
+def test_a_leader_left_alone_by_its_workers_is_killed_not_waited_for(tmp_path: Path) -> None:
+    process = _started(LEADER, tmp_path)
+    wait_until(lambda: len(_group(process.proc.pid)) == 2, 60, "the leader and its worker run")
+    process.stop()
+    assert process.proc.returncode == -signal.SIGKILL  # not its own exit, 5 s after SIGTERM
+    assert not _group(process.proc.pid)
+
+
+def test_a_process_without_workers_gets_its_grace_and_exits_itself(tmp_path: Path) -> None:
+    process = _started(ALONE, tmp_path)
+    process.stop()
+    assert process.proc.returncode == 3
+    assert not _group(process.proc.pid)
