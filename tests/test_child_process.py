@@ -18,18 +18,18 @@ from waiting import wait_until
 # A leader like SGLang's: a worker that SIGTERM ends, and a 5 s pause of its own before it exits
 LEADER = """
 import signal, subprocess, sys, time
-worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-signal.signal(signal.SIGTERM, lambda *_: (time.sleep(5), sys.exit(0)))
+worker = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(5), sys.exit(0)))  # not a wait: SGLang's pause, under test
 print("ready", flush=True)
-time.sleep(300)
+signal.pause()
 """
 
 # A single process that cleans up on SIGTERM and exits with its own status
 ALONE = """
-import signal, sys, time
-signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.5), sys.exit(3)))
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
 print("ready", flush=True)
-time.sleep(300)
+signal.pause()
 """
 
 
