@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from e2e.child_process import _group, spawn
+from e2e.child_process import Process, _group, spawn
 from waiting import wait_until
 
 # A leader like SGLang's: a worker that SIGTERM ends, and a 5 s pause of its own before it exits
@@ -33,7 +33,7 @@ signal.pause()
 """
 
 
-def _started(code: str, tmp_path: Path):
+def _started(code: str, tmp_path: Path) -> Process:
     process = spawn([sys.executable, "-c", code], dict(os.environ), tmp_path / "out.log", "")
     wait_until(lambda: "ready" in process.log_text(), 60, "the process says ready")
     return process

@@ -2,11 +2,11 @@
 
 The build is miles' case: its image installs its own `sglang-miles` branch editable over an SGLang release image,
 and that install reports a setuptools-scm dev version (`0.5.17.devN+g<sha>`: in setuptools-scm's default scheme, N
-commits after a 0.5.16 tag; miles' branch itself was not read here). Here
-SGLang 0.5.16's code (`.venv-sglang-0.5.16`)
-with metadata that reads `0.5.17.dev12+g5ee1f00` (a dist-info of that version put first on the path, its RECORD
-an editable install's): no test ran that build, and no row of the plugin's matrix names it, so only what the
-code has decides. A dev build sorts before its release, so `fit` tries 0.5.16's layout first. In sidecar mode:
+commits after a 0.5.16 tag; miles' branch itself was not read here). Here SGLang 0.5.16's code
+(`.venv-sglang-0.5.16`) with metadata that reads `0.5.17.dev12+g5ee1f00` (a dist-info of that version put first
+on the path, its RECORD an editable install's): no test ran that build, and no row of the plugin's matrix names
+it, so only what the code has decides. A dev build sorts before its release, so `fit` tries 0.5.16's layout
+first. In sidecar mode:
 
 - the start-up line names the build, the layout its code fits (0.5.16's) and that it is unproven;
 - the first records are checked: their responses carry SGLang's own inline rows and the pointer, and the spool

@@ -36,6 +36,7 @@ import httpx
 import numpy as np
 import pytest
 from e2e.child_process import HEALTH_S, free_port
+from e2e.child_process import _log_tail as log_tail
 from e2e.sglang_server import BASE_ARGS, REPO, Config, cli_args, server_env
 from e2e.tiny_model import write_model
 from waiting import WaitTimeout, wait_until
@@ -72,8 +73,7 @@ class EngineActor:
         try:
             wait_until(healthy, timeout, "SGLang's /health answers", interval=0.5, ignore=(httpx.HTTPError,))
         except (WaitTimeout, RuntimeError) as exc:  # CI keeps no file: the failure says what the server logged
-            tail = Path(self.log).read_bytes()[-6000:].decode(errors="replace")
-            raise RuntimeError(f"{exc}; the server's log ends:\n{tail}") from None
+            raise RuntimeError(f"{exc}; the server's log ends:\n{log_tail(Path(self.log))}") from None
         return self.proc.pid
 
     def rollout(self, prompts: list[list[int]]) -> tuple[list, list[np.ndarray], list[int]]:
