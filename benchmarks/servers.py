@@ -45,16 +45,7 @@ def serve(kind: str, directory: Path, *, timeout_s: float = 120.0) -> Iterator[S
     proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parent.parent)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited with {proc.returncode} before answering")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{kind} server did not answer {ready_path} within {timeout_s} s")
-            time.sleep(0.1)
+        _wait_ready(proc, kind, url + ready_path, timeout_s)
         yield Server(url, proc.pid)
     finally:
         proc.terminate()
@@ -63,6 +54,22 @@ def serve(kind: str, directory: Path, *, timeout_s: float = 120.0) -> Iterator[S
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, kind: str, url: str, timeout_s: float) -> None:
+    """Poll `url` until it answers 200. One client for the whole wait: each `httpx.get` builds its own, whose TLS
+    context (certifi's bundle) costs ~40 ms of CPU, which a benchmark's machine should not spend."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2) as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{kind} server exited with {proc.returncode} before answering")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{kind} server did not answer {url} within {timeout_s} s")
+            time.sleep(0.1)
 
 
 def _app(kind: str, directory: Path):

@@ -52,12 +52,16 @@ def bound_socket() -> socket.socket:
 
 
 def _wait_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    def ready() -> bool:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with {proc.returncode}")
-        return httpx.get(f"{base_url}/readyz", timeout=1.0).status_code == 200
+    # One client for the whole wait: each `httpx.get` builds a client whose TLS context loads certifi's bundle
+    # (about 40 ms of CPU), and this polls every 20 ms.
+    with httpx.Client(timeout=1.0) as client:
 
-    wait_until(ready, timeout, f"sidecar at {base_url} ready", interval=0.02, ignore=(httpx.HTTPError,))
+        def ready() -> bool:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {proc.returncode}")
+            return client.get(f"{base_url}/readyz").status_code == 200
+
+        wait_until(ready, timeout, f"sidecar at {base_url} ready", interval=0.02, ignore=(httpx.HTTPError,))
 
 
 class FakeClock:

@@ -35,16 +35,20 @@ class NodeSidecarProcess:
         cmd += ["--spool-dir", spool_dir]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, pass_fds=(listener.fileno(),))
         listener.close()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"r3-sidecar on {self.host} did not start (exit {self.proc.poll()})")
-            time.sleep(0.1)
+        self._wait_ready(deadline=time.monotonic() + 60)
+
+    def _wait_ready(self, deadline: float) -> None:
+        """Poll /readyz with one client (a client per poll would rebuild its TLS context every 0.1 s)."""
+        with httpx.Client(timeout=2) as client:
+            while True:
+                try:
+                    if client.get(f"{self.url}/readyz").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"r3-sidecar on {self.host} did not start (exit {self.proc.poll()})")
+                time.sleep(0.1)
 
     def address(self) -> tuple[str, str, int]:
         """(node id, URL, sidecar pid)."""

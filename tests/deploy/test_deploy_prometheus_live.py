@@ -1,6 +1,6 @@
 """Every alert and every dashboard query against a real Prometheus server scraping live sidecars.
 
-One scenario, shared by the tests below (about five minutes):
+One scenario, shared by the tests below (about two minutes on a quiet machine):
 1. Prometheus (1 s scrape and evaluation) loads the rule file and the chart-rendered PrometheusRule, each
    with `for:` shortened to `FOR` (expressions untouched). It scrapes two `r3-sidecar demo` processes
    (pods r3-0, r3-1) while trainer threads fetch (single, stream, batch) and acknowledge their records.
@@ -38,7 +38,11 @@ from waiting import WaitTimeout, wait_until
 from service.spool import Spool
 
 FOR = "3s"
-BASELINE_S = float(os.environ.get("R3_PROM_BASELINE_S", "180"))  # shorter only to iterate locally
+# The demo pods keep a record `DEMO_TTL_S` after it finishes; the baseline is long enough that the warm-up's
+# records expire inside it, so retention sweeps (the dense engine's records, which no trainer fetches) while every
+# rule is watched: `test_healthy_baseline_fires_nothing` asserts each pod expired records in it.
+DEMO_TTL_S = 30
+BASELINE_S = float(os.environ.get("R3_PROM_BASELINE_S", "75"))  # shorter only to iterate locally
 ALERT_TIMEOUT_S = 60.0
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$namespace": ".*", "$pod": ".*"}
 RULES = yaml.safe_load(RULES_FILE.read_text())
@@ -68,6 +72,7 @@ class Observed:
 
     baseline_s: float = 0.0
     baseline_active: list[tuple[str, str, str, dict[str, str]]] = field(default_factory=list)
+    baseline_expired: dict[str, float] = field(default_factory=dict)  # pod → records retention deleted in it
     # (file, alert) → seconds from its provocation to first pending / firing, and the labels it fired with
     pending_s: dict[tuple[str, str], float] = field(default_factory=dict)
     firing_s: dict[tuple[str, str], float] = field(default_factory=dict)
@@ -215,6 +220,11 @@ def dashboard_queries() -> Iterator[tuple[str, str]]:
             yield f"{panel['title']} [{target['refId']}]", grafana_expand(target["expr"])
 
 
+def expired_by_pod(prom: Prometheus) -> dict[str, float]:
+    """Each scraped pod's count of records deleted by retention, as Prometheus last scraped it."""
+    return {r["metric"]["pod"]: float(r["value"][1]) for r in prom.query("r3_records_expired_total")}
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
     work = tmp_path_factory.mktemp("prom-live")
@@ -236,7 +246,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         # is proved on pod r3-2 below; the demo pods allow a minute.
         for pod in ("r3-0", "r3-1"):
             addr, proc = stack.enter_context(
-                sidecar("demo", work / f"spool-{pod}", work / f"{pod}.log", R3_TTL_S="120", R3_ENGINE_STALE_S="60")
+                sidecar(
+                    "demo", work / f"spool-{pod}", work / f"{pod}.log", R3_TTL_S=str(DEMO_TTL_S), R3_ENGINE_STALE_S="60"
+                )
             )
             demo[pod] = (addr, proc)
         prom.set_targets({pod: addr for pod, (addr, _) in demo.items()})
@@ -258,11 +270,15 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         obs.rule_files = sorted({Path(g["file"]).name for g in prom.rule_groups()})
 
         # ---- healthy baseline ------------------------------------------------------------------
+        expired_before = expired_by_pod(prom)
         t0 = time.monotonic()
         while time.monotonic() - t0 < BASELINE_S:
             obs.baseline_active += prom.active_alerts()
             time.sleep(1.0)  # not a wait: one sample a second over the baseline window, in which nothing may fire
         obs.baseline_s = time.monotonic() - t0
+        obs.baseline_expired = {
+            pod: n - expired_before.get(pod, 0.0) for pod, n in expired_by_pod(prom).items() if pod in demo
+        }
 
         # ---- provoke ---------------------------------------------------------------------------
         watch = Watcher(prom, obs)
@@ -349,6 +365,9 @@ def test_both_rule_copies_are_loaded(scenario: Observed) -> None:
 def test_healthy_baseline_fires_nothing(scenario: Observed) -> None:
     assert scenario.baseline_s >= BASELINE_S
     assert scenario.baseline_active == [], scenario.baseline_active
+    # retention ran on both demo pods inside the window: the baseline watched the spool's steady state
+    assert sorted(scenario.baseline_expired) == ["r3-0", "r3-1"], scenario.baseline_expired
+    assert all(n > 0 for n in scenario.baseline_expired.values()), scenario.baseline_expired
     served = sum(scenario.fetch_codes.values())
     assert served > 100 and scenario.fetch_codes.get("200", 0) > 0.8 * served, scenario.fetch_codes
 

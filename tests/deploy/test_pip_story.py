@@ -4,9 +4,9 @@ pip's own resolver answers, in a bare venv per version holding that SGLang's pub
 PEP 658 metadata of the real release, fetched by pip): our requirements as pip builds them from this
 checkout, the `engine` extra's applied in that venv with `--dry-run --report`, must install nothing. The
 `engine-fresh` extra in verl's 0.5.12 venv shows the check can fail: it would replace SGLang. Each of README's
-three forms (a checkout, a git URL, the wheel `make wheel` builds) is resolved there too: it brings the plugin and
-its base dependencies, no engine package, and every base dependency it shares with that SGLang has a version both
-accept (SGLang's own pins stay satisfiable).
+three forms (a checkout, a git URL, the wheel `make wheel` builds) is resolved once (with `--no-deps` its plan does not
+depend on the SGLang beside it): it brings the plugin and its base dependencies, no engine package, and every base
+dependency it shares with each SGLang has a version both accept (SGLang's own pins stay satisfiable).
 """
 
 from __future__ import annotations
@@ -164,19 +164,30 @@ def sglang_requirements(version: str) -> dict[str, SpecifierSet]:
     return {r.name.lower(): r.specifier for r in reqs if r.marker is None or r.marker.evaluate(env)}
 
 
-@pytest.mark.parametrize("version", supported())  # every supported SGLang, in CI
-def test_readmes_install_forms_beside_each_sglang_move_no_pin(version, install_forms, our_requirements, tmp_path):
-    python = venv_with_sglang(tmp_path / "venv", version)
+@pytest.fixture(scope="module")
+def form_plans(install_forms: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """pip's plan for each form with `--no-deps`, once: with no dependency resolved, the plan cannot depend on the
+    SGLang beside it (it was run beside each of them: 12 isolated builds of our metadata for the same answer).
+    What does depend on the SGLang, its pins against ours, is checked per version below."""
+    python = venv_with_sglang(tmp_path_factory.mktemp("forms-venv"), supported()[0])
     # The three resolver runs at once: each waits mostly on its build of our metadata (an isolated build env)
     # and on the index, not on this process, so together they take about as long as the slowest.
     with ThreadPoolExecutor(len(install_forms)) as pool:
         plans = {form: pool.submit(pip_report, "--no-deps", s, python=python) for form, s in install_forms.items()}
-    for form, planned in plans.items():
-        plan = planned.result()
+    return {form: planned.result() for form, planned in plans.items()}
+
+
+def test_each_readme_install_form_brings_the_plugin_with_its_engine_extra(form_plans):
+    assert sorted(form_plans) == ["checkout", "git", "wheel"]
+    for form, plan in form_plans.items():
         assert [(p["metadata"]["name"], p["metadata"]["version"]) for p in plan["install"]] == [
             ("r3-sidecar", "0.1.0")
         ], form
         assert plan["install"][0]["requested_extras"] == ["engine"], form
+
+
+@pytest.mark.parametrize("version", supported())  # every supported SGLang, in CI
+def test_readmes_install_forms_beside_each_sglang_move_no_pin(version, our_requirements):
     theirs = sglang_requirements(version)
     for req in map(Requirement, extra(our_requirements, None)):
         if req.name.lower() in theirs:
