@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
@@ -70,6 +70,8 @@ class Zygote:
             cwd=cwd,
             env=env,
         )
+        assert self.proc.stdout is not None
+        self._answers = answer_queue(self.proc.stdout)
 
     def serves(self, wanted: dict[str, str]) -> bool:
         """Whether this zygote may fork a child with environment `wanted`."""
@@ -78,8 +80,7 @@ class Zygote:
     def unserved(self, wanted: dict[str, str]) -> list[str]:
         """The variables of `wanted` this zygote cannot give a forked child (waits for its prelude the first time)."""
         if self._ready is None:
-            assert self.proc.stdout is not None
-            self._ready = _read_line(self.proc.stdout, 900)["env"]
+            self._ready = _read_line(self._answers, 900)["env"]
         return unserved(self.started, self._ready, wanted)
 
     def alive(self) -> bool:
@@ -87,17 +88,17 @@ class Zygote:
 
     def run(self, source: str, env: dict[str, str], out: Path, err: Path, timeout: float) -> int:
         """Run `source` in a forked child; its exit status (negative: killed by that signal)."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
         request = {"source": source, "env": env, "out": str(out), "err": str(err)}
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = int(_read_line(self.proc.stdout, 60)["pid"])
+            pid = int(_read_line(self._answers, 60)["pid"])
             try:
-                return int(_read_line(self.proc.stdout, timeout)["rc"])
+                return int(_read_line(self._answers, timeout)["rc"])
             except TimeoutError:
                 os.killpg(pid, signal.SIGKILL)
-                _read_line(self.proc.stdout, 60)
+                _read_line(self._answers, 60)
                 raise subprocess.TimeoutExpired(["sglang_zygote child", str(pid)], timeout) from None
         except subprocess.TimeoutExpired:
             raise
@@ -114,13 +115,31 @@ class Zygote:
             self.proc.wait()
 
 
-def _read_line(stream: IO[str], timeout: float) -> dict[str, Any]:
+def answer_queue(stream: IO[str]) -> queue.Queue[str | None]:
+    """The zygote's answer lines as they arrive, read on a thread (None once it closed its end).
+
+    Why not `select` on the pipe: a child that ends at once has its pid and its exit status written together, the
+    first `readline` takes both into the stream's buffer, and a `select` then waits on a pipe with nothing left in
+    it (CI-like run, 2026-11-29: `print('ok')` answered its pid, then no status within 60 s)."""
+    answers: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            answers.put(line)
+        answers.put(None)
+
+    threading.Thread(target=pump, daemon=True, name="r3-zygote-answers").start()
+    return answers
+
+
+def _read_line(answers: queue.Queue[str | None], timeout: float) -> dict[str, Any]:
     """The zygote's next answer, or TimeoutError; EOF (the zygote died) is an error of its own."""
-    ready, _, _ = select.select([stream], [], [], timeout)
-    if not ready:
-        raise TimeoutError
-    line = stream.readline()
-    if not line:
+    try:
+        line = answers.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError from None
+    if line is None:
+        answers.put(None)  # still closed for whoever reads next
         raise RuntimeError("the SGLang zygote exited")
     return json.loads(line)
 

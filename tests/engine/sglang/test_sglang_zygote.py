@@ -67,6 +67,19 @@ def test_a_child_past_its_time_is_killed_and_the_next_one_runs() -> None:
     assert run_sglang("emit('next')") == ["next"]
 
 
+def test_answers_written_together_are_each_read() -> None:
+    """A child that ends at once has its pid and exit status written in one go; both must be read, though the pipe
+    then holds nothing more (a `select` on it waited 60 s for the status, read already into the stream's buffer)."""
+    read, write = os.pipe()
+    os.write(write, b'{"pid": 7}\n{"rc": 0}\n')  # the write end stays open: no EOF wakes the reader
+    try:
+        answers = sglang_zygote.answer_queue(os.fdopen(read))
+        assert sglang_zygote._read_line(answers, 10) == {"pid": 7}
+        assert sglang_zygote._read_line(answers, 10) == {"rc": 0}
+    finally:
+        os.close(write)
+
+
 def test_a_run_cut_short_retires_its_zygote(tmp_path, monkeypatch) -> None:
     """A run interrupted between its request and its answers (pytest-timeout raises in the test's thread) leaves
     answers that the next run would read as its own: the zygote is closed, so later children start fresh."""
