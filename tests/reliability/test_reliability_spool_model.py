@@ -16,14 +16,17 @@ Each prints its steps, runs, seconds and steps per second (`-s`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import hypothesis.core
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import FlakyStrategyDefinition
 from hypothesis.stateful import run_state_machine_as_test
 from spool_model_checks import TALLY
 from spool_model_machine import RUNS, SpoolMachine
@@ -49,7 +52,7 @@ def _settings(runs: int, steps: int, *, fixed: bool) -> settings:
 
 
 def _run(
-    root: Path, runs: int, steps: int, *, seeds: tuple[int, ...] = (), total: int = 0, delete_races: bool = False
+    root: Path, runs: int, steps: int, *, seeds: Iterable[int] = (), total: int = 0, delete_races: bool = False
 ) -> None:
     """`runs` runs of up to `steps` steps from the fixed seed; with `seeds`, one batch of `runs` per seed until
     `total` steps are taken (hypothesis shortens some runs: batches make up for it)."""
@@ -66,7 +69,7 @@ def _run(
                 break
             batch = min(runs, -(-(total - TALLY["steps"]) // steps))  # no more runs than the steps left need
             print(f"spool model: batch seed {seed} at step {TALLY['steps']}")
-            with _forced_seed(seed):
+            with _forced_seed(seed), _flaky_generation_ends_the_batch(seed):
                 run_state_machine_as_test(SpoolMachine, settings=_settings(batch, steps, fixed=False))
     finally:
         took, n = time.monotonic() - began, TALLY["steps"]
@@ -74,6 +77,21 @@ def _run(
         print(f"\nspool model: {n} steps in {RUNS[0] - runs_before} runs, {took:.1f} s, {rate:.0f} steps/s")
         procs.close()
         SpoolMachine.delete_races = False
+
+
+@contextlib.contextmanager
+def _flaky_generation_ends_the_batch(seed: int):
+    """A batch's runs share hypothesis's record of the choices made so far, and the rules a step enables follow
+    what the real processes answered (a writer's rows, a kill's leftovers): two runs with the same first choices can
+    enable different rules, and hypothesis then stops with `FlakyStrategyDefinition` (`make reliability`, 2026-11-29,
+    after 49,866 steps). That is the harness, not the spool: the batch ends, its steps count, the next seed goes on.
+    A violation seen before it (every `Violation` is tallied as it is raised) still fails the test."""
+    try:
+        yield
+    except FlakyStrategyDefinition:
+        if TALLY["first"] is not None:
+            raise
+        print(f"spool model: batch seed {seed} ended by hypothesis's check of its own generation, no violation")
 
 
 @contextlib.contextmanager
@@ -104,8 +122,17 @@ def test_spool_model_ci_delete_races_reuse(tmp_path: Path) -> None:
 def test_spool_model_long(tmp_path: Path) -> None:
     total = int(os.environ.get("R3_MODEL_STEPS", "100000"))
     seed = int(os.environ.get("R3_MODEL_SEED", str(random.randrange(1 << 32))))
-    print(f"\nspool model: seed {seed} (R3_MODEL_SEED={seed} repeats this run; batch seeds follow it)")
+    print(f"\nspool model: seed {seed} (R3_MODEL_SEED={seed} repeats this run; each run's seed follows it)")
     runs = 20  # per batch: a batch's runs share one hypothesis seed
-    seeds = tuple(seed + i for i in range(1 + total // LONG_STEPS_PER_RUN))
+    seeds = itertools.islice(itertools.count(seed), total)  # batches until `total` steps; a batch cut short is made up
     _run(tmp_path, runs, LONG_STEPS_PER_RUN, seeds=seeds, total=total)
     assert TALLY["steps"] >= total, f"{TALLY['steps']} steps, {total} asked for"
+
+
+def test_hypothesis_flaky_generation_ends_a_batch_only_when_no_violation_was_seen(monkeypatch) -> None:
+    monkeypatch.setitem(TALLY, "first", None)
+    with _flaky_generation_ends_the_batch(7):
+        raise FlakyStrategyDefinition("two runs with the same first choices enabled different rules")
+    monkeypatch.setitem(TALLY, "first", (12, 0.0, "a record served before it was final"))
+    with pytest.raises(FlakyStrategyDefinition), _flaky_generation_ends_the_batch(7):
+        raise FlakyStrategyDefinition("after a violation: the test must fail")
