@@ -51,7 +51,8 @@ def bound_socket() -> socket.socket:
     return sock
 
 
-def _wait_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_sidecar_ready(base_url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until `base_url`'s `/readyz` answers 200 (fails at once if `proc` exits)."""
     # One client for the whole wait: each `httpx.get` builds a client whose TLS context loads certifi's bundle
     # (about 40 ms of CPU), and this polls every 20 ms.
     with httpx.Client(timeout=1.0) as client:
@@ -150,7 +151,7 @@ def live_server(
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, pass_fds=(sock.fileno(),))
     sock.close()
     try:
-        _wait_ready(base_url, timeout, proc)
+        wait_sidecar_ready(base_url, timeout, proc)
         yield base_url
     finally:
         stop_process(proc)

@@ -24,8 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from docs_blocks import ALL, DOC_URL, DOCS, MODES, RECIPES, REPO, RUNNABLE, Block
-from helpers import bound_socket
-from waiting import wait_until
+from helpers import bound_socket, wait_sidecar_ready
 
 from engine_ext.sglang.frontdoors import inline_shape
 
@@ -76,15 +75,8 @@ def demo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
 
-    client = httpx.Client(timeout=1)  # one for the wait: a client per poll builds a TLS context (~40 ms)
-
-    def ready() -> bool:
-        assert proc.poll() is None, "the demo exited"
-        return client.get(f"{url}/readyz").status_code == 200
-
     try:
-        with client:
-            wait_until(ready, 30, "the demo sidecar ready", ignore=(httpx.HTTPError,))
+        wait_sidecar_ready(url, 30, proc)
         yield url
     finally:
         proc.terminate()

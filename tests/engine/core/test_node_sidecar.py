@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 import pytest
-from helpers import REPO
+from helpers import REPO, wait_sidecar_ready
 from waiting import wait_until
 
 from engine_ext.core.node_sidecar import INFO_NAME, routable_host
@@ -91,14 +91,7 @@ def wait_gone(pid: int, timeout: float) -> bool:
 
 
 def ready(url: str, timeout: float = 30) -> None:
-    with httpx.Client(timeout=2) as client:  # one for the wait: a client per poll builds a TLS context (~40 ms)
-        wait_until(
-            lambda: client.get(f"{url}/readyz").status_code == 200,
-            timeout,
-            f"{url} ready",
-            interval=0.1,
-            ignore=(httpx.HTTPError,),
-        )
+    wait_sidecar_ready(url, timeout)
 
 
 @pytest.fixture

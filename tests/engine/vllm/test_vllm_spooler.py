@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from waiting import wait_until
+from helpers import wait_sidecar_ready
 
 from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import EngineSettings, Mode
@@ -256,15 +256,8 @@ def _served_engines(spool_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "service.server.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:  # one client: ~40 ms each
-            wait_until(
-                lambda: client.get("/readyz").status_code == 200,
-                90,
-                "r3-sidecar serve ready",
-                interval=0.2,
-                ignore=(httpx.TransportError,),
-            )
-            return client.get("/v1/engines").json()["engines"]
+        wait_sidecar_ready(f"http://127.0.0.1:{port}", 90, proc)
+        return httpx.get(f"http://127.0.0.1:{port}/v1/engines", timeout=10).json()["engines"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
