@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.shapes import ModelShape, inline_layout
+from benchmarks.shapes import ModelShape, inline_layout, routing
 from benchmarks.stats import samples, summary, timed
 
 
@@ -152,20 +152,18 @@ def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
     from engine_ext.sglang.collect import FinishedReq as Finished
     from engine_ext.sglang.live import LiveRows, StepRequest, decode_layout
 
-    rng = np.random.default_rng(1)
-    step_rows = torch.from_numpy(
-        rng.integers(0, shape.num_experts, (batch, shape.num_hidden_layers, shape.topk), dtype=np.int32)
-    )
+    # Rows a router could write (distinct experts, zeros only on dense layers): random or zero ones are what the
+    # row check flags, and the step would measure its suspect path instead of the one every step takes.
+    step_rows = inline_layout(shape, routing(shape, batch, seed=1))
     prompt = 16
+    prompt_rows = inline_layout(shape, routing(shape, prompt, seed=2))
     with tempfile.TemporaryDirectory(prefix="r3-bench-live-", dir="/dev/shm") as tmp:
         writer, collector = _collector(shape, Path(tmp))
         live = LiveRows(collector)
         rids = [f"live-{i}" for i in range(batch)]
         for i, rid in enumerate(rids):
             live.begin(rid, start=0, prompt_len=prompt, retractions=0, first_pos=0, pool_idx=i)
-            live.feed(
-                rid, 0, torch.zeros((prompt, shape.num_hidden_layers, shape.topk), dtype=torch.int32), limit=1 << 30
-            )
+            live.feed(rid, 0, prompt_rows, limit=1 << 30)
         writer.flush(60)
         seq_lens = [prompt + 1] * batch
 
@@ -190,7 +188,7 @@ def live_step_cost(shape: ModelShape, batch: int, steps: int) -> dict:
         writer.flush(60)
         writer.close()
         assert live.stats.completed == 1 and live.stats.restarted == 0, live.stats
-        assert writer.stats.write_errors == 0, writer.stats
+        assert writer.stats.write_errors == 0 and writer.stats.suspect_records == 0, writer.stats
     return {
         "model": shape.name,
         "batch": batch,
