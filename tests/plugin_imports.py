@@ -11,6 +11,7 @@ and an import inside a `try` that catches its ImportError is optional and left o
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import engine_ext.sglang
@@ -28,11 +29,17 @@ def needed_by(layout: compat.Layout) -> list[tuple[str, str, str]]:
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):  # the folders too (`hooks/`, `budget/`)
         plugin = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
-        for function, module, name in imports(ast.parse(path.read_text(), filename=str(path))):
+        for function, module, name in _file_imports(path):
             if plugin == "compat_shims" and function not in shims:
                 continue
             out.append((plugin, module, name))
     return out
+
+
+@functools.cache
+def _file_imports(path: Path) -> list[tuple[str | None, str, str]]:
+    """`imports` of one plugin file, read once per process (each release's check asks for all of them)."""
+    return imports(ast.parse(path.read_text(), filename=str(path)))
 
 
 def imports(tree: ast.Module) -> list[tuple[str | None, str, str]]:

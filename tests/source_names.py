@@ -57,9 +57,9 @@ class Source:
     def tree(self, module: str) -> ast.Module | None:
         """The parsed module (an empty one for a namespace package's folder); None: no such module."""
         if module not in self._trees:
-            path = attributes.source_path(module, self.root)
-            if path is not None:
-                self._trees[module] = ast.parse(path.read_text(encoding="utf-8"), filename=module)
+            parsed = attributes.tree(module, self.root)
+            if parsed is not None:
+                self._trees[module] = parsed
             else:
                 folder = self.root.joinpath(*module.split(".")[1:])
                 self._trees[module] = ast.Module(body=[], type_ignores=[]) if folder.is_dir() else None

@@ -78,15 +78,22 @@ def source_path(module: str, root: Traversable | None = None) -> Traversable | N
 
 
 @functools.cache
+def tree(module: str, root: Traversable | None = None) -> ast.Module | None:
+    """A module's parsed source (None: no such file), once per build: the attribute check and a reader of the same
+    build's names (the tests' `source_names`) share it."""
+    path = source_path(module, root)
+    return None if path is None else ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+@functools.cache
 def _module(module: str, root: Traversable | None = None) -> tuple[dict[str, ast.ClassDef], dict[str, str]] | None:
     """A module's classes and what its imports bind (local name → dotted origin)."""
     path = source_path(module, root)
     if path is None:
         return None
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     classes, imported = {}, {}
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in _top_level(tree.body):
+    for node in _top_level(tree(module, root).body):
         if isinstance(node, ast.ClassDef) and node.name not in classes:
             classes[node.name] = node
         elif isinstance(node, ast.ImportFrom):
@@ -210,5 +217,6 @@ def missing(functions: Collection[str] | None = None, root: Traversable | None =
 def forget() -> None:
     """Drop every parsed module: a process reading many builds' sources one after another (the release wheels'
     test) keeps one build's trees at a time, not all of them."""
+    tree.cache_clear()
     _module.cache_clear()
     class_facts.cache_clear()
