@@ -122,7 +122,7 @@ def test_spool_model_ci_delete_races_reuse(tmp_path: Path) -> None:
 def test_spool_model_long(tmp_path: Path) -> None:
     total = int(os.environ.get("R3_MODEL_STEPS", "100000"))
     seed = int(os.environ.get("R3_MODEL_SEED", str(random.randrange(1 << 32))))
-    print(f"\nspool model: seed {seed} (R3_MODEL_SEED={seed} repeats this run; each run's seed follows it)")
+    print(f"\nspool model: seed {seed} (R3_MODEL_SEED={seed} repeats this run; each batch's seed follows it)")
     runs = 20  # per batch: a batch's runs share one hypothesis seed
     seeds = itertools.islice(itertools.count(seed), total)  # batches until `total` steps; a batch cut short is made up
     _run(tmp_path, runs, LONG_STEPS_PER_RUN, seeds=seeds, total=total)
