@@ -97,11 +97,11 @@ $(DEMO)/.demo-stamp: pyproject.toml uv.lock | $(UV_DEP)
 	touch $@
 
 # Two pytest runs (docs/testing.md, "Two pytest runs"): the tests that start no engine server on three workers over
-# both cores (pytest-xdist; the live-Prometheus module mostly waits out its 180 s baseline on one; loadscope: a
-# module's tests on one worker, so a module-scoped fixture is built once), then tests/e2e and tests/ray on two
-# workers (two servers at a time: 1,423 s against 2,079 s one at a time, 2026-11-29). Both always run; either
-# failing fails.
-SERVER_TESTS := tests/e2e tests/ray
+# both cores (pytest-xdist; loadscope: a module's tests on one worker, so a module-scoped fixture is built once;
+# tests/scheduling.py groups and orders the modules), then the tests that start servers on two workers: tests/e2e,
+# tests/ray and the live-Prometheus module (its demo pods and a Prometheus server; two servers at a time: 1,423 s
+# against 2,079 s one at a time, 2026-11-29). Both always run; either failing fails.
+SERVER_TESTS := tests/e2e tests/ray tests/deploy/test_deploy_prometheus_live.py
 # The releases whose venvs the layout smoke needs (tests/tiers.py, LAYOUT_SMOKE; 0.5.20 has its own target below)
 CI_LAYOUT_RELEASES := 0.5.13.post1 0.5.14 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.21 0.5.22
 test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 $(CI_LAYOUT_RELEASES:%=.venv-sglang-%/.sglang-stamp) release-wheels release-wheels-vllm ## the suite, as CI runs it

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import scheduling
 import skips
 from helpers import live_server
 from timeouts import past_hypothesis
@@ -87,30 +88,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(skips.failure_text(report))
 
 
-# The server tier's longest modules, longest first (a CI-like run of cd59af7, 2026-11-29: the layout smoke's ten
-# server starts, vLLM's two releases' six, the front doors' six, …). `--dist loadscope` hands modules to workers in
-# collection order, so a long module collected last ran alone at the end while the other worker idled (the Ray
-# module: 143 s of its call so). Longest first, the end of the run is short modules on both workers.
-LONGEST_FIRST = (
-    "tests/e2e/test_sglang_layouts.py",
-    "tests/e2e/test_vllm_plugin.py",
-    "tests/e2e/test_sglang_front_doors.py",
-    "tests/e2e/test_sglang_limits.py",
-    "tests/e2e/test_sglang_0_5_12.py",
-    "tests/ray/test_ray_cluster.py",
-    "tests/e2e/test_sglang_dp_attention.py",
-    "tests/e2e/test_sglang_gateway.py",
-    "tests/e2e/test_sglang_fault.py",
-    "tests/e2e/test_sglang_inprocess.py",
-    "tests/e2e/test_vllm_build_check.py",
-    "tests/e2e/test_sglang_retract.py",
-)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`LONGEST_FIRST`'s modules first, in that order; every other test keeps its place (a stable sort)."""
-    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    """`scheduling.ORDER`'s modules first, in that order; every other test keeps its place (a stable sort)."""
+    items.sort(key=lambda item: scheduling.collection_rank(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under `--dist loadscope`, `scheduling.GroupedScopeScheduling`: grouped modules, handed out longest first."""
+    if config.getoption("dist") == "loadscope":
+        return scheduling.GroupedScopeScheduling(config, log)
+    return None
 
 
 @pytest.hookimpl(wrapper=True, optionalhook=True)

@@ -1,0 +1,88 @@
+"""How pytest-xdist hands the suite's modules to its workers: which modules go together, and in what order.
+
+Both of `make test`'s pytest runs are CPU-bound on CI's 2 cores (docs/testing.md, "Two pytest runs"), so what a
+worker builds without need comes off the others, and a long module handed out last runs alone at the end.
+
+- **Groups.** `--dist loadscope` gives each module to one worker, so what a module builds once (a fixture, a
+  zygote) is built once. A process that imports an engine is built once per worker, though: every worker that
+  ran one of the SGLang-children modules started its own SGLang zygote (torch and SGLang imported, about 16
+  CPU-s each). `GROUPS` makes such modules one unit of work, so one worker runs them all over one zygote.
+- **Order.** Units go out in collection order, and `ORDER`'s modules are collected first, longest first, so the
+  end of a run is short modules on every worker. pytest-xdist's own `loadscope` sorts units by their number of
+  tests instead (`--loadscope-reorder`, on by default), which sent the one-test Ray module, one of the longest,
+  out among the last (the server tier's order, read from a collection of 2026-11-30).
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+
+# Modules whose tests run SGLang's classes in children forked from the test process's zygote (`run_sglang`).
+_SGLANG_CHILDREN = (
+    "test_budget_sglang",
+    "test_capture_cases",
+    "test_capture_check",
+    "test_capture_graph_cuda",
+    "test_capture_sync",
+    "test_collect",
+    "test_collect_sync",
+    "test_compat",
+    "test_frontdoors",
+    "test_live",
+    "test_pd",
+    "test_plugin_entry",
+    "test_sglang_layout",
+    "test_sglang_zygote",
+)
+GROUPS: dict[str, str] = {f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN}
+
+# The longest units first: the server tier's (a CI-like run of cd59af7, 2026-11-29: the layout smoke's ten server
+# starts, vLLM's two releases' six, the front doors' six, …), then the server-free tier's (profiled 2026-11-30).
+ORDER = (
+    "tests/e2e/test_sglang_layouts.py",
+    "tests/e2e/test_vllm_plugin.py",
+    "tests/e2e/test_sglang_front_doors.py",
+    "tests/e2e/test_sglang_limits.py",
+    "tests/e2e/test_sglang_0_5_12.py",
+    "tests/ray/test_ray_cluster.py",
+    "tests/e2e/test_sglang_dp_attention.py",
+    "tests/e2e/test_sglang_gateway.py",
+    "tests/e2e/test_sglang_fault.py",
+    "tests/e2e/test_sglang_inprocess.py",
+    "tests/e2e/test_vllm_build_check.py",
+    "tests/e2e/test_sglang_retract.py",
+    "tests/deploy/test_deploy_prometheus_live.py",
+    "tests/engine/sglang/test_capture_compiled.py",
+    *GROUPS,
+    "tests/engine/vllm/test_vllm_classes.py",
+    "tests/benchmarks/test_bench_smoke.py",
+    "tests/engine/vllm/test_vllm_spooler.py",
+    "tests/engine/vllm/test_vllm_release_files.py",
+    "tests/deploy/test_pip_story.py",
+    "tests/reliability/test_reliability_spool_model.py",
+    "tests/engine/sglang/test_release_wheels.py",
+    "tests/deploy/test_vllm_pip_story.py",
+)
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def collection_rank(nodeid: str) -> int:
+    """Where a test goes in collection order: `ORDER`'s modules first, in that order; every other after them."""
+    return _RANK.get(module_of(nodeid), len(_RANK))
+
+
+_RANK = {module: i for i, module in enumerate(ORDER)}
+
+
+class GroupedScopeScheduling(LoadScopeScheduling):
+    """`loadscope` whose unit is a module's group where `GROUPS` names one, handed out in collection order."""
+
+    def __init__(self, config, log=None) -> None:
+        super().__init__(config, log)
+        config.option.loadscopereorder = False  # collection order is `ORDER`'s, not the count of tests
+
+    def _split_scope(self, nodeid: str) -> str:
+        return GROUPS.get(module_of(nodeid)) or super()._split_scope(nodeid)
