@@ -6,7 +6,8 @@ worker builds without need comes off the others, and a long module handed out la
 - **Groups.** `--dist loadscope` gives each module to one worker, so what a module builds once (a fixture, a
   zygote) is built once. A process that imports an engine is built once per worker, though: every worker that
   ran one of the SGLang-children modules started its own SGLang zygote (torch and SGLang imported, about 16
-  CPU-s each). `GROUPS` makes such modules one unit of work, so one worker runs them all over one zygote.
+  CPU-s each; vLLM's: torch and transformers, 8 CPU-s). `GROUPS` makes such modules one unit of work, so one
+  worker runs them all over one zygote; likewise the two modules that read pip's build of our metadata.
 - **Order.** Units go out in collection order, and `ORDER`'s modules are collected first, longest first, so the
   end of a run is short modules on every worker. pytest-xdist's own `loadscope` sorts units by their number of
   tests instead (`--loadscope-reorder`, on by default), which sent the one-test Ray module, one of the longest,
@@ -34,7 +35,17 @@ _SGLANG_CHILDREN = (
     "test_sglang_layout",
     "test_sglang_zygote",
 )
-GROUPS: dict[str, str] = {f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN}
+# Modules whose tests run vLLM 0.32.0 in children forked from the test process's `.venv-vllm` zygote (`run_vllm`).
+_VLLM_CHILDREN = ("test_vllm_classes", "test_vllm_release_files", "test_vllm_spooler")
+GROUPS: dict[str, str] = {
+    **{f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN},
+    **{f"tests/engine/vllm/{name}.py": "vLLM's zygote children" for name in _VLLM_CHILDREN},
+    # pip's isolated build of this checkout's metadata, made once per process (`test_pip_story.our_requirements`)
+    "tests/deploy/test_pip_story.py": "pip's resolver",
+    "tests/deploy/test_vllm_pip_story.py": "pip's resolver",
+}
+# Each group's zygote: the function its modules call to fork a child from it.
+FORKED_BY = {"SGLang's zygote children": "run_sglang", "vLLM's zygote children": "run_vllm"}
 
 # The longest units first: the server tier's (a CI-like run of cd59af7, 2026-11-29: the layout smoke's ten server
 # starts, vLLM's two releases' six, the front doors' six, …), then the server-free tier's (profiled 2026-11-30).
@@ -54,14 +65,9 @@ ORDER = (
     "tests/deploy/test_deploy_prometheus_live.py",
     "tests/engine/sglang/test_capture_compiled.py",
     *GROUPS,
-    "tests/engine/vllm/test_vllm_classes.py",
     "tests/benchmarks/test_bench_smoke.py",
-    "tests/engine/vllm/test_vllm_spooler.py",
-    "tests/engine/vllm/test_vllm_release_files.py",
-    "tests/deploy/test_pip_story.py",
     "tests/reliability/test_reliability_spool_model.py",
     "tests/engine/sglang/test_release_wheels.py",
-    "tests/deploy/test_vllm_pip_story.py",
 )
 
 

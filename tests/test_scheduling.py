@@ -2,7 +2,7 @@
 
 Driven through pytest-xdist's own `LoadScopeScheduling` protocol (add nodes, their collections, schedule) with
 stand-in workers that record what they were sent, and checked against the source: every module `GROUPS` names
-forks SGLang children, and every module that does is in it.
+forks its group's zygote children, and every module that does is in it.
 """
 
 from __future__ import annotations
@@ -70,19 +70,16 @@ def test_every_scheduled_module_exists():
     assert not missing, f"renamed or removed, still scheduled: {missing}"
 
 
-def _calls_run_sglang(path: Path) -> bool:
+def _calls(path: Path, function: str) -> bool:
     tree = ast.parse(path.read_text())
     return any(
-        isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "run_sglang"
+        isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == function
         for node in ast.walk(tree)
     )
 
 
-def test_the_zygote_group_is_exactly_the_modules_that_fork_sglang_children():
-    forking = {
-        str(path.relative_to(REPO))
-        for path in (REPO / "tests").rglob("test_*.py")
-        if "e2e" not in path.parts and _calls_run_sglang(path)
-    }
-    grouped = {module for module, group in scheduling.GROUPS.items() if group == "SGLang's zygote children"}
-    assert forking == grouped
+def test_each_zygote_group_is_exactly_the_modules_that_fork_its_children():
+    modules = [path for path in (REPO / "tests").rglob("test_*.py") if "e2e" not in path.parts]
+    for group, function in scheduling.FORKED_BY.items():
+        forking = {str(path.relative_to(REPO)) for path in modules if _calls(path, function)}
+        assert forking == {module for module, named in scheduling.GROUPS.items() if named == group}, group

@@ -2,7 +2,7 @@
 
 SGLang sets process environment variables and global state (published config, applied hooks) on import and
 publish, so engine tests run their code through `run_sglang(code)`: a new process with the CPU workarounds
-applied (forked from a zygote that imported them once: `sglang_zygote`), `emit(obj)` to hand JSON back, and a
+applied (forked from a zygote that imported them once: `tests/zygote.py`), `emit(obj)` to hand JSON back, and a
 clear failure carrying the child's stderr.
 
 Inside the child, `from sglang_env import publish_args, tiny_model_config` give a published `ServerArgs`
@@ -19,9 +19,11 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sglang_zygote import SERVED_PREFIXES, Zygote
+if TYPE_CHECKING:  # the test process's side only: the children import this module without `tests/` on their path
+    from zygote import Zygote
+
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe"
@@ -85,7 +87,7 @@ def run_sglang(
     code: str, *, timeout: float = 240, env: dict[str, str] | None = None, read_late: dict[str, str] | None = None
 ) -> list[Any]:
     """Run `code` (dedented) in a new process that has run the prelude; return what it `emit`ted. The process is
-    forked from this test process's zygote where the environment allows (`sglang_zygote`), else a fresh
+    forked from this test process's zygote where the environment allows (`tests/zygote.py`), else a fresh
     interpreter (`R3_TEST_FRESH_CHILDREN=1`: always).
 
     `read_late`: variables that nothing reads on import, only when asked (SGLang's `envs.X.get()` reads
@@ -144,6 +146,8 @@ def _zygote() -> Zygote | None:
     if os.environ.get("R3_TEST_FRESH_CHILDREN") == "1":
         return None
     if not _zygotes:
+        from zygote import SERVED_PREFIXES, Zygote
+
         base = {k: v for k, v in _child_env(_IMPORTED_WITH).items() if not k.startswith(SERVED_PREFIXES)}
         _zygotes.append(Zygote(_PRELUDE, base, REPO))
         atexit.register(_zygotes[0].close)

@@ -5,8 +5,9 @@ SGLang's piecewise CUDA graphs (default on GPUs) and `--enable-torch-compile` tr
 Dynamo, and the plugin's per-layer hook on `BaseDeviceCache.capture` runs inside it. The hook used to call
 `time.perf_counter_ns` (a builtin Dynamo skips: "Piecewise CUDA Graph failed", the scheduler exited) and to
 keep a "proved once per forward" flag (state a compiled graph would freeze at trace time). Each version runs
-`compiled_capture.py` in its own venv: the plugin installed by its real entry point through the real
-`HookRegistry`, hook timers on (the default), Inductor, static and dynamic token counts. Checked: the compiled
+`compiled_capture.py` over its own venv's SGLang (forked from a zygote that imported the torch all four venvs
+share): the plugin installed by its real entry point through the real `HookRegistry`, hook timers on (the
+default), Inductor, static and dynamic token counts. Checked: the compiled
 rows equal eager's, the graph is op for op the one of SGLang's bare method, nothing Python-side moves while
 compiled code runs, an overflow still names the setting. Before the fix this failed at the first trace:
 "Attempted to call function marked as skipped ... perf_counter_ns".
@@ -17,9 +18,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[3]
 VERSIONS = {"0.5.23": ".venv", "0.5.20": ".venv-sglang-0.5.20", "0.5.16": ".venv-sglang-0.5.16"}
@@ -28,12 +31,20 @@ VERSIONS["0.5.12"] = ".venv-sglang-0.5.12"
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module", params=list(VERSIONS))  # every supported version, in CI too
-def compiled(request: pytest.FixtureRequest) -> dict:
-    python = REPO / VERSIONS[request.param] / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"needs {VERSIONS[request.param]} (make env-sglang-{request.param})")
-    env = os.environ | {
+SCRIPT = REPO / "tests" / "engine" / "sglang" / "compiled_capture.py"
+# A child forked from the torch zygote: a release's own site ahead of `.venv`'s, as its venv's interpreter has it
+# (each release venv holds SGLang, and 0.5.16's and 0.5.12's their transformers, over `.venv`'s torch).
+_CHILD = """
+import runpy, site, sys
+assert not {{"sglang", "transformers", "tokenizers"}} & set(sys.modules), "the zygote imported a release's package"
+if {site!r} != site.getsitepackages()[0]:
+    sys.path.insert(sys.path.index(site.getsitepackages()[0]), {site!r})
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {
         "PYTHONPATH": os.pathsep.join(
             filter(None, [str(REPO), str(REPO / "tests" / "engine" / "sglang"), os.environ.get("PYTHONPATH")])
         ),
@@ -45,16 +56,37 @@ def compiled(request: pytest.FixtureRequest) -> dict:
         # same kernels, 5 CPU-s and 8 s less a version here (compile threads change where code is built, not what)
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
     }
-    done = subprocess.run(
-        [str(python), str(REPO / "tests" / "engine" / "sglang" / "compiled_capture.py")],
-        capture_output=True,
-        text=True,
-        timeout=800,
-        env=env,
-        cwd=REPO,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("R3-RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def torch_zygote() -> Iterator[Zygote | None]:
+    """`.venv`'s torch and Dynamo imported once (`tests/zygote.py`), every release's run forked from it: all four
+    venvs share that torch. None under `R3_TEST_FRESH_CHILDREN=1`: each run in its venv's own interpreter."""
+    if os.environ.get("R3_TEST_FRESH_CHILDREN") == "1":
+        yield None
+        return
+    zygote = Zygote("import torch, torch._dynamo", _env(), REPO)
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="module", params=list(VERSIONS))  # every supported version, in CI too
+def compiled(request: pytest.FixtureRequest, torch_zygote: Zygote | None, tmp_path_factory) -> dict:
+    venv = REPO / VERSIONS[request.param]
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"needs {VERSIONS[request.param]} (make env-sglang-{request.param})")
+    if torch_zygote is None or not torch_zygote.serves(_env()):
+        done = subprocess.run(
+            [str(venv / "bin" / "python"), str(SCRIPT)], capture_output=True, text=True, timeout=800, env=_env()
+        )
+        returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
+    else:
+        (site,) = (venv / "lib").glob("python3*/site-packages")
+        out, err = tmp_path_factory.mktemp("compiled") / "out", tmp_path_factory.mktemp("compiled") / "err"
+        returncode = torch_zygote.run(_CHILD.format(site=str(site), script=str(SCRIPT)), _env(), out, err, 800)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    lines = [line for line in stdout.splitlines() if line.startswith("R3-RESULT ")]
+    assert returncode == 0 and lines, stderr[-6000:]
     result = json.loads(lines[-1].removeprefix("R3-RESULT "))
     assert result["sglang"] == request.param, result
     return result

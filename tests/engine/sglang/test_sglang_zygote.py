@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
-import sglang_zygote
+import zygote as protocol
 from sglang_env import fork_refusal, run_sglang
-from sglang_zygote import Zygote, serves
+from zygote import Zygote, serves
 
 WHO = """
 import os, sglang.srt.server_args as server_args
@@ -73,9 +72,9 @@ def test_answers_written_together_are_each_read() -> None:
     read, write = os.pipe()
     os.write(write, b'{"pid": 7}\n{"rc": 0}\n')  # the write end stays open: no EOF wakes the reader
     try:
-        answers = sglang_zygote.answer_queue(os.fdopen(read))
-        assert sglang_zygote._read_line(answers, 10) == {"pid": 7}
-        assert sglang_zygote._read_line(answers, 10) == {"rc": 0}
+        answers = protocol.answer_queue(os.fdopen(read))
+        assert protocol._read_line(answers, 10) == {"pid": 7}
+        assert protocol._read_line(answers, 10) == {"rc": 0}
     finally:
         os.close(write)
 
@@ -83,12 +82,11 @@ def test_answers_written_together_are_each_read() -> None:
 def test_a_run_cut_short_retires_its_zygote(tmp_path, monkeypatch) -> None:
     """A run interrupted between its request and its answers (pytest-timeout raises in the test's thread) leaves
     answers that the next run would read as its own: the zygote is closed, so later children start fresh."""
-    here = str(Path(sglang_zygote.__file__).parent)
-    zygote = Zygote("", {**os.environ, "PYTHONPATH": here}, tmp_path)  # no prelude: the protocol alone
-    assert zygote.serves({**os.environ, "PYTHONPATH": here})
+    zygote = Zygote("", dict(os.environ), tmp_path)  # no prelude: the protocol alone
+    assert zygote.serves(dict(os.environ))
     out, err = tmp_path / "out", tmp_path / "err"
     assert zygote.run("print('ok')", {}, out, err, 60) == 0 and out.read_text() == "ok\n"
-    answers = iter([sglang_zygote._read_line])
+    answers = iter([protocol._read_line])
 
     def cut_short(stream, timeout):
         reader = next(answers, None)
@@ -96,7 +94,7 @@ def test_a_run_cut_short_retires_its_zygote(tmp_path, monkeypatch) -> None:
             raise KeyboardInterrupt  # where pytest-timeout's exception lands: waiting for the exit status
         return reader(stream, timeout)
 
-    monkeypatch.setattr(sglang_zygote, "_read_line", cut_short)
+    monkeypatch.setattr(protocol, "_read_line", cut_short)
     with pytest.raises(KeyboardInterrupt):
         zygote.run("import time\ntime.sleep(30)", {}, out, err, 60)  # not a wait: a child still running
     assert not zygote.alive()

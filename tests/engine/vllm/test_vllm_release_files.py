@@ -10,13 +10,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import os
 import subprocess
 import textwrap
 from importlib.metadata import PathDistribution
 from pathlib import Path
 
 import pytest
+from vllm_children import run_vllm
 
 from engine_ext.core.records import ModelShape
 from engine_ext.core.release_files import changed
@@ -132,10 +132,12 @@ def _overlay(site: Path, root: Path, edit: str) -> Path:
 
 
 def _register(root: Path, spool: Path) -> subprocess.CompletedProcess[str]:
-    """`register()` in the vLLM venv with `root` first on the path, as vLLM's plugin loader calls it."""
+    """`register()` in the vLLM venv with `root` first on the path, as vLLM's plugin loader calls it (forked from
+    `.venv-vllm`'s zygote, which imported torch and transformers but no vLLM: the child imports `root`'s)."""
     script = textwrap.dedent(
         f"""
-        import logging, time
+        import logging, sys, time
+        sys.dont_write_bytecode = True  # nothing written beside the overlay's files or the venv's
         logging.basicConfig(level=logging.INFO)
         import vllm
         from engine_ext.vllm.release_files import installed_changes
@@ -147,11 +149,7 @@ def _register(root: Path, spool: Path) -> subprocess.CompletedProcess[str]:
         print(installed_changes(vllm.__version__, release(vllm.__version__)), time.perf_counter() - start)
         """
     )
-    env = {
-        "PYTHONPATH": f"{root}{os.pathsep}{REPO}", "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1",
-        "R3_SPOOL_DIR": str(spool), "VLLM_NO_USAGE_STATS": "1",
-    }  # fmt: skip
-    return subprocess.run([str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    return run_vllm(script, env={"R3_SPOOL_DIR": str(spool)}, path_first=[root], timeout=600)
 
 
 @pytest.mark.timeout(700)  # two children import vLLM's serving modules on a loaded 2-core machine

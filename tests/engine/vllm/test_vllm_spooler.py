@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import wait_sidecar_ready
+from vllm_children import run_vllm
 
 from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import EngineSettings, Mode
@@ -208,9 +209,8 @@ def test_in_real_vllm_a_build_between_rows_is_hooked_and_one_without_a_hook_targ
             os.environ.update(R3_SPOOL_DIR={str(spool)!r}, R3_ENGINE_ID="old")
             """
         ) + textwrap.dedent(body)
-        env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
         # a hang guard: the import alone took 45 s quiet and ran past 180 s at load 10-17 (2026-11-29)
-        return subprocess.run([str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=env, timeout=450)
+        return run_vllm(script, timeout=450)
 
     hooked = run(
         """

@@ -1,16 +1,16 @@
-"""One SGLang import per test process: a zygote that has run `run_sglang`'s prelude forks each child from it.
+"""One engine import per test process: a zygote that has run a prelude once forks each child from it.
 
-Why: every `run_sglang` child used to start a fresh interpreter, and the prelude's imports (torch, SGLang's
-`srt` layers: about 8 s here on a quiet core, 30-45 s on a loaded one) were most of each child's time. A fork of
-a process that has run exactly that prelude is the same process a fresh interpreter is after it: the same
-modules, the same CPU workarounds applied, nothing published, no hook applied. The child then runs the same
-source the fresh interpreter would (`_PRELUDE` and the test's code) in a new `__main__`, with its output in
-files and its exit status reported back.
+Why: the engine tests run their code in child processes (SGLang's classes through `sglang_env.run_sglang`, vLLM's
+through `vllm_children.run_vllm`, SGLang's compiled capture per release), and each child used to start a fresh
+interpreter whose imports (torch with SGLang or vLLM: 8-16 CPU-s here) were most of its time. A fork of a process
+that has run exactly a prelude is the same process a fresh interpreter is after it: the same modules, the same
+workarounds applied, nothing published, no hook applied. The child then runs the same source the fresh
+interpreter would in a new `__main__`, with its output in files and its exit status reported back.
 
 What a fork cannot reproduce is an environment variable read while the prelude imported: the zygote serves a
 child only when the environment asked for differs from its own in `R3_*` and `PYTEST_*` variables alone
-(`SERVED_PREFIXES`); anything else gets a fresh interpreter (`sglang_env.run_sglang`). The
-zygote runs no torch operation before it forks, so no thread pool exists to be lost in a child.
+(`SERVED_PREFIXES`); the caller gives anything else a fresh interpreter. The zygote runs no torch operation before
+it forks, so no thread pool exists to be lost in a child.
 
 The protocol is one JSON line each way on the zygote's stdin and stdout: a request names the code, the
 environment and two files for the child's stdout and stderr; the zygote answers with the child's pid at once,
@@ -56,14 +56,24 @@ def unserved(started: dict[str, str], ready: dict[str, str], wanted: dict[str, s
     )
 
 
+# After the prelude: this module imported from its file (the children's path stays the prelude's), then its loop.
+_SERVE = f"""
+import importlib.util as _util
+_spec = _util.spec_from_file_location("zygote", {str(Path(__file__).resolve())!r})
+_zygote = _util.module_from_spec(_spec)
+_spec.loader.exec_module(_zygote)
+_zygote.serve()
+"""
+
+
 class Zygote:
     """The test process's side: starts the zygote once, asks it for children, kills a child past its time."""
 
-    def __init__(self, prelude: str, env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, prelude: str, env: dict[str, str], cwd: Path, python: str | Path = sys.executable) -> None:
         self.started = dict(env)
         self._ready: dict[str, str] | None = None
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", prelude + "\nimport sglang_zygote\nsglang_zygote.serve()"],
+            [str(python), "-c", prelude + _SERVE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -80,9 +90,13 @@ class Zygote:
 
     def unserved(self, wanted: dict[str, str]) -> list[str]:
         """The variables of `wanted` this zygote cannot give a forked child (waits for its prelude the first time)."""
+        return unserved(self.started, self._ready_env(), wanted)
+
+    def _ready_env(self) -> dict[str, str]:
+        """The environment the zygote reported once its prelude ran (its first answer; waited for the first time)."""
         if self._ready is None:
             self._ready = _read_line(self._answers, 900)["env"]
-        return unserved(self.started, self._ready, wanted)
+        return self._ready
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -91,6 +105,7 @@ class Zygote:
         """Run `source` in a forked child; its exit status (negative: killed by that signal)."""
         assert self.proc.stdin is not None
         request = {"source": source, "env": env, "out": str(out), "err": str(err)}
+        self._ready_env()  # its first answer, before any child's
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -100,7 +115,7 @@ class Zygote:
             except TimeoutError:
                 os.killpg(pid, signal.SIGKILL)
                 _read_line(self._answers, 60)
-                raise subprocess.TimeoutExpired(["sglang_zygote child", str(pid)], timeout) from None
+                raise subprocess.TimeoutExpired(["zygote child", str(pid)], timeout) from None
         except subprocess.TimeoutExpired:
             raise
         except BaseException:
@@ -141,7 +156,7 @@ def _read_line(answers: queue.Queue[str | None], timeout: float) -> dict[str, An
         raise TimeoutError from None
     if line is None:
         answers.put(None)  # still closed for whoever reads next
-        raise RuntimeError("the SGLang zygote exited")
+        raise RuntimeError("the zygote exited")
     return json.loads(line)
 
 

@@ -1,0 +1,62 @@
+"""Run a script in `.venv-vllm`'s interpreter (vLLM 0.32.0), forked from a zygote that imported torch and
+transformers once (`tests/zygote.py`).
+
+Why: each test child used to start a fresh interpreter, and `import vllm` took 14.4-15.0 CPU-s here, 7.5-8.4 of
+them torch and transformers (measured 2026-11-30 in `.venv-vllm`). The zygote imports those two and no vLLM, so a
+child may still put a patched vLLM first on its path (`path_first`) and import it as a fresh interpreter would. A
+child gets a fresh interpreter instead when `R3_TEST_FRESH_CHILDREN=1`, or when its environment differs from the
+zygote's in more than `R3_*` variables.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zygote import Zygote
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# What every child's environment holds: the repository on the path, a bare PATH, no usage reports.
+BASE_ENV = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "VLLM_NO_USAGE_STATS": "1"}
+_PRELUDE = "import torch, transformers"
+
+_zygotes: list[Zygote] = []
+
+
+def run_vllm(
+    script: str, *, env: dict[str, str] | None = None, path_first: list[Path] = (), timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """`script` run as `.venv-vllm/bin/python -c script` with `BASE_ENV` and `env` (`R3_*` variables), and
+    `path_first` ahead of the repository on its path (PYTHONPATH's place); its exit status and output."""
+    source = f"import sys\nsys.path[1:1] = {[str(p) for p in path_first]!r}\n" + script if path_first else script
+    child_env = BASE_ENV | (env or {})
+    zygote = _zygote()
+    if zygote is None or not zygote.serves(child_env):
+        if path_first:
+            child_env["PYTHONPATH"] = os.pathsep.join([*map(str, path_first), child_env["PYTHONPATH"]])
+        return subprocess.run(
+            [str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=child_env, timeout=timeout
+        )
+    with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        returncode = zygote.run(source, child_env, out, err, timeout)
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    return subprocess.CompletedProcess([str(VLLM_PYTHON), "-c", script], returncode, stdout, stderr)
+
+
+def _zygote() -> Zygote | None:
+    """This process's vLLM zygote, started on first use; None when fresh children are asked for or it died."""
+    if os.environ.get("R3_TEST_FRESH_CHILDREN") == "1":
+        return None
+    if not _zygotes:
+        from zygote import Zygote
+
+        _zygotes.append(Zygote(_PRELUDE, dict(BASE_ENV), REPO, python=VLLM_PYTHON))
+        atexit.register(_zygotes[0].close)
+    return _zygotes[0] if _zygotes[0].alive() else None
