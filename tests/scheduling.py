@@ -36,7 +36,7 @@ _SGLANG_CHILDREN = (
     "test_sglang_zygote",
 )
 # Modules whose tests run vLLM 0.32.0 in children forked from the test process's `.venv-vllm` zygote (`run_vllm`).
-_VLLM_CHILDREN = ("test_vllm_classes", "test_vllm_release_files", "test_vllm_spooler")
+_VLLM_CHILDREN = ("test_vllm_children", "test_vllm_classes", "test_vllm_release_files", "test_vllm_spooler")
 GROUPS: dict[str, str] = {
     **{f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN},
     **{f"tests/engine/vllm/{name}.py": "vLLM's zygote children" for name in _VLLM_CHILDREN},

@@ -1,0 +1,40 @@
+"""`run_vllm`'s children fork from `.venv-vllm`'s zygote, import the vLLM their path puts first, and fall back to a
+fresh interpreter when asked to (or when their environment is one the zygote cannot give)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import vllm_children
+from vllm_children import VLLM_PYTHON, run_vllm
+
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="`make env-vllm` builds the vLLM venv")
+
+WHO = """
+import json, os, sys
+print(json.dumps({"parent": os.getppid(), "preloaded": "torch" in sys.modules, "vllm": "vllm" in sys.modules,
+                  "spool": os.environ.get("R3_SPOOL_DIR"), "path": sys.path[1]}))
+"""
+
+
+def _who(**kwargs) -> dict:
+    done = run_vllm(WHO, timeout=300, **kwargs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_child_is_forked_from_the_zygote_with_torch_imported_and_no_vllm(tmp_path):
+    first, second = _who(env={"R3_SPOOL_DIR": str(tmp_path)}), _who(path_first=[tmp_path])
+    zygote = vllm_children._zygote()
+    assert zygote is not None and first["parent"] == second["parent"] == zygote.proc.pid
+    assert first["preloaded"] and not first["vllm"]  # a child still imports the vLLM its path puts first
+    assert first["spool"] == str(tmp_path) and second["spool"] is None
+    assert second["path"] == str(tmp_path)  # ahead of the repository, where PYTHONPATH would put it
+
+
+def test_fresh_children_when_asked(monkeypatch):
+    monkeypatch.setenv("R3_TEST_FRESH_CHILDREN", "1")
+    fresh = _who()
+    assert fresh["parent"] == os.getpid() and fresh["preloaded"] is False
