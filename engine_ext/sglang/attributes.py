@@ -32,21 +32,16 @@ _CONSTRUCTION = ("__init__", "__post_init__", "__new__")
 
 @dataclass
 class ClassFacts:
-    """What one class (with its SGLang bases) defines: class-level names, and `self.x` assignments by method."""
+    """What one class (with its SGLang bases) defines: class-level names, and its methods (the bases' first, in
+    order), read for `self.x` assignments only when a question needs them: a class like the scheduler has hundreds
+    of methods, and a check asks about its constructor's few."""
 
     names: set[str] = field(default_factory=set)
-    assigned: dict[str, set[str]] = field(default_factory=dict)  # method → attributes it assigns on self
-    calls: dict[str, set[str]] = field(default_factory=dict)  # method → `self.<method>()` it calls
-    types: dict[str, str] = field(default_factory=dict)  # attribute → dotted class of `self.x = Cls(...)`
+    methods: list[_Method] = field(default_factory=list)
 
     def merge(self, base: ClassFacts) -> None:
         self.names |= base.names
-        for method, attrs in base.assigned.items():
-            self.assigned.setdefault(method, set()).update(attrs)
-        for method, called in base.calls.items():
-            self.calls.setdefault(method, set()).update(called)
-        for name, cls in base.types.items():
-            self.types.setdefault(name, cls)
+        self.methods += base.methods
 
     def set_by(self, methods: tuple[str, ...]) -> set[str]:
         """Attributes assigned by `methods` or any `self.` method they call, transitively."""
@@ -56,9 +51,47 @@ class ClassFacts:
             if method in seen:
                 continue
             seen.add(method)
-            out |= self.assigned.get(method, set())
-            todo += self.calls.get(method, ())
+            for found in self.methods:
+                if found.node.name == method:
+                    out |= found.assigned
+                    todo += found.calls
         return out
+
+    def type_of(self, attribute: str) -> str | None:
+        """The dotted class of the first `self.<attribute> = Cls(...)`, in method order (None: none)."""
+        for found in self.methods:
+            for name, cls in found.types:
+                if name == attribute:
+                    return cls
+        return None
+
+
+class _Method:
+    """One method's `self.` assignments, `self.` calls and `self.x = Cls(...)` types, read on first use."""
+
+    def __init__(self, node: ast.FunctionDef | ast.AsyncFunctionDef, resolve) -> None:
+        self.node, self._resolve, self._read = node, resolve, False
+        self._assigned: set[str] = set()
+        self._calls: set[str] = set()
+        self._types: list[tuple[str, str]] = []
+
+    @property
+    def assigned(self) -> set[str]:
+        return self._facts()[0]
+
+    @property
+    def calls(self) -> set[str]:
+        return self._facts()[1]
+
+    @property
+    def types(self) -> list[tuple[str, str]]:
+        return self._facts()[2]
+
+    def _facts(self) -> tuple[set[str], set[str], list[tuple[str, str]]]:
+        if not self._read:
+            _read_method(self.node, self._assigned, self._calls, self._types, self._resolve)
+            self._read = True
+        return self._assigned, self._calls, self._types
 
 
 def source_path(module: str, root: Traversable | None = None) -> Traversable | None:
@@ -140,7 +173,7 @@ def class_facts(dotted: str, root: Traversable | None = None) -> ClassFacts | No
     for item in node.body:
         _class_level(item, facts)
         if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
-            _method(item, facts, lambda n: _resolve(n, module, classes, imported))
+            facts.methods.append(_Method(item, lambda n: _resolve(n, module, classes, imported)))
     return facts
 
 
@@ -164,9 +197,8 @@ def _class_level(item: ast.stmt, facts: ClassFacts) -> None:
             facts.names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
-def _method(method: ast.FunctionDef | ast.AsyncFunctionDef, facts: ClassFacts, resolve) -> None:
-    assigned = facts.assigned.setdefault(method.name, set())
-    calls = facts.calls.setdefault(method.name, set())
+def _read_method(method: ast.FunctionDef | ast.AsyncFunctionDef, assigned: set[str], calls: set[str], types, resolve):
+    """Fill `assigned`, `calls` and `types` (attribute, dotted class) from one walk of `method`."""
     for node in ast.walk(method):
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
@@ -181,7 +213,7 @@ def _method(method: ast.FunctionDef | ast.AsyncFunctionDef, facts: ClassFacts, r
                     assigned.add(sub.attr)
                     value = getattr(node, "value", None)
                     if isinstance(value, ast.Call) and (cls := resolve(value.func)):
-                        facts.types.setdefault(sub.attr, cls)
+                        types.append((sub.attr, cls))
 
 
 def _is_self_attr(node: ast.AST) -> bool:
@@ -194,7 +226,7 @@ def defines(facts: ClassFacts, attribute: str, set_in: tuple[str, ...] = (), roo
     present = head in facts.names or head in facts.set_by(_CONSTRUCTION + set_in)
     if not present or not rest:
         return present
-    inner = class_facts(facts.types.get(head, ""), root)
+    inner = class_facts(facts.type_of(head) or "", root)
     return inner is not None and defines(inner, rest, (), root)
 
 
