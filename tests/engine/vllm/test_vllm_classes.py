@@ -13,13 +13,12 @@ suite (`tests/e2e/test_vllm_plugin.py`).
 from __future__ import annotations
 
 import json
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 from tiers import param
-from vllm_children import BASE_ENV, run_vllm
+from vllm_children import run_vllm
 
 from engine_ext.vllm.versions import MATRIX
 
@@ -73,10 +72,8 @@ def test_the_hook_table_resolves_on_each_release(version: str) -> None:
     python = python_of(version)
     if not python.exists():
         pytest.skip(f"{python} missing: `make env-vllm-{version}` builds it")
-    if version == NEWEST_CPU:  # forked from `.venv-vllm`'s zygote (torch and transformers imported once)
-        done = run_vllm(SCRIPT, timeout=600)
-    else:
-        done = subprocess.run([str(python), "-c", SCRIPT], capture_output=True, text=True, env=BASE_ENV, timeout=600)
+    # forked from `.venv-vllm`'s zygote (torch and transformers imported once), the other releases' venvs over it
+    done = run_vllm(SCRIPT, venv=None if version == NEWEST_CPU else python.parent.parent, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["version"].split("+")[0] == version

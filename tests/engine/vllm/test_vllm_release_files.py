@@ -16,7 +16,7 @@ from importlib.metadata import PathDistribution
 from pathlib import Path
 
 import pytest
-from vllm_children import run_vllm
+from vllm_children import VLLM_PYTHON, run_vllm
 
 from engine_ext.core.records import ModelShape
 from engine_ext.core.release_files import changed
@@ -28,7 +28,6 @@ from engine_ext.vllm.spooler import Spooler
 from engine_ext.vllm.versions import MATRIX
 
 REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 HOOKED = "vllm/v1/engine/output_processor.py"
 SHAPE = ModelShape(num_experts=16, topk=4, num_hidden_layers=4, layers=(0, 1, 2, 3))
 

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers import wait_sidecar_ready
-from vllm_children import run_vllm
+from vllm_children import VLLM_PYTHON, run_vllm
 
 from engine_ext.core.records import Finished, ModelShape
 from engine_ext.core.settings import EngineSettings, Mode
@@ -29,7 +29,6 @@ from service.spool.engine_report import EngineReport
 from service.spool.vllm_rids import record_rid, vllm_choice_rid
 
 REPO = Path(__file__).resolve().parents[3]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SHAPE = ModelShape(num_experts=16, topk=4, num_hidden_layers=4, layers=(0, 1, 2, 3))
 
 

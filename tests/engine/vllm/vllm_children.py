@@ -30,24 +30,50 @@ _zygotes: list[Zygote] = []
 
 
 def run_vllm(
-    script: str, *, env: dict[str, str] | None = None, path_first: list[Path] = (), timeout: float = 600
+    script: str,
+    *,
+    env: dict[str, str] | None = None,
+    path_first: list[Path] = (),
+    venv: Path | None = None,
+    timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
-    """`script` run as `.venv-vllm/bin/python -c script` with `BASE_ENV` and `env` (`R3_*` variables), and
-    `path_first` ahead of the repository on its path (PYTHONPATH's place); its exit status and output."""
-    source = f"import sys\nsys.path[1:1] = {[str(p) for p in path_first]!r}\n" + script if path_first else script
+    """`script` run as `<venv>/bin/python -c script` with `BASE_ENV` and `env` (`R3_*` variables), and
+    `path_first` ahead of the repository on its path (PYTHONPATH's place); its exit status and output.
+
+    `venv`: another release's venv, laid over `.venv-vllm`'s site as the Makefile builds them (its own vLLM, its
+    `.pth` files, then `.venv-vllm`'s packages); a forked child puts that site ahead of `.venv-vllm`'s and runs
+    its `.pth` files, as the venv's own interpreter does at start."""
+    python = (venv or VLLM_PYTHON.parent.parent) / "bin" / "python"
     child_env = BASE_ENV | (env or {})
     zygote = _zygote()
     if zygote is None or not zygote.serves(child_env):
         if path_first:
             child_env["PYTHONPATH"] = os.pathsep.join([*map(str, path_first), child_env["PYTHONPATH"]])
         return subprocess.run(
-            [str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=child_env, timeout=timeout
+            [str(python), "-c", script], capture_output=True, text=True, env=child_env, timeout=timeout
         )
+    source = _OVERLAY.format(site=str(_site(venv))) if venv else ""
+    source += f"import sys\nsys.path[1:1] = {[str(p) for p in path_first]!r}\n" if path_first else ""
     with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
-        returncode = zygote.run(source, child_env, out, err, timeout)
+        returncode = zygote.run(source + script, child_env, out, err, timeout)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
-    return subprocess.CompletedProcess([str(VLLM_PYTHON), "-c", script], returncode, stdout, stderr)
+    return subprocess.CompletedProcess([str(python), "-c", script], returncode, stdout, stderr)
+
+
+# A release's site ahead of `.venv-vllm`'s, and its `.pth` files run (`site.addpackage`, as at start); the zygote's
+# preload must not hold what a release brings.
+_OVERLAY = """import os as _os, site as _site, sys as _sys
+assert "vllm" not in _sys.modules, "the zygote imported vLLM"
+_sys.path.insert(_sys.path.index(_site.getsitepackages()[0]), {site!r})
+for _pth in sorted(n for n in _os.listdir({site!r}) if n.endswith(".pth")):
+    _site.addpackage({site!r}, _pth, None)
+"""
+
+
+def _site(venv: Path) -> Path:
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    return site
 
 
 def _zygote() -> Zygote | None:
