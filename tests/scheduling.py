@@ -39,6 +39,7 @@ _SGLANG_CHILDREN = (
 _VLLM_CHILDREN = ("test_vllm_children", "test_vllm_classes", "test_vllm_release_files", "test_vllm_spooler")
 GROUPS: dict[str, str] = {
     **{f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN},
+    "tests/benchmarks/test_bench_smoke.py": "SGLang's zygote children",
     **{f"tests/engine/vllm/{name}.py": "vLLM's zygote children" for name in _VLLM_CHILDREN},
     # pip's isolated build of this checkout's metadata, made once per process (`test_pip_story.our_requirements`)
     "tests/deploy/test_pip_story.py": "pip's resolver",
@@ -65,7 +66,6 @@ ORDER = (
     "tests/deploy/test_deploy_prometheus_live.py",
     "tests/engine/sglang/test_capture_compiled.py",
     *GROUPS,
-    "tests/benchmarks/test_bench_smoke.py",
     "tests/reliability/test_reliability_spool_model.py",
     "tests/engine/sglang/test_release_wheels.py",
 )
