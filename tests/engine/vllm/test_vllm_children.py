@@ -13,8 +13,9 @@ from vllm_children import VLLM_PYTHON, run_vllm
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="`make env-vllm` builds the vLLM venv")
 
 WHO = """
-import json, os, sys
+import gc, json, os, sys
 print(json.dumps({"parent": os.getppid(), "preloaded": "torch" in sys.modules, "vllm": "vllm" in sys.modules,
+                  "collects": gc.isenabled(),
                   "spool": os.environ.get("R3_SPOOL_DIR"), "path": sys.path[1]}))
 """
 
@@ -30,6 +31,7 @@ def test_a_child_is_forked_from_the_zygote_with_torch_imported_and_no_vllm(tmp_p
     zygote = vllm_children._zygote()
     assert zygote is not None and first["parent"] == second["parent"] == zygote.proc.pid
     assert first["preloaded"] and not first["vllm"]  # a child still imports the vLLM its path puts first
+    assert first["collects"]  # the zygote paused its collector only while its prelude imported
     assert first["spool"] == str(tmp_path) and second["spool"] is None
     assert second["path"] == str(tmp_path)  # ahead of the repository, where PYTHONPATH would put it
 
