@@ -12,7 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
-from e2e.child_process import Process, _group, spawn
+import pytest
+from e2e.child_process import PortTaken, Process, _group, spawn
 from waiting import wait_until
 
 # A leader like SGLang's: a worker that SIGTERM ends, and a 5 s pause of its own before it exits
@@ -52,3 +53,22 @@ def test_a_process_without_workers_gets_its_grace_and_exits_itself(tmp_path: Pat
     process.stop()
     assert process.proc.returncode == 3
     assert not _group(process.proc.pid)
+
+
+# What a server whose HTTP port was taken does: uvicorn logs it, then the process waits, never answering
+PORT_TAKEN = """
+import signal
+print("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): address already in use",
+      flush=True)
+signal.pause()
+"""
+
+
+def test_a_server_that_could_not_bind_its_port_is_given_up_at_once(tmp_path):
+    """Not at the readiness deadline (600 s for an SGLang start): the harness starts it again on new ports."""
+    process = spawn([sys.executable, "-c", PORT_TAKEN], dict(os.environ), tmp_path / "out.log", "http://127.0.0.1:1")
+    try:
+        with pytest.raises(PortTaken, match="could not bind a port it was given"):
+            process.wait_http("/health", 600, "the server")  # pytest-timeout's limit ends it if it waits the 600 s
+    finally:
+        process.stop()

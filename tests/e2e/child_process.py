@@ -38,6 +38,19 @@ def free_port() -> int:
             return port
 
 
+# What uvicorn logs when the port it was told to bind is taken (SGLang's and vLLM's HTTP servers): the server then
+# waits for its shutdown and never answers, so a readiness wait that only polls would wait out its whole deadline.
+BIND_FAILED = "error while attempting to bind on address"
+
+
+class PortTaken(WaitTimeout):
+    """The child logged that another process holds a port it was given: started again on new ports, it may bind.
+
+    Why it happens: `free_port` picks by bind-and-close, and until the child binds, the kernel may give that port to
+    any outgoing connection (the same ephemeral range). A CI-like run of 2026-11-30 lost 600 s so: 0.5.12's
+    upstream server logged this 33 s after its start, and the harness polled `/health` until its deadline."""
+
+
 # How long one readiness request may take. SGLang's `/health` runs a one-token generation and answers no sooner
 # than 1 s after it starts, and up to its `HEALTH_CHECK_TIMEOUT` (20 s) on a busy machine: a client that gives up
 # after 2 s there never sees it answer, however long it polls.
@@ -121,6 +134,8 @@ class Process:
             def answers() -> bool:
                 if not self.alive():
                     raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
+                if BIND_FAILED in self.log_text():
+                    raise PortTaken(f"{what} could not bind a port it was given:\n{_log_tail(self.log)}")
                 return client.get(self.url + path).status_code == 200
 
             wait_until(

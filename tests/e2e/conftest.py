@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from child_process import PortTaken
 from sglang_server import Config, Stack, start
-from waiting import WaitTimeout
 
 
 class _Pool:
@@ -35,13 +35,12 @@ class _Pool:
 
 def _start(config: Config, workdir: Path) -> Stack:
     """`start`, once more on fresh ports where another process took the server's port between the harness's pick
-    and SGLang's bind (`free_port` picks by bind-and-close, and SGLang picks its own internal ports likewise: seen
-    once, 0.5.12.post1's mirror server on 2026-11-28, "address already in use" for its HTTP port)."""
+    and SGLang's bind (`child_process.PortTaken`, raised as soon as the server logs it: seen on 0.5.12.post1's
+    mirror server on 2026-11-28 and on 0.5.12's upstream server on 2026-11-30)."""
     try:
         return start(config, workdir)
-    except WaitTimeout as exc:
-        if "address already in use" not in str(exc):
-            raise
+    except PortTaken:
+        pass
     return start(config, workdir.with_name(f"{workdir.name}-again"))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from child_process import Process, free_port, spawn
+from child_process import PortTaken, Process, free_port, spawn
 from waiting import wait_until
 
 from engine_ext.vllm.versions import MATRIX, Release
@@ -159,7 +159,16 @@ def inline_rows(choice: dict[str, Any]) -> np.ndarray | None:
     return None if payload is None else np.load(io.BytesIO(base64.b64decode(payload)))
 
 
-def start(
+def start(workdir: Path, model_dir: Path, **options: Any) -> VllmServer:
+    """`start_once`, once more on fresh ports where another process took a port between its pick and the server's
+    bind (`child_process.PortTaken`, raised as soon as the server logs it)."""
+    try:
+        return start_once(workdir, model_dir, **options)
+    except PortTaken:
+        return start_once(workdir.with_name(f"{workdir.name}-again"), model_dir, **options)
+
+
+def start_once(
     workdir: Path,
     model_dir: Path,
     *,
