@@ -76,9 +76,8 @@ def compiled(request: pytest.FixtureRequest, torch_zygote: Zygote | None, tmp_pa
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"needs {VERSIONS[request.param]} (make env-sglang-{request.param})")
     if torch_zygote is None or not torch_zygote.serves(_env()):
-        done = subprocess.run(
-            [str(venv / "bin" / "python"), str(SCRIPT)], capture_output=True, text=True, timeout=800, env=_env()
-        )
+        python = str(venv / "bin" / "python")
+        done = subprocess.run([python, str(SCRIPT)], capture_output=True, text=True, timeout=800, env=_env(), cwd=REPO)
         returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
     else:
         (site,) = (venv / "lib").glob("python3*/site-packages")
