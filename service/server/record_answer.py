@@ -155,23 +155,33 @@ class OpenBin:
 def open_bin(store: Store, meta: RecordMeta, row_hi: int) -> OpenBin:
     """Open the record's `.bin` able to serve rows `[0, row_hi)`, or raise the answer the failure deserves.
 
-    Missing or shorter than its metadata promises: the record is gone or corrupt, 410 (counted in
-    `r3_spool_skipped_total`). Present but unreadable (a directory, no permission, an I/O error): the
-    spool is at fault, not the request: 500, so it reaches `r3_served_total{code="500"}` and the 5xx alert.
+    Its rid reused for a new record since `meta` was read (the `.bin` now the new record's, shorter, or not yet
+    made): 409, ask again, as when `replaced` finds it after a good open. Missing or shorter than its metadata
+    promises otherwise: the record is gone or corrupt, 410 (counted in `r3_spool_skipped_total`). Present but
+    unreadable (a directory, no permission, an I/O error): the spool is at fault, not the request: 500, so it
+    reaches `r3_served_total{code="500"}` and the 5xx alert.
     """
     if row_hi * meta.row_bytes == 0:
         return OpenBin(None)
     try:
         return OpenBin(store.spool.open_rows(meta, row_hi))
-    except SpoolFormatError as exc:
-        store.count_skip(exc.reason, meta)
-        raise ApiError(410, exc.reason, f"record {meta.rid!r}: .bin holds fewer than {row_hi} rows (corrupt)") from None
-    except OSError as exc:
+    except (SpoolFormatError, OSError) as exc:
+        if reused(store, meta):  # a race with the rid's next writer, not a damaged spool: nothing to count
+            raise ApiError(409, "record_replaced", f"record {meta.rid!r} was replaced while read: ask again") from None
+        if isinstance(exc, SpoolFormatError):
+            store.count_skip(exc.reason, meta)
+            detail = f"record {meta.rid!r}: .bin holds fewer than {row_hi} rows (corrupt)"
+            raise ApiError(410, exc.reason, detail) from None
         store.count_skip("unreadable_bin", meta)
         log.warning("record %r: cannot read %s: %s", meta.rid, store.spool.bin_path(meta.rid), exc)
-        raise ApiError(
-            500, "unreadable_record", f"record {meta.rid!r}: its .bin cannot be read ({exc.strerror})"
-        ) from None
+        detail = f"record {meta.rid!r}: its .bin cannot be read ({exc.strerror})"
+        raise ApiError(500, "unreadable_record", detail) from None
+
+
+def reused(store: Store, meta: RecordMeta) -> bool:
+    """Whether the rid now names a new record, not `meta`'s (acked or expired records are not reused)."""
+    now = store.reread(meta.rid)
+    return now is not None and (now.created != meta.created or now.rows != meta.rows)
 
 
 def replaced(store: Store, meta: RecordMeta) -> bool:
