@@ -27,6 +27,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 import types
@@ -127,6 +128,13 @@ class Zygote:
             # run at load 17: one test past its 300 s cascaded into 30 failures of later children.
             self.close()
             raise
+
+    def run_captured(self, source: str, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+        """`run` with the child's output in a temporary directory: its exit status, stdout and stderr."""
+        with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
+            out, err = Path(tmp, "out"), Path(tmp, "err")
+            returncode = self.run(source, env, out, err, timeout)
+            return returncode, out.read_text(errors="replace"), err.read_text(errors="replace")
 
     def close(self) -> None:
         if self.alive():

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,10 +97,7 @@ def run_sglang(
     source = _PRELUDE + late + textwrap.dedent(code)
     zygote = _zygote()
     if zygote is not None and zygote.serves(child_env):
-        with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
-            out, err = Path(tmp, "out"), Path(tmp, "err")
-            returncode = zygote.run(source, child_env, out, err, timeout)
-            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        returncode, stdout, stderr = zygote.run_captured(source, child_env, timeout)
     else:
         proc = subprocess.run(
             [sys.executable, "-c", source], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=child_env

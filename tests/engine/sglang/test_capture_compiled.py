@@ -71,7 +71,7 @@ def torch_zygote() -> Iterator[Zygote | None]:
 
 
 @pytest.fixture(scope="module", params=list(VERSIONS))  # every supported version, in CI too
-def compiled(request: pytest.FixtureRequest, torch_zygote: Zygote | None, tmp_path_factory) -> dict:
+def compiled(request: pytest.FixtureRequest, torch_zygote: Zygote | None) -> dict:
     venv = REPO / VERSIONS[request.param]
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"needs {VERSIONS[request.param]} (make env-sglang-{request.param})")
@@ -81,9 +81,8 @@ def compiled(request: pytest.FixtureRequest, torch_zygote: Zygote | None, tmp_pa
         returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
     else:
         (site,) = (venv / "lib").glob("python3*/site-packages")
-        out, err = tmp_path_factory.mktemp("compiled") / "out", tmp_path_factory.mktemp("compiled") / "err"
-        returncode = torch_zygote.run(_CHILD.format(site=str(site), script=str(SCRIPT)), _env(), out, err, 800)
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        child = _CHILD.format(site=str(site), script=str(SCRIPT))
+        returncode, stdout, stderr = torch_zygote.run_captured(child, _env(), 800)
     lines = [line for line in stdout.splitlines() if line.startswith("R3-RESULT ")]
     assert returncode == 0 and lines, stderr[-6000:]
     result = json.loads(lines[-1].removeprefix("R3-RESULT "))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,10 +53,7 @@ def run_vllm(
         )
     source = _OVERLAY.format(site=str(_site(venv))) if venv else ""
     source += f"import sys\nsys.path[1:1] = {[str(p) for p in path_first]!r}\n" if path_first else ""
-    with tempfile.TemporaryDirectory(prefix="r3-zygote-") as tmp:
-        out, err = Path(tmp, "out"), Path(tmp, "err")
-        returncode = zygote.run(source + script, child_env, out, err, timeout)
-        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    returncode, stdout, stderr = zygote.run_captured(source + script, child_env, timeout)
     return subprocess.CompletedProcess([str(python), "-c", script], returncode, stdout, stderr)
 
 
