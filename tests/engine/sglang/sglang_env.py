@@ -28,10 +28,33 @@ REPO = Path(__file__).resolve().parents[3]
 TINY_MODEL = REPO / "tests" / "sglang_cpu" / "tiny_qwen3moe"
 _RESULT = "R3-RESULT "
 
+# The modules of the classes and functions the plugin's hooks patch (`engine_ext/sglang/hooks/table.py`; not
+# AMD's aiter backend, which does not import here). The prelude imports them once, so a child does not import
+# them again (about 1,400 modules, 2.5-3 CPU-s a child here). A server has them imported before its hooks apply
+# too: its scheduler, engine and launcher call `load_plugins()` from modules that import them (`scheduler.py`,
+# `entrypoints/engine.py`), and `HookRegistry` rebinds the copies `from x import f` made (it walks `sys.modules`).
+HOOKED_MODULES = (
+    "sglang.srt.beam_search.output",
+    "sglang.srt.disaggregation.prefill",
+    "sglang.srt.entrypoints.engine",
+    "sglang.srt.entrypoints.openai.serving_chat",
+    "sglang.srt.entrypoints.openai.serving_completions",
+    "sglang.srt.layers.attention.triton_backend",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.scheduler_components.batch_result_processor",
+    "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.runtime_context",
+    "sglang.srt.state_capturer.base",
+    "sglang.srt.state_capturer.routed_experts",
+)
+
 _PRELUDE = """\
-import json as _json, sys as _sys
+import importlib as _importlib, json as _json, sys as _sys
 import sglang_env as _env
 _env.cpu_workarounds()
+for _module in _env.HOOKED_MODULES:
+    _importlib.import_module(_module)
 def emit(obj):
     print(_env._RESULT + _json.dumps(obj), flush=True)
 """
