@@ -31,9 +31,9 @@ import httpx
 import numpy as np
 import orjson
 
+from benchmarks.environment import environment
 from benchmarks.real_server.runner import Stack, _log, _warm
 from benchmarks.real_server.workloads import Bench, throughput
-from benchmarks.run import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "paired.json"

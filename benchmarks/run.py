@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import orjson
 
+from benchmarks.environment import environment
 from benchmarks.shapes import SHAPES, inline_layout, routing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,34 +70,6 @@ class Config:
 
     def reps_for(self, tokens: int) -> int:
         return self.reps.get(tokens, 3)
-
-
-def environment() -> dict:
-    """What the numbers were taken on: load, cores, memory, tmpfs, versions."""
-    import sglang
-    import torch
-
-    shm = shutil.disk_usage("/dev/shm")
-    with open("/proc/meminfo") as f:
-        mem = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "loadavg": list(os.getloadavg()),
-        "cpus": os.cpu_count(),
-        "mem_total": mem["MemTotal"],
-        "mem_available": mem["MemAvailable"],
-        "shm_total": shm.total,
-        "shm_free": shm.free,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "sglang": sglang.__version__,
-        "kernel": platform.release(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-        ).stdout.strip(),
-    }
 
 
 def _log(msg: str) -> None:

@@ -7,7 +7,12 @@ worker builds without need comes off the others, and a long module handed out la
   zygote) is built once. A process that imports an engine is built once per worker, though: every worker that
   ran one of the SGLang-children modules started its own SGLang zygote (torch and SGLang imported, about 16
   CPU-s each; vLLM's: torch and transformers, 8 CPU-s). `GROUPS` makes such modules one unit of work, so one
-  worker runs them all over one zygote; likewise the two modules that read pip's build of our metadata.
+  worker runs them all over one zygote; likewise the two modules that read pip's build of our metadata, and the
+  modules that import SGLang into the test process (5 CPU-s a worker). Every worker collects every module, so no
+  module imports an engine when collected (`ENGINES_AT_COLLECTION`, recorded by conftest): SGLang imported by a
+  module's import cost each worker that, and the tier waited on it before its first test.
+- **Waits early.** A module that mostly waits (a TTL, a name lookup) goes out early, where its waits are other
+  workers' CPU time; at the end they are idle cores.
 - **Order.** Units go out in collection order, and `ORDER`'s modules are collected first, longest first, so the
   end of a run is short modules on every worker. pytest-xdist's own `loadscope` sorts units by their number of
   tests instead (`--loadscope-reorder`, on by default), which sent the one-test Ray module, one of the longest,
@@ -37,6 +42,17 @@ _SGLANG_CHILDREN = (
 )
 # Modules whose tests run vLLM 0.32.0 in children forked from the test process's `.venv-vllm` zygote (`run_vllm`).
 _VLLM_CHILDREN = ("test_vllm_children", "test_vllm_classes", "test_vllm_release_files", "test_vllm_spooler")
+# Modules whose tests import SGLang into the test process itself (the hook table, `HookRegistry`, SGLang's own
+# functions); no module imports it when collected (`test_collection_imports_no_engine`), so one worker imports it.
+_SGLANG_IN_PROCESS = (
+    "test_attributes",
+    "test_fit",
+    "test_guard",
+    "test_release_wheels",
+    "test_source_names",
+    "test_weight_versions",
+    "test_worker_app",
+)
 GROUPS: dict[str, str] = {
     **{f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN},
     "tests/benchmarks/test_bench_smoke.py": "SGLang's zygote children",
@@ -44,6 +60,7 @@ GROUPS: dict[str, str] = {
     # pip's isolated build of this checkout's metadata, made once per process (`test_pip_story.our_requirements`)
     "tests/deploy/test_pip_story.py": "pip's resolver",
     "tests/deploy/test_vllm_pip_story.py": "pip's resolver",
+    **{f"tests/engine/sglang/{name}.py": "SGLang in the test process" for name in _SGLANG_IN_PROCESS},
 }
 # Each group's zygote: the function its modules call to fork a child from it.
 FORKED_BY = {"SGLang's zygote children": "run_sglang", "vLLM's zygote children": "run_vllm"}
@@ -68,15 +85,20 @@ ORDER = (
     "tests/engine/sglang/test_capture_compiled.py",
     *GROUPS,
     "tests/reliability/test_reliability_spool_model.py",
-    "tests/engine/sglang/test_release_wheels.py",
+    "tests/service/server/test_retention_metrics.py",  # 18 s, 2 CPU-s: its waits are others' CPU time
+    "tests/service/server/test_cli.py",  # an unknown host's lookup: 6 s, no CPU
     "tests/deploy/test_deploy_chart_commands.py",
     "tests/reliability/test_reliability_restart.py",
-    "tests/engine/sglang/test_attributes.py",
     "tests/engine/vllm/test_vllm_release_wheels.py",
     "tests/service/server/test_api_routes.py",
     "tests/reliability/test_reliability_security.py",
     "tests/engine/core/test_node_sidecar.py",
 )
+
+
+# The engines imported once this process had collected the suite (conftest's `pytest_collection_finish`).
+ENGINES_AT_COLLECTION: list[str] = []
+ENGINES = ("sglang", "vllm")
 
 
 def module_of(nodeid: str) -> str:

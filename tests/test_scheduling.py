@@ -2,7 +2,8 @@
 
 Driven through pytest-xdist's own `LoadScopeScheduling` protocol (add nodes, their collections, schedule) with
 stand-in workers that record what they were sent, and checked against the source: every module `GROUPS` names
-forks its group's zygote children, and every module that does is in it.
+forks its group's zygote children, and every module that does is in it; and against this process's collection,
+which imported no engine.
 """
 
 from __future__ import annotations
@@ -83,3 +84,10 @@ def test_each_zygote_group_is_exactly_the_modules_that_fork_its_children():
     for group, function in scheduling.FORKED_BY.items():
         forking = {str(path.relative_to(REPO)) for path in modules if _calls(path, function)}
         assert forking == {module for module, named in scheduling.GROUPS.items() if named == group}, group
+
+
+def test_collection_imports_no_engine():
+    """Every xdist worker collects every module: one that imports SGLang (or vLLM) when collected costs each worker
+    that import (5 CPU-s) before its first test, where the modules that need it run on one worker
+    (`scheduling.GROUPS`, "SGLang in the test process"). Read from this process's own collection."""
+    assert scheduling.ENGINES_AT_COLLECTION == [], "import the engine in a fixture or the test, not at module level"

@@ -18,11 +18,12 @@ from collections.abc import Callable
 from source_names import Found, Missing, Source, returned, signature
 
 from engine_ext.sglang import attributes, compat, fit
-from engine_ext.sglang.hooks import table
 
 
 def lacks(source: Source, version: str, rows: list) -> list[str]:
     """What of layout `version` the release in `source` does not have (empty: it fits), as `fit` words it."""
+    from engine_ext.sglang.hooks import table  # imports SGLang: here, not when a test module is collected
+
     layout = compat.use(version)
     out = missing(source, compat.needed([row.target for row in rows]))
     if out:  # fit reads the rest only where everything imports

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 from sglang_server import Stack, start  # noqa: E402
 
+from benchmarks.environment import environment  # noqa: E402
 from benchmarks.real_server.section import render_section, splice  # noqa: E402
 from benchmarks.real_server.workloads import MODES, Bench, combine, finish_lags, itl, throughput  # noqa: E402
 
@@ -86,7 +87,6 @@ def _warm(stack: Stack, bench: Bench) -> None:
 
 
 def run(bench: Bench, workdir: Path) -> dict[str, Any]:
-    from benchmarks.run import environment
 
     results: dict[str, Any] = {"bench": asdict(bench), "environment": environment(), "reps": []}
     t0 = time.perf_counter()

@@ -22,8 +22,6 @@ from engine_ext.core.degraded import DEGRADED
 from engine_ext.sglang import guard
 from engine_ext.sglang.capturer import CaptureOverflowError
 
-hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
-HookRegistry, HookType = hook_registry.HookRegistry, hook_registry.HookType
 pytestmark = pytest.mark.sglang
 _names = itertools.count()
 
@@ -31,7 +29,8 @@ _names = itertools.count()
 class Target:
     """A module of four "SGLang originals" that record their calls: plain, failing, coroutine and stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: types.ModuleType) -> None:
+        self.registry = registry
         self.calls: list[tuple] = []
         self.name = f"r3_guard_target_{next(_names)}"
         module = types.ModuleType(self.name)
@@ -61,21 +60,28 @@ class Target:
     def hook(self, attr: str, fn, *, replace: bool = False, settle=None) -> None:
         target = f"{self.name}.{attr}"
         wrapped = guard.wrap(fn.__name__, target, fn, replace=replace, settle=settle)
-        HookRegistry.register(target, wrapped, HookType.AROUND)
+        self.registry.HookRegistry.register(target, wrapped, self.registry.HookType.AROUND)
 
     def apply(self) -> types.ModuleType:
-        HookRegistry.apply_hooks()
+        self.registry.HookRegistry.apply_hooks()
         return self.module
 
 
+@pytest.fixture(scope="module")
+def registry() -> types.ModuleType:
+    """SGLang's `hook_registry` module, imported when a test first needs it: at collection, every pytest-xdist
+    worker would import SGLang (5 CPU-s here), not only the one that runs this module."""
+    return pytest.importorskip("sglang.srt.plugins.hook_registry")
+
+
 @pytest.fixture
-def target(monkeypatch, caplog):
+def target(registry, monkeypatch, caplog):
     monkeypatch.setattr(guard.Guard, "all", [])
     monkeypatch.setattr(guard.Guard, "on_step_aside", [])
     monkeypatch.delenv(guard.FAULT_ENV, raising=False)
     DEGRADED.clear()
     caplog.set_level(logging.INFO, logger="r3_sidecar")
-    yield Target()
+    yield Target(registry)
     DEGRADED.clear()
 
 
@@ -221,10 +227,11 @@ def test_a_compiled_caller_traces_the_guard_plainly_on_and_degraded(target) -> N
     assert compiled(x).tolist() == [0.0, 6.0, 12.0, 18.0]
 
 
-def test_install_registers_every_hook_behind_a_guard_as_around(target, monkeypatch) -> None:
+def test_install_registers_every_hook_behind_a_guard_as_around(target, registry, monkeypatch) -> None:
     from engine_ext.core.settings import EngineSettings
     from engine_ext.sglang.hooks import table
 
+    HookRegistry, HookType = registry.HookRegistry, registry.HookType
     monkeypatch.setattr(table, "_registered", set())
     monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
     monkeypatch.setattr(table, "_budget_hook_registered", [True])
@@ -237,7 +244,7 @@ def test_install_registers_every_hook_behind_a_guard_as_around(target, monkeypat
 
 
 def test_a_failure_in_the_entry_point_leaves_every_hook_registered_so_far_on_sglangs_code(
-    target, monkeypatch, caplog
+    target, registry, monkeypatch, caplog
 ) -> None:
     """`register()` failing half way (after the capture hooks): SGLang's loader would carry on with those hooks;
     they call SGLang's originals only, and the failure is said once, as a failed hook's."""
@@ -248,7 +255,7 @@ def test_a_failure_in_the_entry_point_leaves_every_hook_registered_so_far_on_sgl
         raise RuntimeError("budget hook registration failed")
 
     monkeypatch.setattr(table, "_registered", set())
-    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
+    monkeypatch.setattr(registry.HookRegistry, "_hooks", type(registry.HookRegistry._hooks)(list))
     monkeypatch.setattr(table, "install_budget_hooks", broken)
     monkeypatch.setattr(table.PROCESS, "step_aside", lambda report: None)  # no engine file from this test process
     engine_ext.sglang.register()

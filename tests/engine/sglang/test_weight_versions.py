@@ -6,11 +6,11 @@ import pytest
 
 from engine_ext.sglang.weight_versions import record_weights
 
-sglang_weights = pytest.importorskip("sglang.srt.utils.weight_versions")
-
 
 def spans(events: list[tuple[str, int]], current: str, outputs: int) -> tuple[tuple[str, int, int], ...]:
-    """SGLang's spans for a request with `events` (old version, output tokens at the change)."""
+    """SGLang's spans for a request with `events` (old version, output tokens at the change). SGLang is imported
+    here, when a test first runs, not at collection (every xdist worker would import it: 5 CPU-s)."""
+    sglang_weights = pytest.importorskip("sglang.srt.utils.weight_versions")
     made = sglang_weights.compute_weight_version_spans(
         [sglang_weights.WeightVersionEvent(old_version=v, num_output_tokens=n) for v, n in events],
         current_version=current,

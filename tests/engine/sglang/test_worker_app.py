@@ -14,8 +14,6 @@ from engine_ext.sglang.worker_app import SGLANG_APP, WORKER_APP, app_for_granian
 
 pytestmark = pytest.mark.sglang
 granian = pytest.importorskip("granian")
-hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
-HookRegistry = hook_registry.HookRegistry
 
 
 def test_only_sglangs_literal_with_several_uvicorn_workers_is_retargeted():
@@ -39,6 +37,9 @@ def patched_granian(monkeypatch, request):
     """Granian's constructor as `worker_app.register` hooks it for a ≤ 0.5.20 layout, restored afterwards; with
     param True the hook fails as the plugin's own code would (`guard.FAULT_ENV`)."""
     from granian.server.common import AbstractServer
+
+    # SGLang imported by the first test that needs it, not at collection (every xdist worker would: 5 CPU-s)
+    HookRegistry = pytest.importorskip("sglang.srt.plugins.hook_registry").HookRegistry
 
     from engine_ext.core.degraded import DEGRADED
 

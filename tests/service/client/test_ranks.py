@@ -18,11 +18,11 @@ from service.client.refs import SidecarPool
 from service.server.settings import Settings
 from service.spool import Spool
 
-torch = pytest.importorskip("torch")
-
 
 def megatron_cp_positions(seq_len: int, cp: int, r: int) -> list[int]:
-    """Megatron's balanced split applied to positions (padded to a multiple of 2·cp, as slime pads)."""
+    """Megatron's balanced split applied to positions (padded to a multiple of 2·cp, as slime pads). torch is
+    imported here, not at collection, where every xdist worker would import it."""
+    torch = pytest.importorskip("torch")
     size = -(-seq_len // (2 * cp))
     val = torch.arange(2 * cp * size).view(1, 2 * cp, size)
     val = val.index_select(1, torch.tensor([r, 2 * cp - r - 1])).view(1, -1)
