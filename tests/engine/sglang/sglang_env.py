@@ -49,15 +49,22 @@ HOOKED_MODULES = (
     "sglang.srt.state_capturer.routed_experts",
 )
 
-_PRELUDE = """\
-import importlib as _importlib, json as _json, sys as _sys
+# What every child's code can call: `emit(obj)` hands JSON back.
+_EMIT = """\
+import json as _json, sys as _sys
 import sglang_env as _env
-_env.cpu_workarounds()
-for _module in _env.HOOKED_MODULES:
-    _importlib.import_module(_module)
 def emit(obj):
     print(_env._RESULT + _json.dumps(obj), flush=True)
 """
+_PRELUDE = (
+    _EMIT
+    + """\
+import importlib as _importlib
+_env.cpu_workarounds()
+for _module in _env.HOOKED_MODULES:
+    _importlib.import_module(_module)
+"""
+)
 
 
 def cpu_workarounds() -> None:
