@@ -56,6 +56,7 @@ _SGLANG_IN_PROCESS = (
 GROUPS: dict[str, str] = {
     **{f"tests/engine/sglang/{name}.py": "SGLang's zygote children" for name in _SGLANG_CHILDREN},
     "tests/benchmarks/test_bench_smoke.py": "SGLang's zygote children",
+    "tests/deploy/test_deploy_chart_commands.py": "SGLang's zygote children",
     **{f"tests/engine/vllm/{name}.py": "vLLM's zygote children" for name in _VLLM_CHILDREN},
     # pip's isolated build of this checkout's metadata, made once per process (`test_pip_story.our_requirements`)
     "tests/deploy/test_pip_story.py": "pip's resolver",
@@ -87,7 +88,6 @@ ORDER = (
     "tests/reliability/test_reliability_spool_model.py",
     "tests/service/server/test_retention_metrics.py",  # 18 s, 2 CPU-s: its waits are others' CPU time
     "tests/service/server/test_cli.py",  # an unknown host's lookup: 6 s, no CPU
-    "tests/deploy/test_deploy_chart_commands.py",
     "tests/reliability/test_reliability_restart.py",
     "tests/engine/vllm/test_vllm_release_wheels.py",
     "tests/service/server/test_api_routes.py",
