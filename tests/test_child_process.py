@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from e2e.child_process import PortTaken, Process, _group, spawn
-from waiting import wait_until
+from waiting import WaitTimeout, wait_until
 
 # A leader like SGLang's: a worker that SIGTERM ends, and a 5 s pause of its own before it exits
 LEADER = """
@@ -72,3 +72,33 @@ def test_a_server_that_could_not_bind_its_port_is_given_up_at_once(tmp_path):
             process.wait_http("/health", 600, "the server")  # pytest-timeout's limit ends it if it waits the 600 s
     finally:
         process.stop()
+
+
+# Two workers that each log their warmup line once the parent says so (a file appears), then wait
+WARMUPS = """
+import os, signal, sys, time
+go = sys.argv[1]
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.02)  # not a wait under test: the stand-in's own poll for the test's signal
+for worker in (1, 2):
+    print(f"worker {worker}: The server is fired up and ready to roll!", flush=True)
+signal.pause()
+"""
+
+
+def test_the_wait_for_every_workers_line_ends_only_when_each_has_said_it(tmp_path):
+    """`wait_log`: a line per tokenizer worker (SGLang's warmup done), counted; a process that ends fails it."""
+    go = tmp_path / "go"
+    process = spawn([sys.executable, "-c", WARMUPS, str(go)], dict(os.environ), tmp_path / "out.log", "")
+    try:
+        wait_until(lambda: "ready" in process.log_text(), 60, "the stand-in says ready")
+        with pytest.raises(WaitTimeout):  # no worker has said it yet
+            process.wait_log("fired up and ready to roll", 2, 0.5, "warmups")
+        go.touch()
+        process.wait_log("fired up and ready to roll", 2, 60, "warmups")
+        assert process.log_text().count("fired up and ready to roll") == 2
+    finally:
+        process.stop()
+    with pytest.raises(RuntimeError, match="exited"):
+        process.wait_log("a third worker", 1, 60, "warmups")

@@ -146,6 +146,16 @@ class Process:
                 ignore=(httpx.HTTPError,),
             )
 
+    def wait_log(self, text: str, count: int, timeout: float, what: str) -> None:
+        """Until the log holds `text` `count` times (a line each of several worker processes)."""
+
+        def said() -> bool:
+            if not self.alive():
+                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{_log_tail(self.log)}")
+            return self.log_text().count(text) >= count
+
+        wait_until(said, timeout, lambda: f"{what}: {text!r} {count} times:\n{_log_tail(self.log)}", interval=0.25)
+
 
 def spawn(cmd: list[str], env: dict[str, str], log: Path, url: str) -> Process:
     log.parent.mkdir(parents=True, exist_ok=True)

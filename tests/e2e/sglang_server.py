@@ -46,6 +46,8 @@ if str(REPO / "tests") not in sys.path:  # the shared waiting helper, also for c
 from waiting import wait_until  # noqa: E402
 
 START_TIMEOUT_S = 600.0  # a hang guard: two servers start side by side in CI's server tier (-n 2)
+# What SGLang logs once a tokenizer worker's warmup request has answered (every release 0.5.12-0.5.23).
+WARMED_UP = "The server is fired up and ready to roll!"
 
 # The launch every configuration starts from (sglang-cpu facts: a small KV cache, no CUDA graphs on CPU).
 # float32 on the CPU: in bfloat16 two servers given the same request routed a few rows differently (near ties
@@ -285,6 +287,14 @@ def start(config: Config, workdir: Path) -> Stack:
         if sidecar is not None:
             sidecar.wait_http("/readyz", 120, "r3-sidecar")
         server.wait_http("/health", START_TIMEOUT_S, f"SGLang ({config.name})")
+        workers = int(args.get("tokenizer-worker-num") or 1)
+        if workers > 1 and "enable-http2" not in args:
+            # Each uvicorn tokenizer worker runs SGLang's warmup request, and /health answers for the one that
+            # answered it: a test request sent before the others are done can share a batch with one. 0.5.12's
+            # scheduler lists routed experts only for the requests that asked for them, and its detokenizer,
+            # splitting that batch per worker, then fails (IndexError) and every later request hangs: the
+            # warmups are done first (docs/testing.md, flaky tests; docs/versions.md, 0.5.12).
+            server.wait_log(WARMED_UP, workers, START_TIMEOUT_S, f"SGLang ({config.name}) warmups")
     except BaseException:
         stack.stop()
         raise
