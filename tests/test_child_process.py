@@ -74,13 +74,11 @@ def test_a_server_that_could_not_bind_its_port_is_given_up_at_once(tmp_path):
         process.stop()
 
 
-# Two workers that each log their warmup line once the parent says so (a file appears), then wait
+# Two workers that each log their warmup line once the test says so (it writes to a FIFO), then wait
 WARMUPS = """
-import os, signal, sys, time
-go = sys.argv[1]
+import signal, sys
 print("ready", flush=True)
-while not os.path.exists(go):
-    time.sleep(0.02)  # not a wait under test: the stand-in's own poll for the test's signal
+open(sys.argv[1]).read()
 for worker in (1, 2):
     print(f"worker {worker}: The server is fired up and ready to roll!", flush=True)
 signal.pause()
@@ -90,12 +88,13 @@ signal.pause()
 def test_the_wait_for_every_workers_line_ends_only_when_each_has_said_it(tmp_path):
     """`wait_log`: a line per tokenizer worker (SGLang's warmup done), counted; a process that ends fails it."""
     go = tmp_path / "go"
+    os.mkfifo(go)
     process = spawn([sys.executable, "-c", WARMUPS, str(go)], dict(os.environ), tmp_path / "out.log", "")
     try:
         wait_until(lambda: "ready" in process.log_text(), 60, "the stand-in says ready")
         with pytest.raises(WaitTimeout):  # no worker has said it yet
             process.wait_log("fired up and ready to roll", 2, 0.5, "warmups")
-        go.touch()
+        go.write_text("go")
         process.wait_log("fired up and ready to roll", 2, 60, "warmups")
         assert process.log_text().count("fired up and ready to roll") == 2
     finally:
