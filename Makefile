@@ -107,7 +107,7 @@ CI_LAYOUT_RELEASES := 0.5.13.post1 0.5.14 0.5.15.post1 0.5.17 0.5.18 0.5.19 0.5.
 test: env env-ray trainers env-vllm env-vllm-0.27.1 env-vllm-0.33.0 env-sglang-0.5.20 env-sglang-0.5.16 env-sglang-0.5.12 $(CI_LAYOUT_RELEASES:%=.venv-sglang-%/.sglang-stamp) release-wheels release-wheels-vllm ## the suite, as CI runs it
 	$(BIN)/ruff check .
 	rc=0; \
-	$(BIN)/python -m pytest -q --durations=30 -n 3 --dist loadscope $(SERVER_TESTS:%=--ignore=%) || rc=1; \
+	$(BIN)/python -m pytest -q --durations=30 -n 4 --dist loadscope $(SERVER_TESTS:%=--ignore=%) || rc=1; \
 	$(BIN)/python -m pytest -q --durations=30 -n 2 --dist loadscope $(SERVER_TESTS) || rc=1; \
 	exit $$rc
 
