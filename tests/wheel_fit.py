@@ -20,6 +20,14 @@ from source_names import Found, Missing, Source, returned, signature
 from engine_ext.sglang import attributes, compat, fit
 
 
+def hook_rows() -> list:
+    """The hook table's rows a CPU build is fit on, as `fit` reads them (hip targets import only on ROCm). The table
+    imports SGLang: read when a test runs, not when its module is collected (every xdist worker would)."""
+    from engine_ext.sglang.hooks.table import HOOKS
+
+    return [hook for hook in HOOKS if "hip" not in hook.groups]
+
+
 def lacks(source: Source, version: str, rows: list) -> list[str]:
     """What of layout `version` the release in `source` does not have (empty: it fits), as `fit` words it."""
     from engine_ext.sglang.hooks import table  # imports SGLang: here, not when a test module is collected

@@ -87,7 +87,6 @@ def _warm(stack: Stack, bench: Bench) -> None:
 
 
 def run(bench: Bench, workdir: Path) -> dict[str, Any]:
-
     results: dict[str, Any] = {"bench": asdict(bench), "environment": environment(), "reps": []}
     t0 = time.perf_counter()
     stacks = _start_all(bench, workdir)

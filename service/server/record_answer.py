@@ -181,7 +181,7 @@ def open_bin(store: Store, meta: RecordMeta, row_hi: int) -> OpenBin:
 def reused(store: Store, meta: RecordMeta) -> bool:
     """Whether the rid now names a new record, not `meta`'s (acked or expired records are not reused)."""
     now = store.reread(meta.rid)
-    return now is not None and (now.created != meta.created or now.rows != meta.rows)
+    return now is not None and _another_record(now, meta)
 
 
 def replaced(store: Store, meta: RecordMeta) -> bool:
@@ -192,7 +192,12 @@ def replaced(store: Store, meta: RecordMeta) -> bool:
     rows under the old metadata, and the answer is made again from the rid's current state. The file is read
     again, not stat-checked (`Store.reread`): a rid reused as fast as a writer can go defeats a stat stamp."""
     now = store.reread(meta.rid)
-    return now is None or now.created != meta.created or now.rows != meta.rows
+    return now is None or _another_record(now, meta)
+
+
+def _another_record(now: RecordMeta, meta: RecordMeta) -> bool:
+    """`now`, read under `meta`'s rid, is a different record: made again, or of another length."""
+    return now.created != meta.created or now.rows != meta.rows
 
 
 def row_chunks(

@@ -46,9 +46,7 @@ def test_each_release_gets_the_layout_its_row_says(release):
     found = json.loads(done.stdout)
     assert found["sglang"] == release
     assert found["fit"]["layout"] == RELEASES[release], found["fit"]
-    from engine_ext.sglang.hooks.table import HOOKS  # imports SGLang: here, not when every worker collects
-
-    source, rows = release_wheels.SGLANG.source(release), [hook for hook in HOOKS if "hip" not in hook.groups]
+    source, rows = release_wheels.SGLANG.source(release), wheel_fit.hook_rows()
     try:
         read = {layout: wheel_fit.lacks(source, layout, rows) for layout in found["lacking"]}
     finally:

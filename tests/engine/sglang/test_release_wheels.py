@@ -41,18 +41,6 @@ from engine_ext.sglang.versions import RELEASES
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(120)]
 
 
-def hooks() -> list:
-    """The hook table's rows. The table imports SGLang: read when a test runs, not at collection, where every
-    pytest-xdist worker would import it (5 CPU-s here) to run this module on one of them."""
-    from engine_ext.sglang.hooks.table import HOOKS
-
-    return list(HOOKS)
-
-
-def rows() -> list:
-    return [hook for hook in hooks() if "hip" not in hook.groups]  # as fit: hip targets import only on ROCm
-
-
 # A release RELEASES gives no layout → a name its nearest candidate layout lacks (none today).
 NONE_ROWS: dict[str, str] = {}
 
@@ -84,15 +72,17 @@ def test_every_release_has_a_pinned_wheel():
 
 @pytest.mark.parametrize("source", list(RELEASES), indirect=True, ids=str)
 def test_each_release_wheel_gets_the_layout_its_row_says(source: Source, request: pytest.FixtureRequest):
+    from engine_ext.sglang.hooks.table import HOOKS  # imports SGLang: when the test runs, not at collection
+
     release = request.node.callspec.params["source"]
-    fitted = fit.fit(release, hooks(), lambda version, rows: wheel_fit.lacks(source, version, rows))
+    fitted = fit.fit(release, HOOKS, lambda version, rows: wheel_fit.lacks(source, version, rows))
     assert fitted.layout == RELEASES[release], {version: gaps[:8] for version, gaps in fitted.lacking.items()}
     if fitted.layout is None:
         nearest = next(iter(fitted.lacking.values()))
         assert any(NONE_ROWS[release] in gap for gap in nearest), (NONE_ROWS.get(release), nearest)
         return
     compat.use(fitted.layout)
-    assert wheel_fit.unsigned(source, rows()) == []
+    assert wheel_fit.unsigned(source, wheel_fit.hook_rows()) == []
     assert missing_imports(source, compat.layout()) == []
     http_server = ast.parse(source.text(http_server_source.MODULE))
     assert http_server_source.disagreements(http_server, compat.layout()) == []
@@ -127,4 +117,4 @@ def missing_imports(source: Source, layout: compat.Layout) -> list[str]:
     indirect=["source"],
 )
 def test_a_layout_a_release_does_not_fit_is_named_with_what_it_lacks(source: Source, layout: str, gap: str):
-    assert any(gap in found for found in wheel_fit.lacks(source, layout, rows()))
+    assert any(gap in found for found in wheel_fit.lacks(source, layout, wheel_fit.hook_rows()))
